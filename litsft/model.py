@@ -1,0 +1,280 @@
+"""The decoder-only transformer: Llama, Mistral, Qwen2/2.5 and Qwen3 in one flat file.
+
+Shapes in comments: B batch, T query length, S key length, H query heads, K kv heads, D head dim,
+C hidden size, V vocab size.
+
+Packed batches: pass `position_ids` (restarting at 0 for each document) and `document_ids` (the index
+of the document each token belongs to); attention is then causal *within* each document only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from litsft.config import Config
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 and cast back before scaling, as the HF implementations do: bit-for-bit
+        # parity in bf16 depends on the order.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_inverse_frequencies(config: Config, device: torch.device | None = None) -> torch.Tensor:
+    """Per-pair rotation frequencies (D/2,), with Llama-3 or linear scaling applied when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.int64).float() / dim)
+    )
+    scaling = config.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend smoothly in between.
+        factor = scaling["factor"]
+        low_freq_wavelen = scaling["original_max_position_embeddings"] / scaling["low_freq_factor"]
+        high_freq_wavelen = scaling["original_max_position_embeddings"] / scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (scaling["original_max_position_embeddings"] / wavelen - scaling["low_freq_factor"]) / (
+            scaling["high_freq_factor"] - scaling["low_freq_factor"]
+        )
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(
+    config: Config, position_ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for each position: (B, T) -> two (B, T, D) tensors."""
+    inv_freq = rope_inverse_frequencies(config, position_ids.device)
+    angles = position_ids.float()[..., None] * inv_freq  # (B, T, D/2), in fp32 for long contexts
+    angles = torch.cat((angles, angles), dim=-1)  # (B, T, D)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, D) by the angles in cos/sin (B, T, D); pairs are (i, i + D/2) as in HF."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class KVCache(nn.Module):
+    """Keys and values of earlier positions, for generation."""
+
+    def __init__(
+        self,
+        batch_size: int,
+        max_length: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        shape = (batch_size, num_kv_heads, max_length, head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def update(
+        self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k/v (B, K, T, D) at `positions` (T,) and return the whole cache (B, K, S, D)."""
+        self.k.index_copy_(2, positions, k)
+        self.v.index_copy_(2, positions, v)
+        return self.k, self.v
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        C, H, K, D = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_proj = nn.Linear(C, H * D, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(C, K * D, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(C, K * D, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(H * D, C, bias=config.out_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(D, config.rms_norm_eps)
+            self.k_norm = RMSNorm(D, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        kv_cache: KVCache | None = None,
+        cache_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, K, D = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
+        q = self.q_proj(x).view(B, T, H, D)
+        k = self.k_proj(x).view(B, T, K, D)
+        v = self.v_proj(x).view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
+        if self.config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, K, T, D)
+        if kv_cache is not None:
+            k, v = kv_cache.update(cache_positions, k, v)  # (B, K, S, D)
+        if K != H:  # grouped-query attention: each kv head serves H // K query heads
+            k = k.repeat_interleave(H // K, dim=1)
+            v = v.repeat_interleave(H // K, dim=1)
+        dropout = self.config.attention_dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        kv_cache: KVCache | None = None,
+        cache_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, kv_cache, cache_positions)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def attention_mask(
+    document_ids: torch.Tensor | None,
+    query_positions: torch.Tensor | None = None,
+    key_length: int | None = None,
+) -> torch.Tensor | None:
+    """Boolean mask (B or 1, 1, T, S) where True means "may attend", or None for plain causal attention.
+
+    document_ids (B, T): a packed batch; a token attends to earlier tokens of its own document only.
+    query_positions (T,) with key_length S: decoding against a KV cache of S slots.
+    """
+    if document_ids is not None:
+        T = document_ids.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
+        same_document = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, T)
+        return (same_document & causal)[:, None]
+    if query_positions is not None:
+        key_positions = torch.arange(key_length, device=query_positions.device)
+        return (key_positions[None, :] <= query_positions[:, None])[None, None]  # (1, 1, T, S)
+    return None
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.kv_caches: list[KVCache] | None = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (B, T, V) for tokens (B, T). See the module docstring for packed batches."""
+        return self.lm_head(self.hidden_states(input_ids, position_ids, document_ids))
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final normalized hidden states (B, T, C), before the output projection. The training loss uses
+        this to compute cross-entropy in chunks without materializing all (B, T, V) logits at once."""
+        B, T = input_ids.shape
+        cache_positions = None
+        if self.kv_caches is not None:
+            if position_ids is None:
+                raise ValueError("decoding with a KV cache needs position_ids")
+            cache_positions = position_ids[0]
+            mask = attention_mask(None, cache_positions, self.kv_caches[0].k.shape[2])
+        else:
+            if position_ids is None:
+                position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+            mask = attention_mask(document_ids)
+        x = self.embed(input_ids)  # (B, T, C)
+        cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)
+        for i, block in enumerate(self.blocks):
+            kv_cache = self.kv_caches[i] if self.kv_caches is not None else None
+            x = block(x, cos, sin, mask, kv_cache, cache_positions)
+        return self.norm(x)
+
+    def setup_kv_caches(self, batch_size: int, max_length: int) -> None:
+        param = self.embed.weight
+        self.kv_caches = [
+            KVCache(
+                batch_size,
+                max_length,
+                self.config.num_kv_heads,
+                self.config.head_dim,
+                param.device,
+                param.dtype,
+            )
+            for _ in self.blocks
+        ]
+
+    def clear_kv_caches(self) -> None:
+        self.kv_caches = None
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Fresh weights for pretraining: normal(0, std), with the projections that write into the
+        residual stream scaled by 1/sqrt(2 * num_layers) so its variance does not grow with depth."""
+        residual_std = std / math.sqrt(2 * self.config.num_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                is_residual = name.endswith(("o_proj", "down_proj"))
+                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
