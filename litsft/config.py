@@ -3,6 +3,8 @@ translation to and from Hugging Face `config.json`."""
 
 from __future__ import annotations
 
+import copy
+import difflib
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -87,14 +89,15 @@ class Config:
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> Config:
         if name not in NAMED_CONFIGS:
-            close = [n for n in NAMED_CONFIGS if name.lower() in n.lower()][:8]
+            close = close_model_names(name)
             hint = (
                 f" Did you mean one of: {', '.join(close)}?"
                 if close
                 else " Run `litsft list_models` for the list."
             )
             raise LitsftError(f"unknown model name {name!r}.{hint}")
-        return replace(NAMED_CONFIGS[name], **overrides)
+        # A deep copy: the registry's dicts and lists (rope_scaling, eos ids) must not be shared with callers.
+        return replace(copy.deepcopy(NAMED_CONFIGS[name]), **overrides)
 
     # ---- litsft checkpoint dirs ---------------------------------------------------------------
     def save(self, checkpoint_dir: Path | str) -> None:
@@ -174,6 +177,7 @@ class Config:
             "attention_bias",
             "attention_dropout",
             "sliding_window",
+            "use_sliding_window",
             "bos_token_id",
             "eos_token_id",
             "torch_dtype",
@@ -231,12 +235,12 @@ class Config:
             "hidden_act": "silu",
             "max_position_embeddings": self.max_position_embeddings,
             "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
+            "rope_scaling": copy.deepcopy(self.rope_scaling),
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_dropout": self.attention_dropout,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
+            "eos_token_id": copy.deepcopy(self.eos_token_id),
             "torch_dtype": self.torch_dtype,
             "use_cache": True,
         }
@@ -249,20 +253,45 @@ class Config:
             hf["sliding_window"] = self.sliding_window
             if self.hf_architecture != "MistralForCausalLM":
                 hf["use_sliding_window"] = self.sliding_window is not None
-        hf.update(self.hf_extra)
+        # Copies: transformers edits the dicts it is given (it adds rope_theta to rope_scaling).
+        hf.update(copy.deepcopy(self.hf_extra))
         return hf
 
 
 CONFIG_FILENAME = "litsft_config.json"
 
-# Named configs. Values follow each model's published config.json; tests/test_config.py holds the key
-# numbers so a typo here fails a test.
+# ---- named configs ------------------------------------------------------------------------------
+# Values follow each model's published config.json (huggingface.co/<org>/<name>/blob/main/config.json).
+# tests/test_config.py repeats the key numbers in a table of its own, so a typo here fails a test.
 NAMED_CONFIGS: dict[str, Config] = {}
 
 
 def _register(*configs: Config) -> None:
     for config in configs:
         NAMED_CONFIGS[config.name] = config
+
+
+def _model(
+    name: str, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, **family: Any
+) -> Config:
+    """One published shape; `family` holds what the whole family shares (vocab, RoPE, token ids...)."""
+    return Config(
+        name=name,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=intermediate,
+        **family,
+    )
+
+
+def close_model_names(name: str, limit: int = 5) -> list[str]:
+    """Named configs that contain `name` (any case) or nearly spell it, best first."""
+    lower = {n.lower(): n for n in NAMED_CONFIGS}
+    contained = [n for low, n in lower.items() if name.lower() in low]
+    similar = [lower[m] for m in difflib.get_close_matches(name.lower(), list(lower), n=limit, cutoff=0.8)]
+    return list(dict.fromkeys(contained + similar))[:limit]
 
 
 _register(
@@ -292,3 +321,222 @@ _register(
         torch_dtype="float32",
     ),
 )
+
+# Llama 2 (meta-llama/Llama-2-{7,13,70}b-hf; -chat-hf has the same config.json). Shapes checked against
+# LitGPT's litgpt/config.py; fp16 weights.
+LLAMA_2 = dict(
+    vocab_size=32000,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="float16",
+)
+for size, *shape in (
+    ("7b", 32, 4096, 32, 32, 11008),
+    ("13b", 40, 5120, 40, 40, 13824),
+    ("70b", 80, 8192, 64, 8, 28672),
+):
+    _register(
+        _model(f"Llama-2-{size}-hf", *shape, **LLAMA_2), _model(f"Llama-2-{size}-chat-hf", *shape, **LLAMA_2)
+    )
+
+# Llama 3, 3.1, 3.2: 128256-token vocab, RoPE theta 500000. Instruct releases stop at <|eot_id|> (128009);
+# 3.1 and 3.2 Instruct list [<|end_of_text|>, <|eom_id|>, <|eot_id|>] (checked: config.json copies found
+# with `find_string`, e.g. NousResearch/Meta-Llama-3.1-8B-Instruct). Shapes checked against LitGPT.
+LLAMA_3 = dict(
+    vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001
+)
+LLAMA_3_1_INSTRUCT_EOS = [128001, 128008, 128009]
+
+
+def _llama3_rope(factor: float) -> dict[str, Any]:
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+
+
+for size, *shape in (("8B", 32, 4096, 32, 8, 14336), ("70B", 80, 8192, 64, 8, 28672)):
+    base = _model(f"Meta-Llama-3-{size}", *shape, **LLAMA_3, max_position_embeddings=8192)
+    _register(base, replace(base, name=f"Meta-Llama-3-{size}-Instruct", eos_token_id=128009))
+for size, *shape in (
+    ("8B", 32, 4096, 32, 8, 14336),
+    ("70B", 80, 8192, 64, 8, 28672),
+    ("405B", 126, 16384, 128, 8, 53248),
+):
+    base = _model(
+        f"Llama-3.1-{size}", *shape, **LLAMA_3, max_position_embeddings=131072, rope_scaling=_llama3_rope(8.0)
+    )
+    _register(base, replace(base, name=f"Llama-3.1-{size}-Instruct", eos_token_id=LLAMA_3_1_INSTRUCT_EOS))
+# Llama 3.2 shares the input embedding with the output head (config.json checked: 1B has head_dim 64,
+# rope factor 32, tie_word_embeddings true).
+for size, *shape in (("1B", 16, 2048, 32, 8, 8192), ("3B", 28, 3072, 24, 8, 8192)):
+    base = _model(
+        f"Llama-3.2-{size}",
+        *shape,
+        **LLAMA_3,
+        max_position_embeddings=131072,
+        rope_scaling=_llama3_rope(32.0),
+        tie_word_embeddings=True,
+    )
+    _register(base, replace(base, name=f"Llama-3.2-{size}-Instruct", eos_token_id=LLAMA_3_1_INSTRUCT_EOS))
+
+# Mistral 7B: v0.1 attends within a 4096-token sliding window (RoPE theta 1e4, 32000 tokens); v0.3 has
+# no window, theta 1e6 and 32768 tokens. Shapes checked against LitGPT.
+MISTRAL = dict(
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    hf_architecture="MistralForCausalLM",
+)
+for kind in ("", "Instruct-"):
+    _register(
+        _model(
+            f"Mistral-7B-{kind}v0.1",
+            32,
+            4096,
+            32,
+            8,
+            14336,
+            **MISTRAL,
+            vocab_size=32000,
+            rope_theta=10000.0,
+            sliding_window=4096,
+        ),
+        _model(
+            f"Mistral-7B-{kind}v0.3",
+            32,
+            4096,
+            32,
+            8,
+            14336,
+            **MISTRAL,
+            vocab_size=32768,
+            rope_theta=1000000.0,
+        ),
+    )
+
+# Qwen2.5: bias on q/k/v, theta 1e6; 0.5B-3B tie embeddings and have 151936 tokens, 7B+ have 152064.
+# Base models end documents with <|endoftext|> (151643), Instruct turns with <|im_end|> (151645); Instruct
+# config.json says max_position_embeddings 32768 and rms_norm_eps 1e-6 for every size (checked:
+# Qwen2.5-72B-Instruct), base 14B-72B use 1e-5 (LitGPT) and the base context differs per size.
+QWEN2_5 = dict(
+    rope_theta=1000000.0,
+    qkv_bias=True,
+    bos_token_id=151643,
+    eos_token_id=151643,
+    hf_architecture="Qwen2ForCausalLM",
+)
+for size, layers, hidden, heads, kv_heads, intermediate, vocab, tied, context, eps in (
+    ("0.5B", 24, 896, 14, 2, 4864, 151936, True, 32768, 1e-6),  # checked: Qwen2.5-0.5B config.json
+    ("1.5B", 28, 1536, 12, 2, 8960, 151936, True, 131072, 1e-6),
+    ("3B", 36, 2048, 16, 2, 11008, 151936, True, 32768, 1e-6),
+    ("7B", 28, 3584, 28, 4, 18944, 152064, False, 131072, 1e-6),
+    ("14B", 48, 5120, 40, 8, 13824, 152064, False, 131072, 1e-5),
+    ("32B", 64, 5120, 40, 8, 27648, 152064, False, 131072, 1e-5),
+    ("72B", 80, 8192, 64, 8, 29568, 152064, False, 131072, 1e-5),
+):
+    base = _model(
+        f"Qwen2.5-{size}",
+        layers,
+        hidden,
+        heads,
+        kv_heads,
+        intermediate,
+        **QWEN2_5,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        max_position_embeddings=context,
+        rms_norm_eps=eps,
+    )
+    _register(
+        base,
+        replace(
+            base,
+            name=f"Qwen2.5-{size}-Instruct",
+            eos_token_id=151645,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+        ),
+    )
+
+# Qwen3: RMSNorm on queries and keys, head_dim 128 whatever the width, 151936 tokens, theta 1e6; 0.6B-4B
+# tie embeddings. "Qwen3-8B" is the post-trained (thinking) release, "-Base" the pretrained one (no 32B
+# base was published). Checked: LitGPT, and Qwen3-8B/14B config.json copies (max_position_embeddings 40960).
+QWEN3 = dict(
+    vocab_size=151936,
+    head_dim=128,
+    qk_norm=True,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    hf_architecture="Qwen3ForCausalLM",
+)
+for size, *shape, tied in (
+    ("0.6B", 28, 1024, 16, 8, 3072, True),
+    ("1.7B", 28, 2048, 16, 8, 6144, True),
+    ("4B", 36, 2560, 32, 8, 9728, True),
+    ("8B", 36, 4096, 32, 8, 12288, False),
+    ("14B", 40, 5120, 40, 8, 17408, False),
+    ("32B", 64, 5120, 64, 8, 25600, False),
+):
+    post_trained = _model(f"Qwen3-{size}", *shape, **QWEN3, tie_word_embeddings=tied)
+    _register(post_trained)
+    if size != "32B":
+        _register(
+            replace(
+                post_trained, name=f"Qwen3-{size}-Base", eos_token_id=151643, max_position_embeddings=32768
+            )
+        )
+
+# SmolLM2 (HuggingFaceTB): Llama architecture, tied embeddings, 49152 tokens. Base models use token 0 as
+# bos and eos, Instruct 1 and 2. Checked: SmolLM2-135M config.json, LitGPT for 360M and 1.7B.
+SMOLLM2 = dict(
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+for size, *shape, theta in (
+    ("135M", 30, 576, 9, 3, 1536, 100000.0),
+    ("360M", 32, 960, 15, 5, 2560, 100000.0),
+    ("1.7B", 24, 2048, 32, 32, 8192, 130000.0),
+):
+    base = _model(f"SmolLM2-{size}", *shape, **SMOLLM2, rope_theta=theta)
+    _register(base, replace(base, name=f"SmolLM2-{size}-Instruct", bos_token_id=1, eos_token_id=2))
+
+# TinyLlama 1.1B: "TinyLlama-1.1B" is TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T (fp32 weights),
+# the chat model is TinyLlama-1.1B-Chat-v1.0. Shape checked against LitGPT.
+TINY_LLAMA = dict(
+    vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2
+)
+_register(
+    _model("TinyLlama-1.1B", 22, 2048, 32, 4, 5632, **TINY_LLAMA, torch_dtype="float32"),
+    _model("TinyLlama-1.1B-Chat-v1.0", 22, 2048, 32, 4, 5632, **TINY_LLAMA),
+)
+
+
+def format_count(count: int) -> str:
+    """A parameter count for people, three significant digits: 6.74B, 13.0B, 135M, 158K."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            value = count / scale
+            decimals = 2 if value < 10 else 1 if value < 100 else 0
+            return f"{value:.{decimals}f}{suffix}"
+    return str(count)
+
+
+def list_models() -> None:
+    """Print the named model configs with their parameter counts."""
+    width = max(len(name) for name in NAMED_CONFIGS)
+    for name, config in NAMED_CONFIGS.items():
+        print(f"{name:<{width}}  {format_count(config.num_parameters):>6}  {config.hf_architecture}")

@@ -10,10 +10,12 @@ of the document each token belongs to); attention is then causal *within* each d
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from litsft.config import Config
 
@@ -199,6 +201,32 @@ def attention_mask(
     return None
 
 
+def _chunk_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(hidden, weight).float()  # (N, V)
+    return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 2048
+) -> torch.Tensor:
+    """Summed cross-entropy of hidden (B, T, C) @ weight.T against labels (B, T), `chunk_size` tokens at a time.
+
+    Each chunk's logits are recomputed in the backward pass instead of kept, so the full (B*T, V) fp32
+    logits (2 GiB for one 4k sequence with a 128k vocabulary) never exist.
+    """
+    hidden = hidden.flatten(0, 1)
+    labels = labels.flatten()
+    if hidden.shape[0] <= chunk_size:
+        return _chunk_cross_entropy(hidden, weight, labels)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk_size):
+        end = start + chunk_size
+        total = total + checkpoint(
+            _chunk_cross_entropy, hidden[start:end], weight, labels[start:end], use_reentrant=False
+        )
+    return total
+
+
 class Transformer(nn.Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
@@ -210,15 +238,22 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.kv_caches: list[KVCache] | None = None
+        self.activation_checkpointing = False
+        """Recompute each block in the backward pass instead of storing its activations."""
 
     def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits (B, T, V) for tokens (B, T). See the module docstring for packed batches."""
-        return self.lm_head(self.hidden_states(input_ids, position_ids, document_ids))
+        """Logits (B, T, V) for tokens (B, T); with `labels` (B, T) instead the summed fp32 cross-entropy over
+        the positions whose label is not -100. See the module docstring for packed batches."""
+        hidden = self.hidden_states(input_ids, position_ids, document_ids)
+        if labels is None:
+            return self.lm_head(hidden)
+        return chunked_cross_entropy(hidden, self.lm_head.weight, labels)
 
     def hidden_states(
         self,
@@ -243,7 +278,10 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)
         for i, block in enumerate(self.blocks):
             kv_cache = self.kv_caches[i] if self.kv_caches is not None else None
-            x = block(x, cos, sin, mask, kv_cache, cache_positions)
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask, kv_cache, cache_positions)
         return self.norm(x)
 
     def setup_kv_caches(self, batch_size: int, max_length: int) -> None:
@@ -263,18 +301,27 @@ class Transformer(nn.Module):
     def clear_kv_caches(self) -> None:
         self.kv_caches = None
 
+    def initial_value(
+        self, name: str, shape: torch.Size, generator: torch.Generator, std: float = 0.02
+    ) -> torch.Tensor:
+        """Fresh value of parameter `name` for pretraining: normal(0, std), norms at one, biases at zero, and the
+        projections that write into the residual stream scaled by 1/sqrt(2 * num_layers) so its variance does
+        not grow with depth. Drawn from `generator` alone, so the result does not depend on how it is sharded."""
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        if name.endswith(".bias"):
+            return torch.zeros(shape)
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            std = std / math.sqrt(2 * self.config.num_layers)
+        return torch.randn(shape, generator=generator) * std
+
     @torch.no_grad()
-    def init_weights(self, std: float = 0.02) -> None:
-        """Fresh weights for pretraining: normal(0, std), with the projections that write into the
-        residual stream scaled by 1/sqrt(2 * num_layers) so its variance does not grow with depth."""
-        residual_std = std / math.sqrt(2 * self.config.num_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                is_residual = name.endswith(("o_proj", "down_proj"))
-                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, RMSNorm):
-                module.reset_parameters()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialize every parameter of an unsharded model with `initial_value`."""
+        for name, param in self.named_parameters():
+            param.copy_(self.initial_value(name, param.shape, parameter_generator(seed, name)))
+
+
+def parameter_generator(seed: int, name: str) -> torch.Generator:
+    """A generator seeded by the run seed and the parameter's name: the same draw on any number of ranks."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))

@@ -1,0 +1,232 @@
+"""The data module interface the training engine calls, and its implementation for SFT records.
+
+The engine calls, in this order:
+    data.connect(tokenizer, max_seq_length, seed)      # every rank
+    data.prepare()                                     # global rank 0 only, then a barrier
+    data.setup()                                       # every rank
+    loader = data.train_dataloader(rank, world_size, micro_batch_size, global_batch_size)
+    val_loader = data.val_dataloader(rank, world_size, micro_batch_size)   # None: no validation data
+
+Batches are dicts of CPU tensors: `input_ids` (B, T), `labels` (B, T) already shifted (`labels[:, t]`
+follows `input_ids[:, :t + 1]`, -100 where there is no loss), `position_ids` (B, T), and for packed
+batches `document_ids` (B, T) (-1 on padding).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from litsft.data.chat import ChatFormat, Message, PromptStyle
+from litsft.data.loader import SFTLoader
+from litsft.data.samples import Samples, tokenize_conversations, write_atomically
+from litsft.errors import LitsftError
+from litsft.tokenizer import Tokenizer
+
+CACHE_FORMAT_VERSION = 1
+"""Part of every cache key: bump it when the cached layout or the tokenization rules change."""
+
+
+class Loader(Protocol):
+    """What the engine iterates: one epoch per `for batch in loader`."""
+
+    epoch: int
+
+    def __iter__(self) -> Any: ...
+    def __len__(self) -> int: ...
+    def set_epoch(self, epoch: int) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(kw_only=True)
+class DataModule:
+    """Where the training data comes from and how it is batched (see the module docstring)."""
+
+    num_workers: int = 0
+    """Loader worker processes per rank; 0 builds batches in the training process."""
+    seed: int | None = None
+    """Seed of the data order and the validation split; None uses the run's seed."""
+    cache_dir: Path | None = None
+    """Where tokenized data is cached; default $LITSFT_CACHE_DIR or ~/.cache/litsft. User files are never written."""
+
+    def connect(self, tokenizer: Tokenizer, max_seq_length: int, seed: int) -> None:
+        """Called first on every rank, before prepare and setup."""
+        if max_seq_length < 1:
+            raise LitsftError(f"max_seq_length={max_seq_length} must be at least 1")
+        self.tokenizer = tokenizer
+        self.max_seq_length = max_seq_length
+        self.data_seed = seed if self.seed is None else self.seed
+
+    def prepare(self) -> None:
+        """Download, check, tokenize and cache, on global rank 0 only (the engine then waits at a barrier)."""
+
+    def setup(self) -> None:
+        """Load what prepare cached, on every rank."""
+
+    def train_dataloader(
+        self, rank: int, world_size: int, micro_batch_size: int, global_batch_size: int
+    ) -> Loader:
+        raise NotImplementedError
+
+    def val_dataloader(self, rank: int, world_size: int, micro_batch_size: int) -> Loader | None:
+        """Every rank gets the same number of batches; None when there is no validation data."""
+        return None
+
+    @property
+    def cache_root(self) -> Path:
+        if self.cache_dir is not None:
+            return Path(self.cache_dir)
+        return Path(os.environ.get("LITSFT_CACHE_DIR", Path.home() / ".cache" / "litsft"))
+
+
+@dataclass(kw_only=True)
+class SFTDataModule(DataModule):
+    """Conversations, rendered with a chat template, loss on the assistant replies."""
+
+    packing: bool = True
+    """Pack samples into rows of max_seq_length with per-document attention; False pads each batch to
+    its longest sample and groups samples of similar length."""
+    mask_prompt: bool = True
+    """Only the assistant's tokens carry loss; False trains on every token (system and user too)."""
+    prompt_style: PromptStyle | None = None
+    """Format conversations with a named style; None uses the checkpoint's chat template (alpaca if it has none)."""
+    val_split_fraction: float = 0.05
+    """Share of the records held out for validation when there is no separate validation file."""
+
+    def sources(self) -> dict[str, tuple[str, Callable[[], list[list[Message]]]]]:
+        """{"train": (identity, read), "val": ...}: a string that changes when the records change, and a
+        function reading them. Without "val", val_split_fraction of the training records is held out."""
+        raise NotImplementedError
+
+    def connect(self, tokenizer: Tokenizer, max_seq_length: int, seed: int) -> None:
+        super().connect(tokenizer, max_seq_length, seed)
+        if not 0.0 <= self.val_split_fraction < 1.0:
+            raise LitsftError(f"val_split_fraction={self.val_split_fraction} must be in [0, 1)")
+        self.chat_format = ChatFormat(tokenizer, self.prompt_style, self.mask_prompt)
+
+    def render_prompt(self, messages: list[Message]) -> str:
+        """A prompt as training formatted it, ending with the assistant header: for generation."""
+        return self.chat_format.render(messages, add_generation_prompt=True)
+
+    def prepare(self) -> None:
+        sources = self.sources()
+        missing = {split: source for split, source in sources.items() if not (self._cached(source[0]) / "meta.json").is_file()}
+        # Read (and so check) every file before tokenizing or writing anything.
+        conversations = {split: read() for split, (_, read) in missing.items()}
+        for split, (identity, _) in missing.items():
+            samples = tokenize_conversations(conversations[split], self.chat_format)
+            write_atomically(self._cached(identity), samples.save, {"source": identity, "samples": len(samples)})
+        self._load(warn=True)
+
+    def setup(self) -> None:
+        self.train_samples, self.val_samples = self._load(warn=False)
+
+    def train_dataloader(
+        self, rank: int, world_size: int, micro_batch_size: int, global_batch_size: int
+    ) -> SFTLoader:
+        loader = SFTLoader(
+            self.train_samples,
+            self.max_seq_length,
+            self.packing,
+            self.tokenizer.pad_id,
+            rank,
+            world_size,
+            micro_batch_size,
+            global_batch_size,
+            self.data_seed,
+            self.num_workers,
+        )
+        if len(loader) == 0:
+            unit = "packed rows of max_seq_length" if self.packing else "samples"
+            raise LitsftError(
+                f"the {len(self.train_samples)} training samples make fewer {unit} than "
+                f"global_batch_size={global_batch_size}; lower global_batch_size or add data"
+            )
+        return loader
+
+    def val_dataloader(self, rank: int, world_size: int, micro_batch_size: int) -> SFTLoader | None:
+        if self.val_samples is None or len(self.val_samples) == 0:
+            return None
+        return SFTLoader(
+            self.val_samples,
+            self.max_seq_length,
+            self.packing,
+            self.tokenizer.pad_id,
+            rank,
+            world_size,
+            micro_batch_size,
+            world_size * micro_batch_size,
+            self.data_seed,
+            self.num_workers,
+            shuffle=False,
+        )
+
+    # ---- cache -----------------------------------------------------------------------------------
+    def _cached(self, identity: str) -> Path:
+        key = {
+            "version": CACHE_FORMAT_VERSION,
+            "source": identity,
+            "tokenizer": _tokenizer_fingerprint(self.tokenizer),
+            "template": self.chat_format.template,
+            "mask_prompt": self.mask_prompt,
+        }
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+        return self.cache_root / "sft" / digest
+
+    def _load(self, warn: bool) -> tuple[Samples, Samples | None]:
+        splits = {}
+        for split, (identity, read) in self.sources().items():
+            entry = self._cached(identity)
+            # A rank that cannot see rank 0's cache (a node-local disk) tokenizes for itself.
+            if (entry / "meta.json").is_file():
+                splits[split] = Samples.load(entry)
+            else:
+                splits[split] = tokenize_conversations(read(), self.chat_format)
+        train, val = splits["train"], splits.get("val")
+        if val is None and self.val_split_fraction > 0 and len(train) > 1:
+            order = np.random.default_rng(self.data_seed).permutation(len(train))
+            num_val = max(1, round(self.val_split_fraction * len(train)))
+            val, train = train.subset(np.sort(order[:num_val])), train.subset(np.sort(order[num_val:]))
+        train, dropped = train.truncate(self.max_seq_length + 1)
+        if val is not None:
+            val, _ = val.truncate(self.max_seq_length + 1)
+        if warn and dropped:
+            warnings.warn(
+                f"dropped {dropped} of {len(train) + dropped} training samples: no assistant token is left "
+                f"within max_seq_length={self.max_seq_length}; raise max_seq_length or shorten the prompts",
+                stacklevel=2,
+            )
+        if len(train) == 0:
+            raise LitsftError(
+                f"no training sample has an assistant token within max_seq_length={self.max_seq_length}; "
+                "raise max_seq_length"
+            )
+        return train, val
+
+
+def _tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    digest = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        path = tokenizer.checkpoint_dir / name
+        if path.is_file():
+            digest.update(name.encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def file_fingerprint(path: Path) -> str:
+    """Identity of a data file's contents, for cache keys."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while block := file.read(1 << 24):
+            digest.update(block)
+    return f"{Path(path).resolve()}:{digest.hexdigest()}"
+

@@ -1,0 +1,183 @@
+"""Conversations to training tokens: render with a chat template, tokenize once, and mark the tokens
+that carry loss (the assistant's replies and their end-of-turn token).
+
+The assistant spans are found by rendering prefixes of the conversation: the text an assistant reply
+occupies is what `render(messages[:i + 1])` adds to `render(messages[:i], add_generation_prompt=True)`.
+This works for any template that renders a conversation incrementally (ChatML, Llama 3, Mistral, and
+the named styles below) without knowing its markup. Tokenizing the whole text once, and mapping tokens
+to spans by character offsets, gives the same tokens as tokenizing the text at generation time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import jinja2
+import numpy as np
+
+from litsft.errors import LitsftError
+from litsft.tokenizer import Tokenizer, _chat_template_environment
+
+Message = dict[str, str]
+"""{"role": "system" | "user" | "assistant", "content": str}"""
+
+PromptStyle = Literal["chatml", "llama3", "alpaca", "plain"]
+
+# Named prompt styles, written as chat templates so they go through the same code as a checkpoint's own.
+PROMPT_STYLES: dict[str, str] = {
+    # ChatML (Qwen, many fine-tunes), without a default system prompt.
+    "chatml": (
+        "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+    # Meta-Llama-3-Instruct's template.
+    "llama3": (
+        "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+        "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
+        "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+        "{{ content }}{% endfor %}{% if add_generation_prompt %}"
+        "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    ),
+    # Stanford Alpaca's prompt; a reply ends with eos. The user turn already ends in the response header.
+    "alpaca": (
+        "{% if messages[0]['role'] != 'system' %}{{ 'Below is an instruction that describes a task. "
+        "Write a response that appropriately completes the request.\n\n' }}{% endif %}"
+        "{% for message in messages %}"
+        "{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
+        "{% elif message['role'] == 'user' %}{{ '### Instruction:\n' + message['content'] + '\n\n### Response:\n' }}"
+        "{% else %}{{ message['content'] + eos_token + '\n\n' }}{% endif %}"
+        "{% endfor %}"
+    ),
+    # No markup: one message per line, a reply ends with eos. For base models and text-like data.
+    "plain": (
+        "{% for message in messages %}"
+        "{% if message['role'] == 'assistant' %}{{ message['content'] + eos_token + '\n' }}"
+        "{% else %}{{ message['content'] + '\n' }}{% endif %}"
+        "{% endfor %}"
+    ),
+}
+
+
+class ChatFormat:
+    """How conversations become text and training tokens for one tokenizer.
+
+    Args:
+        tokenizer: The checkpoint's tokenizer.
+        prompt_style: A named style from PROMPT_STYLES, or None for the checkpoint's own chat template
+            (falling back to "alpaca" when the checkpoint has none).
+        mask_prompt: Only assistant tokens carry loss; False trains on every token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_style: str | None = None, mask_prompt: bool = True) -> None:
+        if prompt_style is not None and prompt_style not in PROMPT_STYLES:
+            raise LitsftError(
+                f"unknown prompt style {prompt_style!r}; choose one of {', '.join(PROMPT_STYLES)} "
+                "or leave it unset to use the checkpoint's chat template"
+            )
+        self.tokenizer = tokenizer
+        self.mask_prompt = mask_prompt
+        if prompt_style is None and tokenizer.chat_template is not None:
+            self.name = "checkpoint"
+            self.template = tokenizer.chat_template
+        else:
+            self.name = prompt_style or "alpaca"
+            self.template = PROMPT_STYLES[self.name]
+        self._compiled = _chat_template_environment().from_string(self.template)
+        # Templates refer to special tokens by text; fill in those the tokenizer config only names by id.
+        self._variables = dict(tokenizer.special_tokens)
+        for key, token_id in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id)):
+            if key not in self._variables and token_id is not None:
+                self._variables[key] = tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
+        """The conversation as text; with add_generation_prompt, ready for the model to write the reply."""
+        try:
+            return self._compiled.render(
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self._variables,
+            )
+        except jinja2.TemplateError as err:
+            raise LitsftError(
+                f"the {self.name} chat template failed on a conversation: {err}; fix the messages "
+                "or choose another --data.prompt_style"
+            ) from None
+
+    def encode_prompt(self, messages: list[Message]) -> list[int]:
+        """Token ids of a prompt for generation, as the model saw prompts in training."""
+        text = self.render(messages, add_generation_prompt=True)
+        return self._with_bos(self.tokenizer.encode(text, add_bos=False))
+
+    def tokenize(self, messages: list[Message]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids (int32) of the whole conversation, and a bool array: True where the token is a
+        loss target (assistant reply and its end-of-turn token; every token with mask_prompt=False)."""
+        text = self.render(messages)
+        ids, offsets = self.tokenizer.encode_with_offsets(text)
+        ids = np.asarray(ids, dtype=np.int32)
+        starts = np.fromiter((start for start, _ in offsets), dtype=np.int64, count=len(offsets))
+        if self.mask_prompt:
+            bounds = np.asarray(self._assistant_spans(messages, text), dtype=np.int64).reshape(-1)
+            # A token is a target when its first character lies inside a span [start, end).
+            targets = np.searchsorted(bounds, starts, side="right") % 2 == 1
+        else:
+            targets = np.ones(len(ids), dtype=bool)
+        if self.tokenizer.add_bos and (len(ids) == 0 or ids[0] != self.tokenizer.bos_id):
+            ids = np.concatenate([np.asarray([self.tokenizer.bos_id], dtype=np.int32), ids])
+            targets = np.concatenate([np.zeros(1, dtype=bool), targets])
+        return ids, targets
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        # A template that wants bos writes it (Llama 3); add it only when encoding wants it and it is missing.
+        if self.tokenizer.add_bos and (not ids or ids[0] != self.tokenizer.bos_id):
+            return [self.tokenizer.bos_id, *ids]
+        return ids
+
+    def _assistant_spans(self, messages: list[Message], text: str) -> list[tuple[int, int]]:
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self._render_or_empty(messages[:i])
+            turn = text if i + 1 == len(messages) else self.render(messages[: i + 1])
+            if not (text.startswith(prompt) and text.startswith(turn) and len(prompt) <= len(turn)):
+                return self._searched_spans(messages, text)
+            # The turn's trailing newline follows the end-of-turn token and is not part of the reply.
+            end = len(turn.rstrip())
+            spans.append((len(prompt), max(end, len(prompt))))
+        return spans
+
+    def _render_or_empty(self, messages: list[Message]) -> str:
+        # Some templates index messages[0], so a reply that opens the conversation has an empty prompt.
+        try:
+            return self.render(messages, add_generation_prompt=True)
+        except LitsftError:
+            return ""
+
+    def _searched_spans(self, messages: list[Message], text: str) -> list[tuple[int, int]]:
+        """For templates that rewrite earlier turns (e.g. dropping reasoning from history): find each
+        reply's text in order, and extend it over an end-of-turn token written right after it."""
+        stop_texts = [self.tokenizer.decode([i], skip_special_tokens=False) for i in self.tokenizer.stop_ids]
+        spans, cursor = [], 0
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            content = message["content"].strip()
+            start = text.find(content, cursor)
+            if start < 0:
+                raise LitsftError(
+                    f"the {self.name} chat template does not show assistant message {i} verbatim, so its "
+                    "tokens cannot be found for the loss mask; choose a --data.prompt_style such as chatml"
+                )
+            end = start + len(content)
+            for stop in stop_texts:
+                if stop and text.startswith(stop, end):
+                    end += len(stop)
+                    break
+            spans.append((start, end))
+            cursor = end
+        return spans

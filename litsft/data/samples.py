@@ -1,0 +1,112 @@
+"""Tokenized samples held as three flat arrays, cached as .npy files, truncated without Python loops."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from litsft.data.chat import ChatFormat, Message
+
+
+@dataclass
+class Samples:
+    """Samples back to back: sample i is tokens[offsets[i]:offsets[i + 1]]; targets marks loss tokens."""
+
+    tokens: np.ndarray
+    """(N,) int32 token ids."""
+    targets: np.ndarray
+    """(N,) bool: True where the token is a loss target."""
+    offsets: np.ndarray
+    """(num_samples + 1,) int64 start of each sample, then the total length."""
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def subset(self, indices: np.ndarray) -> Samples:
+        """The samples at `indices`, in that order."""
+        lengths = self.lengths[indices]
+        offsets = np.zeros(len(indices) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        gather = _ranges(self.offsets[indices], lengths)
+        return Samples(self.tokens[gather], self.targets[gather], offsets)
+
+    def truncate(self, max_tokens: int) -> tuple[Samples, int]:
+        """Keep the first `max_tokens` tokens of each sample and drop the samples left without any target
+        (the first token of a sample is never a target: nothing precedes it). Returns (samples, dropped)."""
+        lengths = np.minimum(self.lengths, max_tokens)
+        gather = _ranges(self.offsets[:-1], lengths)
+        targets = self.targets[gather].copy()
+        kept_offsets = np.zeros(len(self) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=kept_offsets[1:])
+        targets[kept_offsets[:-1][lengths > 0]] = False  # nothing precedes a first token
+        sample_of_token = np.repeat(np.arange(len(self)), lengths)
+        counts = np.bincount(sample_of_token, weights=targets, minlength=len(self))
+        truncated = Samples(self.tokens[gather], targets, kept_offsets)
+        keep = np.flatnonzero(counts > 0)
+        if len(keep) == len(self):
+            return truncated, 0
+        return truncated.subset(keep), len(self) - len(keep)
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        np.save(directory / "tokens.npy", self.tokens)
+        np.save(directory / "targets.npy", self.targets)
+        np.save(directory / "offsets.npy", self.offsets)
+
+    @classmethod
+    def load(cls, directory: Path) -> Samples:
+        # allow_pickle=False: cache files are data only.
+        arrays = [np.load(directory / f"{name}.npy", allow_pickle=False) for name in ("tokens", "targets", "offsets")]
+        return cls(*arrays)
+
+
+def tokenize_conversations(conversations: list[list[Message]], chat_format: ChatFormat) -> Samples:
+    """Render and tokenize every conversation (one pass, no truncation)."""
+    tokens, targets = [], []
+    offsets = np.zeros(len(conversations) + 1, dtype=np.int64)
+    for i, messages in enumerate(conversations):
+        ids, is_target = chat_format.tokenize(messages)
+        tokens.append(ids)
+        targets.append(is_target)
+        offsets[i + 1] = offsets[i] + len(ids)
+    if not conversations:
+        return Samples(np.zeros(0, np.int32), np.zeros(0, bool), offsets)
+    return Samples(np.concatenate(tokens), np.concatenate(targets), offsets)
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + n) for each (s, n), vectorized."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    # Position within each range, plus that range's start.
+    within = np.arange(total, dtype=np.int64) - np.repeat(ends - lengths, lengths)
+    return within + np.repeat(starts.astype(np.int64), lengths)
+
+
+def write_atomically(directory: Path, write: callable, meta: dict) -> None:
+    """Write a cache entry into a temporary sibling and rename it into place, so a crash or a concurrent
+    writer never leaves a half-written entry that a later run would trust."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-"))
+    try:
+        write(staging)
+        (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        os.replace(staging, directory)
+    except OSError:
+        if not (directory / "meta.json").is_file():
+            raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,482 @@
+"""The training engine shared by every recipe: Fabric, sharding, the loop, evaluation, checkpoints, resume.
+
+A recipe describes only what differs (`Recipe`: how to build the model, how to fill its weights, what to
+save at the end); `fit` does the rest. The loop says what happens each step; `litsft.parallel`,
+`litsft.checkpoint`, `litsft.optimizer` and `litsft.metrics` say how.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+from litsft import checkpoint
+from litsft.config import Config
+from litsft.errors import LitsftError
+from litsft.optimizer import OptimizerConfig, build_optimizer, learning_rate
+from litsft.parallel import FSDPConfig, Precision, build_fabric
+
+
+@dataclass
+class TrainConfig:
+    """Batch sizes, length of the run and checkpointing."""
+
+    global_batch_size: int = 16
+    """Rows (packed sequences or samples) per optimizer step, over all devices and accumulation steps."""
+    micro_batch_size: int = 4
+    """Rows per device per forward pass; global_batch_size / (micro_batch_size x devices x nodes) is the
+    number of gradient-accumulation steps."""
+    epochs: int = 1
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (overrides epochs; required for streaming data of unknown length)."""
+    max_seq_length: int | None = None
+    """Tokens per row; defaults to the model's context length, capped at 2048."""
+    max_norm: float | None = 1.0
+    """Clip the global gradient norm to this value; None disables clipping (the norm is still logged)."""
+    save_interval: int | None = None
+    """Write a resumable checkpoint every this many optimizer steps."""
+    keep_last: int | None = None
+    """Keep only the newest this-many step checkpoints (older ones are deleted after a new one is complete)."""
+    log_interval: int = 1
+    """Log metrics every this many optimizer steps."""
+
+
+@dataclass
+class EvalConfig:
+    """Validation during and after training."""
+
+    interval: int | None = None
+    """Validate every this many optimizer steps (and always at the end)."""
+    max_batches: int | None = 20
+    """Micro-batches per validation pass (None: the whole validation set)."""
+    max_new_tokens: int = 40
+    """Length of the sample generated at each validation."""
+
+
+@dataclass
+class LogConfig:
+    """Where metrics go."""
+
+    loggers: list[Literal["csv", "tensorboard", "wandb"]] = field(default_factory=lambda: ["csv"])
+
+
+@dataclass
+class Recipe:
+    """What distinguishes one recipe from another."""
+
+    name: str
+    build_model: Callable[[Config], nn.Module]
+    """Build the model (called on the meta device) with requires_grad set on what is trained."""
+    initialize: Callable[[nn.Module], None]
+    """Fill the materialized (possibly sharded) model: load a checkpoint or draw fresh weights."""
+    save_final: Callable[[nn.Module, Path], None]
+    """Write the final model to the given directory (collective: every rank calls it)."""
+    checkpoint_frozen: bool = True
+    """Whether step checkpoints hold frozen parameters too (LoRA: no, the base is loaded again)."""
+
+
+@dataclass
+class RunConfig:
+    """Everything `fit` needs besides the recipe; the recipes' CLI arguments, gathered."""
+
+    config: Config
+    tokenizer_dir: Path | None
+    data: Any
+    out_dir: Path
+    devices: int = 1
+    num_nodes: int = 1
+    precision: Precision | None = None
+    resume: bool | Literal["auto"] | Path = "auto"
+    seed: int = 1337
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    cli_arguments: dict[str, Any] = field(default_factory=dict)
+
+
+def default_precision() -> Precision:
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16-mixed"
+    return "32-true"
+
+
+def accumulation_steps(train: TrainConfig, world_size: int) -> int:
+    per_step = train.micro_batch_size * world_size
+    if train.global_batch_size % per_step:
+        raise LitsftError(
+            f"--train.global_batch_size={train.global_batch_size} is not divisible by --train.micro_batch_size="
+            f"{train.micro_batch_size} x {world_size} processes = {per_step}; pick a global batch size that is a "
+            f"multiple of {per_step}"
+        )
+    return train.global_batch_size // per_step
+
+
+def launch(recipe: Recipe, run: RunConfig) -> None:
+    """Validate the run, start the processes and train. Every check that can fail fails here, before launch."""
+    run.precision = run.precision or default_precision()
+    accumulation_steps(run.train, run.devices * run.num_nodes)
+    max_length = run.config.max_position_embeddings
+    run.train.max_seq_length = run.train.max_seq_length or min(max_length, 2048)
+    if run.train.max_seq_length > max_length:
+        raise LitsftError(
+            f"--train.max_seq_length={run.train.max_seq_length} exceeds the model's context length "
+            f"{max_length}; use at most {max_length}"
+        )
+    if run.data is None:
+        raise LitsftError("no data given; pass e.g. --data JSON --data.json_path train.json, or --data Demo")
+    fabric = build_fabric(run.devices, run.num_nodes, run.precision, run.fsdp)
+    fabric.launch(fit, recipe, run)
+
+
+def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
+    from litsft.metrics import MetricsLogger
+    from litsft.tokenizer import Tokenizer
+
+    out_dir, train = run.out_dir, run.train
+    fabric.seed_everything(run.seed)
+    if fabric.is_global_zero:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint.remove_partial_checkpoints(out_dir)
+    tokenizer = Tokenizer(run.tokenizer_dir)
+    run.data.connect(tokenizer, max_seq_length=train.max_seq_length, seed=run.seed)
+    if fabric.is_global_zero:
+        run.data.prepare()
+    fabric.barrier()
+    run.data.setup()
+    accumulation = accumulation_steps(train, fabric.world_size)
+    train_loader = run.data.train_dataloader(
+        rank=fabric.global_rank,
+        world_size=fabric.world_size,
+        micro_batch_size=train.micro_batch_size,
+        global_batch_size=train.global_batch_size,
+    )
+    val_loader = run.data.val_dataloader(
+        rank=fabric.global_rank, world_size=fabric.world_size, micro_batch_size=train.micro_batch_size
+    )
+    total_steps = total_optimizer_steps(train, train_loader, accumulation)
+
+    model = setup_model(fabric, recipe, run)
+    optimizer = fabric.setup_optimizers(build_optimizer(model, run.optimizer))
+    step, epoch = 0, 0
+    resume_from = find_resume_checkpoint(run.resume, out_dir)
+    if resume_from is not None:
+        step, epoch = resume(
+            fabric, resume_from, model, optimizer, train_loader, run.seed, recipe.checkpoint_frozen
+        )
+    else:
+        train_loader.set_epoch(0)
+
+    metrics = MetricsLogger(
+        out_dir,
+        loggers=run.log.loggers,
+        is_global_zero=fabric.is_global_zero,
+        total_steps=total_steps,
+        run_config=run.cli_arguments,
+    )
+    metrics.set_model(
+        run.config,
+        world_size=fabric.world_size,
+        device=fabric.device,
+        precision=run.precision,
+        seq_len=train.max_seq_length,
+    )
+    preemption = PreemptionFlag()
+    batches = epoch_batches(train_loader, epoch)
+    while step < total_steps:
+        micro_batches, epoch, batches = next_micro_batches(batches, train_loader, epoch, accumulation)
+        if micro_batches is None:  # the data cannot fill even one optimizer step
+            raise LitsftError(
+                "the training data is too small for one optimizer step; lower --train.global_batch_size"
+            )
+        optimizer.param_groups[0]["lr"] = lr = learning_rate(run.optimizer, step, total_steps)
+        for group in optimizer.param_groups[1:]:
+            group["lr"] = lr
+        loss, grad_norm, tokens, padding_free_tokens = train_step(
+            fabric, model, optimizer, micro_batches, train.max_norm
+        )
+        step += 1
+        metrics.step_done(
+            step,
+            epoch=epoch,
+            loss=loss,
+            learning_rate=lr,
+            grad_norm=grad_norm,
+            target_tokens=tokens,
+            input_tokens=padding_free_tokens,
+            log=step % train.log_interval == 0 or step == total_steps,
+        )
+        if run.eval.interval and step % run.eval.interval == 0 and step < total_steps:
+            validate(fabric, model, val_loader, tokenizer, run, metrics, step)
+        must_stop = preemption.is_set(fabric)
+        if (train.save_interval and step % train.save_interval == 0) or must_stop:
+            save_checkpoint(fabric, out_dir, step, epoch, model, optimizer, train_loader, run, recipe)
+        if must_stop:
+            fabric.print(f"Stopped by a signal after step {step}; relaunch the same command to resume.")
+            metrics.close()
+            raise SystemExit(PREEMPTED_EXIT_CODE)
+
+    validate(fabric, model, val_loader, tokenizer, run, metrics, step)
+    recipe.save_final(model, out_dir / "final")
+    fabric.barrier()
+    metrics.close()
+    fabric.print(f"Saved the final model to {out_dir / 'final'}")
+
+
+# ---- setup ----------------------------------------------------------------------------------------------
+def setup_model(fabric: Fabric, recipe: Recipe, run: RunConfig) -> nn.Module:
+    """Build on the meta device, shard, materialize, then fill: no rank ever holds a full copy it does not need."""
+    with torch.device("meta"):
+        model = recipe.build_model(run.config)
+    model.activation_checkpointing = run.fsdp.activation_checkpointing
+    if fabric.world_size == 1:
+        model.to_empty(device=fabric.device)
+        if run.config.tie_word_embeddings:
+            model.lm_head.weight = model.embed.weight  # to_empty unties shared parameters
+    model = fabric.setup_module(model)
+    recipe.initialize(model)
+    return model
+
+
+def total_optimizer_steps(train: TrainConfig, loader: Any, accumulation: int) -> int:
+    if train.max_steps is not None:
+        return train.max_steps
+    try:
+        micro_batches_per_epoch = len(loader)
+    except TypeError:
+        raise LitsftError("the data has no known length (streaming); pass --train.max_steps") from None
+    steps_per_epoch = micro_batches_per_epoch // accumulation
+    if steps_per_epoch == 0:
+        raise LitsftError(
+            f"one epoch gives {micro_batches_per_epoch} micro-batches per process, fewer than the "
+            f"{accumulation} one optimizer step needs; lower --train.global_batch_size"
+        )
+    return steps_per_epoch * train.epochs
+
+
+def find_resume_checkpoint(resume: bool | str | Path, out_dir: Path) -> Path | None:
+    if resume is False or resume is None:
+        return None
+    if resume in ("auto", True):
+        return checkpoint.latest_checkpoint(out_dir)
+    path = Path(resume)
+    if not path.is_dir():
+        raise LitsftError(
+            f"--resume {path}: no such checkpoint directory; pass an existing step-XXXXXXXX dir or auto"
+        )
+    return path
+
+
+# ---- the loop's parts ---------------------------------------------------------------------------------------
+def epoch_batches(loader: Any, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+    return iter(loader)
+
+
+def next_micro_batches(
+    batches: Iterator, loader: Any, epoch: int, accumulation: int
+) -> tuple[list[dict[str, torch.Tensor]] | None, int, Iterator]:
+    """The next `accumulation` micro-batches, moving to the next epoch when this one cannot fill a step."""
+    for _ in range(2):
+        micro_batches = []
+        for batch in batches:
+            micro_batches.append(batch)
+            if len(micro_batches) == accumulation:
+                return micro_batches, epoch, batches
+        epoch += 1
+        loader.set_epoch(epoch)
+        batches = iter(loader)
+    return None, epoch, batches
+
+
+def train_step(
+    fabric: Fabric,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[dict[str, torch.Tensor]],
+    max_norm: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One optimizer step over the micro-batches of this rank. Returns (mean loss, grad norm, target tokens,
+    non-padding input tokens), all global and still on the device (no host sync here)."""
+    device = fabric.device
+    counts = torch.stack(
+        [
+            sum((mb["labels"] != -100).sum() for mb in micro_batches),
+            sum(_input_token_count(mb) for mb in micro_batches),
+        ]
+    ).to(device)
+    counts = fabric.all_reduce(counts, reduce_op="sum")
+    target_tokens = counts[0].clamp(min=1)
+    # Each rank's summed loss is divided by the *global* target-token count, so every token weighs the same
+    # whatever the packing, micro-batch size or number of ranks. FSDP averages gradients over ranks, which
+    # the factor world_size undoes.
+    scale = fabric.world_size / target_tokens
+    loss_sum = torch.zeros((), device=device)
+    for i, batch in enumerate(micro_batches):
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        with fabric.no_backward_sync(model, enabled=i < len(micro_batches) - 1):
+            loss = model(
+                batch["input_ids"],
+                batch.get("position_ids"),
+                batch.get("document_ids"),
+                labels=batch["labels"],
+            )
+            fabric.backward(loss * scale)
+        loss_sum += loss.detach()
+    grad_norm = clip_gradients(model, max_norm)
+    if not torch.isfinite(grad_norm):
+        raise LitsftError(
+            f"the gradient norm is {grad_norm.item()}: training diverged or the data holds a broken "
+            "sample; lower --optimizer.lr, check the data, or resume from an earlier checkpoint"
+        )
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss = fabric.all_reduce(loss_sum, reduce_op="sum") / target_tokens
+    return loss, grad_norm, counts[0], counts[1]
+
+
+def _input_token_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    if "document_ids" in batch:
+        return (batch["document_ids"] >= 0).sum()
+    if "attention_mask" in batch:
+        return batch["attention_mask"].sum()
+    return torch.tensor(batch["input_ids"].numel())
+
+
+def clip_gradients(model: nn.Module, max_norm: float | None) -> torch.Tensor:
+    """Global gradient norm over all ranks (clipped to max_norm when given)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else math.inf, foreach=True)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+@torch.no_grad()
+def validate(
+    fabric: Fabric, model: nn.Module, val_loader: Any, tokenizer: Any, run: RunConfig, metrics: Any, step: int
+) -> None:
+    if val_loader is None:
+        return
+    model.eval()
+    totals = torch.zeros(2, device=fabric.device)
+    for i, batch in enumerate(val_loader):
+        if run.eval.max_batches is not None and i >= run.eval.max_batches:
+            break
+        batch = {k: v.to(fabric.device) for k, v in batch.items()}
+        totals[0] += model(
+            batch["input_ids"], batch.get("position_ids"), batch.get("document_ids"), labels=batch["labels"]
+        )
+        totals[1] += (batch["labels"] != -100).sum()
+    totals = fabric.all_reduce(totals, reduce_op="sum")
+    sample = generate_sample(model, tokenizer, run)
+    model.train()
+    if totals[1] > 0:
+        metrics.validation_done(
+            step, loss=(totals[0] / totals[1]).item(), tokens=int(totals[1].item()), sample=sample
+        )
+
+
+def generate_sample(model: nn.Module, tokenizer: Any, run: RunConfig) -> str | None:
+    """Greedy completion of one validation prompt. Every rank generates it (sharded forwards are collective)."""
+    prompt = getattr(run.data, "sample_prompt", lambda: None)()
+    if prompt is None or run.eval.max_new_tokens <= 0:
+        return None
+    from litsft.generate import generate_batch
+
+    text = tokenizer.render_chat(prompt, add_generation_prompt=True) if tokenizer.chat_template else prompt
+    prompt_ids = tokenizer.encode(text) if isinstance(text, str) else text
+    completion = generate_batch(
+        model, [prompt_ids], max_new_tokens=run.eval.max_new_tokens, stop_ids=tokenizer.stop_ids
+    )[0]
+    return tokenizer.decode(completion)
+
+
+# ---- checkpoints and resume ----------------------------------------------------------------------------
+PREEMPTED_EXIT_CODE = 124
+"""Exit status after a SIGTERM/SIGUSR1 stop with a checkpoint written (relaunch to resume)."""
+
+
+def save_checkpoint(
+    fabric: Fabric,
+    out_dir: Path,
+    step: int,
+    epoch: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: Any,
+    run: RunConfig,
+    recipe: Recipe,
+) -> None:
+    trainer_state = {
+        "epoch": epoch,
+        "recipe": recipe.name,
+        "seed": run.seed,
+        "config": asdict(run.config),
+        "arguments": run.cli_arguments,
+    }
+    rank_state = {"rng": checkpoint.rng_state(), "loader": loader.state_dict(), "epoch": epoch}
+    checkpoint.save_training_checkpoint(
+        out_dir, step, model, optimizer, trainer_state, rank_state, save_frozen=recipe.checkpoint_frozen
+    )
+    checkpoint.rotate_checkpoints(out_dir, run.train.keep_last)
+    fabric.print(f"Saved checkpoint {out_dir / checkpoint.checkpoint_name(step)}")
+
+
+def resume(
+    fabric: Fabric,
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: Any,
+    seed: int,
+    checkpoint_frozen: bool,
+) -> tuple[int, int]:
+    state, rank_state = checkpoint.load_training_checkpoint(
+        path, model, optimizer, load_frozen=checkpoint_frozen
+    )
+    step = state["step"]
+    if rank_state is None:
+        # A different number of ranks: weights and optimizer state were resharded; data order does not depend
+        # on the world size; only the per-rank random streams (dropout) cannot continue, so they are reseeded.
+        fabric.print(
+            f"Resuming {path} (written by {state['world_size']} processes) on {fabric.world_size}: "
+            "random streams are reseeded, so dropout differs from an uninterrupted run."
+        )
+        rank_state = checkpoint.load_rank_zero_state(path)
+        torch.manual_seed(seed + step * 7919 + fabric.global_rank)
+    else:
+        checkpoint.set_rng_state(rank_state["rng"])
+    loader.set_epoch(rank_state["epoch"])
+    loader.load_state_dict(rank_state["loader"])
+    fabric.print(f"Resumed from {path} at step {step}")
+    return step, rank_state["epoch"]
+
+
+class PreemptionFlag:
+    """Set by SIGTERM or SIGUSR1 (SLURM's warning before the time limit); checked once per step on all ranks."""
+
+    def __init__(self) -> None:
+        self._received = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self._received = True
+
+    def is_set(self, fabric: Fabric) -> bool:
+        flag = torch.tensor(float(self._received), device=fabric.device)
+        if fabric.world_size > 1:
+            flag = fabric.all_reduce(flag, reduce_op="max")
+        return bool(flag.item())
+
+
+def timestamp() -> float:
+    return time.perf_counter()

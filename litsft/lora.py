@@ -1,0 +1,460 @@
+"""LoRA: low-rank adapters on a frozen Transformer, their checkpoint directory, merging, and PEFT export.
+
+A projection `W` becomes `W x + B A dropout(x) * alpha / rank`, with A (rank, in) and B (out, rank); B starts
+at zero, so a fresh adapter leaves the model's outputs unchanged.
+
+Parameter names. Each adapted `nn.Linear` is wrapped in a `LoRALinear` that keeps it as a child named `base`,
+so FSDP2 can put the frozen base and the trainable adapters in separate units:
+
+    blocks.0.attn.q_proj.weight   ->  blocks.0.attn.q_proj.base.weight     (frozen)
+                                      blocks.0.attn.q_proj.lora_A.weight   (rank, in)
+                                      blocks.0.attn.q_proj.lora_B.weight   (out, rank)
+
+`model.load_state_dict(plain_litsft_state_dict)` still works: `LoRALinear` renames `weight`/`bias` to
+`base.weight`/`base.bias` while loading and leaves its adapters as they are when the state dict has none.
+Loaders that match keys themselves (torch.distributed.checkpoint) can use `to_lora_names` instead.
+
+A LoRA checkpoint directory (what finetune_lora writes, see `save_lora_checkpoint`):
+    lora_config.json      LoRAConfig plus "base_checkpoint": the litsft checkpoint the adapters were trained on
+    adapter.safetensors   adapter tensors in litsft names (`blocks.0.attn.q_proj.lora_A.weight`)
+    tokenizer files       copied from the base checkpoint
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Literal, get_args
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from litsft.config import Config
+from litsft.convert import hf_name, write_hf_checkpoint
+from litsft.errors import LitsftError
+from litsft.model import Transformer
+from litsft.weight_files import (
+    SAFETENSORS_METADATA,
+    atomic_output_dir,
+    copy_tokenizer_files,
+    iter_checkpoint_tensors,
+    save_checkpoint_files,
+)
+
+LoRATarget = Literal["q", "k", "v", "o", "gate", "up", "down", "lm_head"]
+LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
+# Target -> the attribute name of the nn.Linear it adapts (the same name Hugging Face and PEFT use).
+MODULE_OF_TARGET: dict[str, str] = {t: t if t == "lm_head" else f"{t}_proj" for t in LORA_TARGETS}
+# PEFT's "all-linear" leaves the output layer out; so does litsft's.
+ALL_LINEAR: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+
+LORA_CONFIG_NAME = "lora_config.json"
+ADAPTER_NAME = "adapter.safetensors"
+PEFT_CONFIG_NAME = "adapter_config.json"
+PEFT_ADAPTER_NAME = "adapter_model.safetensors"
+
+
+@dataclass
+class LoRAConfig:
+    """Which projections get low-rank adapters, and their size."""
+
+    rank: int = 8
+    """Rank r of each adapter: A is (r, in_features), B is (out_features, r)."""
+    alpha: float = 16
+    """The adapter's output is scaled by alpha / rank."""
+    dropout: float = 0.05
+    """Dropout on the adapter's input during training."""
+    targets: list[LoRATarget] | Literal["all-linear"] = "all-linear"
+    """Projections to adapt: a list of q, k, v, o, gate, up, down, lm_head, or all-linear (every attention
+    and MLP projection, not lm_head). Adapting the MLP too is what lets LoRA approach full fine-tuning
+    (QLoRA, Dettmers et al. 2023), for a few more adapter parameters."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.targets, str):
+            if self.targets != "all-linear":
+                raise LitsftError(
+                    f"lora targets={self.targets!r} is not valid; use 'all-linear' or a list of {', '.join(LORA_TARGETS)}"
+                )
+        else:
+            self.targets = list(self.targets)
+            unknown = [t for t in self.targets if t not in LORA_TARGETS]
+            if unknown or not self.targets:
+                raise LitsftError(
+                    f"lora targets {unknown or self.targets} are not valid; choose from {', '.join(LORA_TARGETS)} "
+                    "or use 'all-linear'"
+                )
+        if self.rank < 1:
+            raise LitsftError(f"lora rank={self.rank} must be at least 1")
+        if not 0 <= self.dropout < 1:
+            raise LitsftError(f"lora dropout={self.dropout} must be in [0, 1)")
+
+    @property
+    def target_list(self) -> list[str]:
+        """The targets with all-linear spelled out."""
+        return list(ALL_LINEAR) if self.targets == "all-linear" else list(self.targets)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+class ZeroInitLinear(nn.Linear):
+    """lora_B: `reset_parameters()` zeroes it, so Fabric materializing a meta-device model (which calls
+    `reset_parameters()` on every module holding parameters) gives a fresh adapter, not a random one."""
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+
+class LoRALinear(nn.Module):
+    """A frozen `nn.Linear` plus a trainable low-rank update: base(x) + B(A(dropout(x))) * alpha / rank."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
+        super().__init__()
+        self.base = base
+        factory = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, **factory)
+        self.lora_B = ZeroInitLinear(rank, base.out_features, bias=False, **factory)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.scaling = alpha / rank
+        if base.weight.device.type != "meta":
+            self.reset_lora_parameters()
+        self.register_load_state_dict_pre_hook(_load_plain_names)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+
+    @torch.no_grad()
+    def reset_lora_parameters(self) -> None:
+        """A as PEFT and the LoRA paper initialize it (nn.Linear's default), B zero."""
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    def merged_weight(self) -> torch.Tensor:
+        """base.weight + B @ A * scaling, differentiable in A and B: for code that multiplies by the weight
+        itself (the chunked cross-entropy over lm_head). Adapter dropout is not applied there."""
+        return self.base.weight + (self.lora_B.weight @ self.lora_A.weight) * self.scaling
+
+    def delta_weight(self) -> torch.Tensor:
+        """B @ A * scaling (out, in), in fp32."""
+        return lora_delta(self.lora_A.weight, self.lora_B.weight, self.scaling)
+
+
+def _load_plain_names(
+    module: LoRALinear, state_dict: dict[str, torch.Tensor], prefix: str, *_: object
+) -> None:
+    """Accept `prefix.weight`/`prefix.bias` of a plain checkpoint as `prefix.base.weight`/`.base.bias`, and keep
+    the current adapters when the state dict has none (load_state_dict hands the hook its own copy)."""
+    for suffix in ("weight", "bias"):
+        if prefix + suffix in state_dict:
+            state_dict[prefix + "base." + suffix] = state_dict.pop(prefix + suffix)
+    for name in ("lora_A", "lora_B"):
+        state_dict.setdefault(f"{prefix}{name}.weight", getattr(module, name).weight)
+
+
+def lora_delta(lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The weight update B @ A * scaling (out, in), computed in fp32 so a bf16 merge rounds only once."""
+    return (lora_B.float() @ lora_A.float()) * scaling
+
+
+# ---- applying to a model -------------------------------------------------------------------------------
+def apply_lora(model: Transformer, config: LoRAConfig) -> Transformer:
+    """Wrap the targeted projections of `model` in LoRALinear (in place) and freeze everything but the
+    adapters. Works on a model on the meta device: after `to_empty()`, call `init_lora_weights(model)` (or
+    let Fabric's materialization call each module's `reset_parameters()`), then load the base weights."""
+    module_names = {MODULE_OF_TARGET[t] for t in config.target_list}
+    for parent in list(model.modules()):
+        if isinstance(parent, LoRALinear):
+            continue
+        for name, child in list(parent.named_children()):
+            if name in module_names and type(child) is nn.Linear:
+                setattr(parent, name, LoRALinear(child, config.rank, config.alpha, config.dropout))
+    mark_only_lora_trainable(model)
+    return model
+
+
+def mark_only_lora_trainable(model: nn.Module) -> None:
+    for name, param in model.named_parameters():
+        param.requires_grad = _is_adapter_name(name)
+
+
+@torch.no_grad()
+def init_lora_weights(model: nn.Module) -> None:
+    """Fresh adapters everywhere (A random, B zero), e.g. after materializing a meta-device model."""
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            module.reset_lora_parameters()
+
+
+def to_lora_names(state_dict: Mapping[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """Rename a plain litsft state dict to the names of a LoRA model (`q_proj.weight` -> `q_proj.base.weight`)."""
+    wrapped = {name for name, module in model.named_modules() if isinstance(module, LoRALinear)}
+    renamed = {}
+    for key, tensor in state_dict.items():
+        module, _, suffix = key.rpartition(".")
+        renamed[f"{module}.base.{suffix}" if module in wrapped else key] = tensor
+    return renamed
+
+
+def _is_adapter_name(name: str) -> bool:
+    return ".lora_A." in f".{name}" or ".lora_B." in f".{name}"
+
+
+def lora_state_dict(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a LoRA model, or of its (gathered) state dict, as full tensors in litsft names.
+    With an FSDP2-sharded model every rank must call it: gathering a sharded tensor is a collective."""
+    if isinstance(model_or_state_dict, nn.Module):
+        model_or_state_dict = model_or_state_dict.state_dict()
+    adapters = {}
+    for name, tensor in model_or_state_dict.items():
+        if _is_adapter_name(name):
+            if hasattr(tensor, "full_tensor"):  # a DTensor shard
+                tensor = tensor.full_tensor()
+            # torch.compile wraps modules as `_orig_mod`; the saved names must not depend on it.
+            adapters[name.replace("_orig_mod.", "")] = tensor.detach()
+    return adapters
+
+
+# ---- merging -------------------------------------------------------------------------------------------
+@torch.no_grad()
+def merge_lora_weights(model: Transformer) -> Transformer:
+    """Fold every adapter into its base weight and put the plain nn.Linear back (in place); returns `model`.
+    A tied lm_head with an adapter gets a weight of its own: the input embeddings must stay unchanged."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, LoRALinear):
+                continue
+            base = child.base
+            merged = (base.weight.float() + child.delta_weight()).to(base.weight.dtype)
+            if base.weight is model.embed.weight:
+                base.weight = nn.Parameter(merged, requires_grad=False)
+                model.config = replace(model.config, tie_word_embeddings=False)
+            else:
+                base.weight.copy_(merged)
+            setattr(parent, name, base)
+    return model
+
+
+def iter_merged_tensors(
+    base_tensors: Iterable[tuple[str, torch.Tensor]],
+    adapter_state_dict: Mapping[str, torch.Tensor],
+    lora_config: LoRAConfig,
+    tie_word_embeddings: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Merge one base tensor at a time, so merging a 70B model holds one weight in memory, not the model.
+    With tied embeddings and an lm_head adapter, `lm_head.weight` (embeddings + update) follows `embed.weight`;
+    the merged checkpoint is then untied (see `merged_config`)."""
+
+    def merge(module: str, tensor: torch.Tensor) -> torch.Tensor:
+        lora_A = adapter_state_dict.get(f"{module}.lora_A.weight")
+        if lora_A is None:
+            return tensor
+        delta = lora_delta(lora_A, adapter_state_dict[f"{module}.lora_B.weight"], lora_config.scaling)
+        return (tensor.float() + delta.to(tensor.device)).to(tensor.dtype)
+
+    for name, tensor in base_tensors:
+        module, _, suffix = name.rpartition(".")
+        yield name, merge(module, tensor) if suffix == "weight" else tensor
+        if name == "embed.weight" and tie_word_embeddings and "lm_head.lora_A.weight" in adapter_state_dict:
+            yield "lm_head.weight", merge("lm_head", tensor)
+
+
+def merged_state_dict(
+    base_state_dict: Mapping[str, torch.Tensor],
+    adapter_state_dict: Mapping[str, torch.Tensor],
+    lora_config: LoRAConfig,
+) -> dict[str, torch.Tensor]:
+    """A plain litsft state dict with the adapters folded in (base tensors are not modified). A base state
+    dict without `lm_head.weight` is taken to be tied, as litsft checkpoints store it."""
+    tied = "lm_head.weight" not in base_state_dict
+    tensors = ((n, t) for n, t in base_state_dict.items() if not (tied and n == "lm_head.weight"))
+    return dict(iter_merged_tensors(tensors, adapter_state_dict, lora_config, tie_word_embeddings=tied))
+
+
+def merged_config(config: Config, lora_config: LoRAConfig) -> Config:
+    """The base config, untied when lm_head has an adapter: the merged lm_head no longer equals the embeddings."""
+    if config.tie_word_embeddings and "lm_head" in lora_config.target_list:
+        return replace(config, tie_word_embeddings=False)
+    return config
+
+
+# ---- LoRA checkpoint directories ------------------------------------------------------------------------
+def save_lora_checkpoint(
+    adapter_state_dict: Mapping[str, torch.Tensor],
+    lora_config: LoRAConfig,
+    base_checkpoint_dir: Path,
+    out_dir: Path,
+) -> None:
+    """Write a LoRA checkpoint directory (see the module docstring). The adapters are checked against the base
+    model's shapes first, so a mismatch writes nothing. Files already in `out_dir` are replaced."""
+    base_checkpoint_dir = Path(base_checkpoint_dir).resolve()
+    config = Config.from_checkpoint(base_checkpoint_dir)
+    adapters = {name: tensor.detach().to("cpu").contiguous() for name, tensor in adapter_state_dict.items()}
+    check_adapter_shapes(adapters, config, lora_config, source="adapter state dict")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(adapters, out_dir / ADAPTER_NAME, metadata=SAFETENSORS_METADATA)
+    copy_tokenizer_files(base_checkpoint_dir, out_dir)
+    # Config last: a directory with lora_config.json is a finished LoRA checkpoint.
+    values = {**asdict(lora_config), "base_checkpoint": str(base_checkpoint_dir)}
+    (out_dir / LORA_CONFIG_NAME).write_text(json.dumps(values, indent=2) + "\n")
+
+
+def load_lora_checkpoint(checkpoint_dir: Path) -> tuple[LoRAConfig, Path, dict[str, torch.Tensor]]:
+    """(LoRA config, base checkpoint dir, adapter tensors) of a LoRA checkpoint, checked against the base."""
+    checkpoint_dir = Path(checkpoint_dir)
+    config_path = checkpoint_dir / LORA_CONFIG_NAME
+    if not config_path.is_file():
+        raise LitsftError(
+            f"{checkpoint_dir} is not a LoRA checkpoint: {LORA_CONFIG_NAME} is missing. "
+            "Pass the directory that finetune_lora wrote (e.g. <out_dir>/final)"
+        )
+    try:
+        values = json.loads(config_path.read_text())
+        base_checkpoint = Path(values.pop("base_checkpoint"))
+        unknown = sorted(set(values) - {f.name for f in fields(LoRAConfig)})
+        if unknown:
+            raise LitsftError(
+                f"{config_path} has unknown keys {unknown}; it was written by a different litsft version"
+            )
+        lora_config = LoRAConfig(**values)
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise LitsftError(
+            f"{config_path} is not a valid LoRA config ({err!r}); restore it from the run"
+        ) from None
+    if not base_checkpoint.is_absolute():
+        base_checkpoint = checkpoint_dir / base_checkpoint
+    if not base_checkpoint.is_dir():
+        raise LitsftError(
+            f"base checkpoint {base_checkpoint} named in {config_path} does not exist; "
+            "restore it there or edit base_checkpoint in that file"
+        )
+    config = Config.from_checkpoint(base_checkpoint)
+    adapter_path = checkpoint_dir / ADAPTER_NAME
+    if not adapter_path.is_file():
+        raise LitsftError(f"{checkpoint_dir} has no {ADAPTER_NAME}; the LoRA checkpoint is incomplete")
+    adapters = load_file(adapter_path)
+    check_adapter_shapes(adapters, config, lora_config, source=str(adapter_path))
+    return lora_config, base_checkpoint, adapters
+
+
+def check_adapter_shapes(
+    adapters: Mapping[str, torch.Tensor], config: Config, lora_config: LoRAConfig, source: str
+) -> None:
+    """Raise LitsftError unless `adapters` holds exactly the tensors, and shapes, that `lora_config` gives `config`."""
+    with torch.device("meta"):
+        expected = {
+            name: tuple(t.shape)
+            for name, t in lora_state_dict(apply_lora(Transformer(config), lora_config)).items()
+        }
+    for name, tensor in adapters.items():
+        if name not in expected:
+            raise LitsftError(
+                f"{source}: tensor {name!r} is not an adapter of {config.name} with targets "
+                f"{lora_config.targets!r}; the adapter belongs to a different model or LoRA config"
+            )
+        if tuple(tensor.shape) != expected[name]:
+            raise LitsftError(
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)} but {config.name} with rank "
+                f"{lora_config.rank} needs {expected[name]}; the adapter belongs to a different base checkpoint"
+            )
+    missing = sorted(set(expected) - set(adapters))
+    if missing:
+        raise LitsftError(
+            f"{source}: {len(missing)} adapter tensors are missing, e.g. {missing[0]!r}; the LoRA checkpoint is incomplete"
+        )
+
+
+def merge_lora(checkpoint_dir: Path, out_dir: Path | None = None) -> None:
+    """Fold a LoRA checkpoint's adapters into its base weights and write a plain litsft checkpoint.
+
+    Args:
+        checkpoint_dir: A LoRA checkpoint directory written by finetune_lora (lora_config.json,
+            adapter.safetensors); its lora_config.json names the base checkpoint.
+        out_dir: Where to write the merged checkpoint; default `<checkpoint_dir>/merged`. Must not exist or
+            be empty.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    lora_config, base_checkpoint, adapters = load_lora_checkpoint(checkpoint_dir)
+    config = Config.from_checkpoint(base_checkpoint)
+    out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir / "merged"
+    with atomic_output_dir(out_dir) as tmp_dir:
+        tensors = iter_merged_tensors(
+            iter_checkpoint_tensors(base_checkpoint), adapters, lora_config, config.tie_word_embeddings
+        )
+        save_checkpoint_files(
+            tensors, merged_config(config, lora_config), tmp_dir, tokenizer_source_dir=checkpoint_dir
+        )
+    print(f"Saved merged checkpoint to {out_dir}")
+
+
+# ---- export to Hugging Face PEFT -----------------------------------------------------------------------
+def peft_name(litsft_name: str) -> str:
+    """`blocks.0.attn.q_proj.lora_A.weight` -> `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
+    module, adapter, suffix = litsft_name.rsplit(".", 2)
+    return f"base_model.model.{hf_name(module + '.weight').removesuffix('.weight')}.{adapter}.{suffix}"
+
+
+def export_peft_adapter(lora_checkpoint_dir: Path, out_dir: Path, base_model_name_or_path: str = "") -> None:
+    """Write a LoRA checkpoint as a Hugging Face PEFT adapter (adapter_config.json, adapter_model.safetensors),
+    to load with `peft.PeftModel.from_pretrained(hf_base_model, out_dir)`.
+
+    Args:
+        lora_checkpoint_dir: A LoRA checkpoint directory written by finetune_lora.
+        out_dir: Where to write the adapter; must not exist or be empty.
+        base_model_name_or_path: Recorded in adapter_config.json; default the base model's name.
+    """
+    lora_config, base_checkpoint, adapters = load_lora_checkpoint(lora_checkpoint_dir)
+    config = Config.from_checkpoint(base_checkpoint)
+    alpha = int(lora_config.alpha) if float(lora_config.alpha).is_integer() else lora_config.alpha
+    peft_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path or config.name,
+        "r": lora_config.rank,
+        "lora_alpha": alpha,
+        "lora_dropout": lora_config.dropout,
+        "target_modules": sorted(MODULE_OF_TARGET[t] for t in lora_config.target_list),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+    with atomic_output_dir(Path(out_dir)) as tmp_dir:
+        save_file(
+            {peft_name(name): tensor for name, tensor in adapters.items()},
+            tmp_dir / PEFT_ADAPTER_NAME,
+            metadata=SAFETENSORS_METADATA,
+        )
+        (tmp_dir / PEFT_CONFIG_NAME).write_text(json.dumps(peft_config, indent=2) + "\n")
+        copy_tokenizer_files(Path(lora_checkpoint_dir), tmp_dir)
+
+
+def export_lora_to_hf(
+    lora_checkpoint_dir: Path, out_dir: Path, format: Literal["merged", "peft"] = "merged"
+) -> None:
+    """Export a LoRA checkpoint for Hugging Face: "merged" writes a plain transformers checkpoint with the
+    adapters folded in, "peft" writes a PEFT adapter for the original base model.
+
+    Args:
+        lora_checkpoint_dir: A LoRA checkpoint directory written by finetune_lora.
+        out_dir: Where to write; must not exist or be empty.
+        format: merged (a full model) or peft (adapter_config.json + adapter_model.safetensors).
+    """
+    if format == "peft":
+        export_peft_adapter(lora_checkpoint_dir, out_dir)
+        return
+    lora_config, base_checkpoint, adapters = load_lora_checkpoint(lora_checkpoint_dir)
+    config = Config.from_checkpoint(base_checkpoint)
+    with atomic_output_dir(Path(out_dir)) as tmp_dir:
+        tensors = iter_merged_tensors(
+            iter_checkpoint_tensors(base_checkpoint), adapters, lora_config, config.tie_word_embeddings
+        )
+        write_hf_checkpoint(tensors, merged_config(config, lora_config), tmp_dir, Path(lora_checkpoint_dir))

@@ -1,0 +1,629 @@
+"""Training metrics: FLOPs and MFU, throughput, memory, token-weighted loss, and the loggers.
+
+The engine loop says what is measured; this module says how. Nothing here synchronizes the host with
+the device in the hot loop: step values are accumulated as device tensors and read (`.item()`, a clock,
+an all-reduce) only when the engine asks for them at a log step.
+
+Use in the engine loop (all ranks call it; only global rank 0 writes):
+
+    metrics = MetricsLogger(out_dir, is_global_zero=fabric.is_global_zero, total_steps=total_steps)
+    metrics.set_model(config, world_size=..., device=..., precision=..., seq_len=...)
+    for ...:
+        loss, grad_norm, target_tokens, input_tokens = train_step(...)   # device tensors, global
+        metrics.step_done(step, epoch=..., loss=loss, ..., log=step % log_interval == 0)
+        with metrics.paused():                                            # not training time
+            validate(...)                                                 # -> metrics.validation_done(...)
+    metrics.close()                                                       # writes loss.png
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import importlib
+import json
+import math
+import os
+import re
+import resource
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+from litsft.config import Config
+from litsft.errors import LitsftError
+
+LoggerName = Literal["csv", "tensorboard", "wandb"]
+LOGGER_NAMES: tuple[str, ...] = ("csv", "tensorboard", "wandb")
+
+# One CSV for the whole run: a row per log step (train columns filled) and a row per validation
+# (val columns filled); blank where a value does not apply or is unknown (MFU on an unknown device).
+CSV_COLUMNS: tuple[str, ...] = (
+    "step",
+    "epoch",
+    "loss",
+    "learning_rate",
+    "grad_norm",
+    "tokens_per_second",
+    "tokens_per_second_per_device",
+    "loss_tokens_per_second",
+    "mfu",
+    "peak_gpu_memory_allocated_mib",
+    "peak_rss_mib",
+    "val_loss",
+    "val_perplexity",
+    "val_tokens",
+)
+TRAIN_METRICS = frozenset(CSV_COLUMNS) - {"step", "val_loss", "val_perplexity", "val_tokens"}
+CSV_FILENAME = "metrics.csv"
+PLOT_FILENAME = "loss.png"
+SAMPLES_FILENAME = "samples.txt"
+
+
+# ---- FLOPs and peak FLOP/s ------------------------------------------------------------------------
+def flops_per_token(config: Config, seq_len: int, trainable: Literal["all", "lora"] = "all") -> float:
+    """Training FLOPs per token for one forward and backward pass (PaLM appendix B, as torchtitan counts).
+
+    N counts the weights of every matmul: the q/k/v/o and MLP projections and lm_head, which runs even
+    when tied to the embedding; the embedding lookup is a gather and costs none. Norms, biases, RoPE and
+    softmax are elementwise and left out. Attention scores and their weighted sum add 4 * L * H * D * T
+    per token in the forward pass, counted over the full `seq_len` T, causal mask or not, so numbers
+    compare with other reports. Pass the length the attention kernel processes: the padded or packed
+    block length (litsft's masked SDPA computes the whole block even for packed documents).
+
+    Args:
+        config: The model's shape.
+        seq_len: Tokens per sequence as the attention kernel sees them.
+        trainable: "all": forward 2N, backward 4N (input and weight gradients) = 6N. "lora": the base
+            weights are frozen, so the backward skips weight gradients: 2N + 2N = 4N; the low-rank
+            adapters add about 6 * rank * (in + out) per adapted matrix, negligible and not counted.
+            Attention has no weights, so its backward costs twice its forward either way.
+    """
+    C, L, H, K, D = (
+        config.hidden_size,
+        config.num_layers,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+    )
+    per_block = C * D * (2 * H + 2 * K) + 3 * C * config.intermediate_size
+    matmul_weights = L * per_block + config.vocab_size * C
+    attention_forward = 4 * L * H * D * seq_len
+    dense = (6 if trainable == "all" else 4) * matmul_weights
+    return float(dense + 3 * attention_forward)
+
+
+# Dense (no 2:4 sparsity) peak tensor-core FLOP/s per GPU, from NVIDIA's datasheets. An entry matches
+# when all its words occur in torch.cuda.get_device_name(); the first match wins, so specific names
+# come first. bf16/fp16 are with fp32 accumulation (what training uses; GeForce cards halve it).
+# A missing "tf32" means the GPU has no TF32 units: fp32 matmuls then run at the "fp32" rate. A missing
+# "bf16" (V100, T4) means bf16 is emulated and no MFU is reported.
+_GPU_PEAK_FLOPS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
+    (("b200",), {"bf16": 2250e12, "fp16": 2250e12, "tf32": 1100e12, "fp32": 75e12}),
+    (("h200", "nvl"), {"bf16": 835e12, "fp16": 835e12, "tf32": 417.5e12, "fp32": 60e12}),
+    (("h200",), {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    (("gh200",), {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    (("h100", "nvl"), {"bf16": 835e12, "fp16": 835e12, "tf32": 417.5e12, "fp32": 60e12}),
+    (("h100", "pcie"), {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),
+    (("h100", "hbm2e"), {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),  # PCIe
+    (("h100",), {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
+    (("a100",), {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    (("a10g",), {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),  # AWS's A10
+    (("a10",), {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
+    (("l40s",), {"bf16": 362.05e12, "fp16": 362.05e12, "tf32": 183e12, "fp32": 91.6e12}),
+    (("l40",), {"bf16": 181.05e12, "fp16": 181.05e12, "tf32": 90.5e12, "fp32": 90.5e12}),
+    (("l4",), {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
+    (("rtx", "4090"), {"bf16": 165.2e12, "fp16": 165.2e12, "tf32": 82.6e12, "fp32": 82.6e12}),
+    (("rtx", "3090"), {"bf16": 71e12, "fp16": 71e12, "tf32": 35.6e12, "fp32": 35.6e12}),
+    (("v100s",), {"fp16": 130e12, "fp32": 16.4e12}),
+    (("v100", "pcie"), {"fp16": 112e12, "fp32": 14e12}),
+    (("v100",), {"fp16": 125e12, "fp32": 15.7e12}),
+    (("t4",), {"fp16": 65e12, "fp32": 8.1e12}),
+)
+
+
+def matmul_precision(precision: str) -> Literal["bf16", "fp16", "tf32", "fp32"] | None:
+    """The number format matmuls run in under a Fabric precision ("bf16-mixed", "16-true", "32-true",
+    ...) or a plain name; None for formats without a peak in the table (fp64, fp8)."""
+    name = str(precision).lower()
+    if name.startswith("bf16"):
+        return "bf16"
+    if name.startswith(("16", "fp16", "float16")):
+        return "fp16"
+    if name == "tf32":
+        return "tf32"
+    if name.startswith(("32", "fp32", "float32")):
+        # torch.set_float32_matmul_precision("high") lets fp32 matmuls run on TF32 tensor cores.
+        return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return None
+
+
+def gpu_peak_flops(device_name: str, precision: str) -> float | None:
+    """Dense peak FLOP/s of one GPU named as `torch.cuda.get_device_name()` names it, or None if the
+    GPU or the precision is not in the table."""
+    fmt = matmul_precision(precision)
+    words = set(re.split(r"[\s\-_]+", device_name.lower()))
+    for required, peaks in _GPU_PEAK_FLOPS:
+        if set(required) <= words:
+            if fmt == "tf32" and "tf32" not in peaks:
+                fmt = "fp32"
+            return peaks.get(fmt) if fmt else None
+    return None
+
+
+def device_peak_flops(device: torch.device, precision: str, peak_flops: float | None = None) -> float | None:
+    """Peak FLOP/s of one device for MFU, or None when unknown (CPU, an unlisted GPU): MFU is then not
+    reported rather than guessed.
+
+    Args:
+        device: The training device.
+        precision: Fabric's precision setting, e.g. "bf16-mixed".
+        peak_flops: An explicit peak that overrides the table, for GPUs it lacks or a known clock limit.
+    """
+    if peak_flops is not None:
+        if not peak_flops > 0:
+            raise LitsftError(f"peak_flops={peak_flops} must be a positive FLOP/s figure, e.g. 989e12")
+        return float(peak_flops)
+    if device.type != "cuda":
+        return None
+    return gpu_peak_flops(torch.cuda.get_device_name(device), precision)
+
+
+# ---- throughput and memory ------------------------------------------------------------------------
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _to_floats(values: Sequence[Tensor | float | int]) -> list[float]:
+    """Read a few scalars with one device-to-host copy instead of one per tensor."""
+    tensors = [v for v in values if isinstance(v, Tensor)]
+    if not tensors:
+        return [float(v) for v in values]  # type: ignore[arg-type]
+    read = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist())
+    return [next(read) if isinstance(v, Tensor) else float(v) for v in values]
+
+
+class Throughput:
+    """Tokens per second and MFU over the optimizer steps between two log steps.
+
+    The clock is read, and the device synchronized, only in `compute()` and around `paused()` sections,
+    so the hot loop stays asynchronous. Tokens are the non-padding input tokens: padding is computed
+    but not counted, so padding waste shows up as lower MFU, not as fake throughput.
+    """
+
+    def __init__(
+        self, flops_per_token: float, world_size: int, device: torch.device, peak_flops: float | None
+    ) -> None:
+        """
+        Args:
+            flops_per_token: From `flops_per_token(config, seq_len, trainable)`.
+            world_size: Number of devices that the token counts are summed over.
+            device: The local training device (synchronized before the clock is read).
+            peak_flops: Peak FLOP/s of one device (`device_peak_flops`); None reports no MFU.
+        """
+        self.flops_per_token = flops_per_token
+        self.world_size = world_size
+        self.device = device
+        self.peak_flops = peak_flops
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self._input_tokens: Tensor | int = 0
+        self._loss_tokens: Tensor | int = 0
+        self._steps = 0
+        self._elapsed = 0.0
+        self._started: float | None = time.perf_counter()
+
+    def update(self, input_tokens: Tensor | int, loss_tokens: Tensor | int) -> None:
+        """Count one optimizer step. Both are global counts (summed over ranks and micro-batches), as
+        device tensors or ints: input tokens that are not padding, and labels that are not -100."""
+        self._input_tokens = self._input_tokens + input_tokens
+        self._loss_tokens = self._loss_tokens + loss_tokens
+        self._steps += 1
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave a section (validation, checkpointing) out of the measured time."""
+        _synchronize(self.device)
+        if self._started is not None:
+            self._elapsed += time.perf_counter() - self._started
+        self._started = None
+        try:
+            yield
+        finally:
+            _synchronize(self.device)
+            self._started = time.perf_counter()
+
+    def compute(self) -> dict[str, float | None]:
+        """Rates over the steps since the last call (which starts a new window); {} if there were none."""
+        _synchronize(self.device)
+        elapsed = self._elapsed + (time.perf_counter() - self._started if self._started is not None else 0.0)
+        steps = self._steps
+        input_tokens, loss_tokens = _to_floats([self._input_tokens, self._loss_tokens])
+        self._reset_window()
+        if steps == 0 or elapsed <= 0:
+            return {}
+        tokens_per_second = input_tokens / elapsed
+        return {
+            "tokens_per_second": tokens_per_second,
+            "tokens_per_second_per_device": tokens_per_second / self.world_size,
+            "loss_tokens_per_second": loss_tokens / elapsed,
+            "mfu": mfu(self.flops_per_token, tokens_per_second, self.peak_flops, self.world_size),
+        }
+
+
+def mfu(
+    flops_per_token: float, tokens_per_second: float, peak_flops: float | None, world_size: int
+) -> float | None:
+    """Model FLOPs utilization: achieved training FLOP/s over the peak of all devices; None if unknown."""
+    if peak_flops is None:
+        return None
+    return flops_per_token * tokens_per_second / (peak_flops * world_size)
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """Peak memory of this process since it started, in MiB (2**20 bytes).
+
+    `peak_gpu_memory_allocated_mib` is `torch.cuda.max_memory_allocated` (tensors only; the caching
+    allocator reserves somewhat more), present on CUDA only. `peak_rss_mib` is the process's peak
+    resident host memory (getrusage), which on CPU is where the model lives.
+    """
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_bytes = rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB, macOS bytes
+    memory = {"peak_rss_mib": rss_bytes / 2**20}
+    if device.type == "cuda":
+        memory["peak_gpu_memory_allocated_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return memory
+
+
+# ---- loss aggregation ------------------------------------------------------------------------------
+class TokenWeightedMean(Metric):
+    """Mean loss per token: sum of per-token losses over sum of tokens, across updates and ranks.
+
+    `update` only adds device tensors; `compute` all-reduces the two sums over the default process
+    group when one exists (torchmetrics' sync), so every rank gets the same global value. Averaging
+    per-rank means instead would over-weight ranks whose batches have fewer label tokens.
+    Move it to the training device first (`.to(device)`): NCCL reduces CUDA tensors only.
+    """
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = False
+
+    loss_sum: Tensor
+    tokens: Tensor
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("loss_sum", default=torch.tensor(0.0, dtype=torch.float32), dist_reduce_fx="sum")
+        self.add_state("tokens", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+
+    def update(self, loss_sum: Tensor | float, tokens: Tensor | int) -> None:
+        """Add a batch: the sum of its per-token losses and the number of tokens in that sum."""
+        self.loss_sum += torch.as_tensor(loss_sum, device=self.loss_sum.device).detach().float()
+        self.tokens += torch.as_tensor(tokens, device=self.tokens.device)
+
+    def compute(self) -> Tensor:
+        """The global mean; NaN when no tokens were counted."""
+        return self.loss_sum / self.tokens
+
+
+def perplexity(loss: float) -> float:
+    """exp(mean loss per token); inf where the exponential overflows a float."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+# ---- loggers ---------------------------------------------------------------------------------------
+def _require(logger: str, package: str) -> None:
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        raise LitsftError(
+            f"loggers includes {logger!r} but the {package} package is not installed; "
+            f"run `pip install {package}` or drop {logger!r} from loggers"
+        ) from None
+
+
+class MetricsLogger:
+    """Writes metrics on the global-zero rank: metrics.csv, optional TensorBoard and W&B, a tqdm progress
+    bar with ETA, samples.txt, and loss.png at `close()`. Other ranks write and show nothing.
+
+    W&B runs in offline mode when WANDB_MODE=offline is set (wandb reads it itself); the project is
+    WANDB_PROJECT, else "litsft".
+    """
+
+    def __init__(
+        self,
+        out_dir: Path | str,
+        *,
+        is_global_zero: bool,
+        loggers: Sequence[LoggerName] = ("csv",),
+        total_steps: int | None = None,
+        start_step: int = 0,
+        run_config: dict[str, Any] | None = None,
+    ) -> None:
+        """
+        Args:
+            out_dir: Run directory; files go directly in it, TensorBoard events under tensorboard/.
+            is_global_zero: Whether this process is rank 0 of the whole job.
+            loggers: Any of "csv", "tensorboard", "wandb".
+            total_steps: Optimizer steps in the run, for the progress bar's ETA; None shows no ETA.
+            start_step: The step a resumed run starts after: metrics.csv keeps its rows up to this step
+                and appends; 0 starts a fresh metrics.csv.
+            run_config: Hyperparameters recorded with the run (W&B config, TensorBoard text).
+        """
+        unknown = [name for name in loggers if name not in LOGGER_NAMES]
+        if unknown:
+            raise LitsftError(f"unknown logger {unknown[0]!r}; choose from {', '.join(LOGGER_NAMES)}")
+        # Checked on every rank so that all of them fail together instead of rank 0 alone.
+        if "tensorboard" in loggers:
+            _require("tensorboard", "tensorboard")
+        if "wandb" in loggers:
+            _require("wandb", "wandb")
+        self.out_dir = Path(out_dir)
+        self.is_global_zero = is_global_zero
+        self.loggers = tuple(dict.fromkeys(loggers))
+        self.history: list[dict[str, float | None]] = []
+        """Every row logged (and, on resume, kept from metrics.csv): the data behind loss.png."""
+        self._closed = False
+        self._tensorboard: Any = None
+        self._wandb: Any = None
+        self._bar: Any = None
+        self._throughput: Throughput | None = None
+        self._device = torch.device("cpu")
+        # The engine's step loss and token counts are already global: no second all-reduce.
+        self._train_loss = TokenWeightedMean(sync_on_compute=False)
+        if not is_global_zero:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if "csv" in self.loggers:
+            self._start_csv(start_step)
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
+            if run_config:
+                text = json.dumps(run_config, indent=2, default=str)
+                self._tensorboard.add_text("run_config", f"```\n{text}\n```", start_step)
+        if "wandb" in self.loggers:
+            import wandb
+
+            self._wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "litsft"),
+                name=self.out_dir.name,
+                dir=str(self.out_dir),
+                config=run_config or {},
+            )
+        from tqdm import tqdm
+
+        # Outside a terminal (a batch job's log file) redraw rarely: each redraw is a line there.
+        self._bar = tqdm(
+            total=total_steps,
+            initial=start_step,
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=1.0 if sys.stderr.isatty() else 30.0,
+        )
+
+    def _start_csv(self, start_step: int) -> None:
+        path = self.out_dir / CSV_FILENAME
+        kept: list[dict[str, str]] = []
+        if start_step > 0 and path.is_file():
+            with path.open(newline="") as f:
+                kept = [
+                    row for row in csv.DictReader(f) if row.get("step") and int(row["step"]) <= start_step
+                ]
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(kept)
+        for row in kept:
+            self.history.append({k: float(row[k]) if row.get(k) else None for k in CSV_COLUMNS})
+
+    def _write(self, row: dict[str, float | None], prefix: str) -> None:
+        self.history.append(row)
+        step = int(row["step"])  # type: ignore[arg-type]
+        if "csv" in self.loggers:
+            with (self.out_dir / CSV_FILENAME).open("a", newline="") as f:
+                csv_row = {k: "" if v is None else (step if k == "step" else v) for k, v in row.items()}
+                csv.DictWriter(f, fieldnames=CSV_COLUMNS).writerow(csv_row)
+        values = {
+            f"{prefix}/{k.removeprefix('val_')}": v for k, v in row.items() if k != "step" and v is not None
+        }
+        if self._tensorboard is not None:
+            for key, value in values.items():
+                self._tensorboard.add_scalar(key, value, step)
+            self._tensorboard.flush()
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+
+    def set_model(
+        self,
+        config: Config,
+        *,
+        world_size: int,
+        device: torch.device,
+        precision: str,
+        seq_len: int,
+        trainable: Literal["all", "lora"] = "all",
+        peak_flops: float | None = None,
+    ) -> None:
+        """Enable throughput, MFU and GPU-memory columns for training `config` (see `flops_per_token`).
+
+        Args:
+            config: The model's shape.
+            world_size: Number of devices in the job.
+            device: This rank's device.
+            precision: Fabric's precision setting, e.g. "bf16-mixed", to look up the peak FLOP/s.
+            seq_len: Tokens per training row (the padded or packed block length).
+            trainable: "all" for full fine-tuning and pretraining, "lora" for frozen base weights.
+            peak_flops: Peak FLOP/s of one device, overriding the table (see `device_peak_flops`).
+        """
+        self._device = device
+        self._train_loss.to(device)
+        peak = device_peak_flops(device, precision, peak_flops)
+        self._throughput = Throughput(flops_per_token(config, seq_len, trainable), world_size, device, peak)
+
+    def step_done(
+        self,
+        step: int,
+        *,
+        epoch: int,
+        loss: Tensor | float,
+        learning_rate: float,
+        grad_norm: Tensor | float | None,
+        target_tokens: Tensor | int,
+        input_tokens: Tensor | int,
+        log: bool,
+    ) -> None:
+        """Count one optimizer step; with `log`, read and write the metrics of the steps since the last log.
+
+        Only `log` steps synchronize with the device. The logged loss is the token-weighted mean over the
+        steps since the last log; the other values are this step's.
+
+        Args:
+            step: Optimizer steps completed.
+            epoch: The epoch this step's data came from.
+            loss: This step's global mean loss per target token.
+            learning_rate: This step's learning rate.
+            grad_norm: This step's global gradient norm (before clipping).
+            target_tokens: Global count of labels that are not -100 in this step.
+            input_tokens: Global count of input tokens that are not padding in this step.
+            log: Whether to write a row now.
+        """
+        self.update_progress(step)
+        loss = torch.as_tensor(loss)
+        if self._train_loss.device != loss.device:
+            self._train_loss.to(loss.device)
+        self._train_loss.update(loss * target_tokens, target_tokens)
+        if self._throughput is not None:
+            self._throughput.update(input_tokens, target_tokens)
+        if not log:
+            return
+        metrics: dict[str, float | Tensor | None] = {
+            "epoch": epoch,
+            "loss": self._train_loss.compute(),
+            "learning_rate": learning_rate,
+            "grad_norm": grad_norm,
+        }
+        self._train_loss.reset()
+        if self._throughput is not None:
+            metrics.update(self._throughput.compute())
+        metrics.update(peak_memory(self._device))
+        self.log_step(step, metrics)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave a section (validation, checkpointing) out of the tokens/s and MFU measurement."""
+        with self._throughput.paused() if self._throughput is not None else contextlib.nullcontext():
+            yield
+
+    def log_step(self, step: int, metrics: dict[str, float | Tensor | None]) -> None:
+        """Record a log step's training metrics (names from CSV_COLUMNS; tensors are read here, once).
+
+        Args:
+            step: Optimizer steps completed.
+            metrics: E.g. loss, learning_rate, grad_norm, epoch, and the outputs of `Throughput.compute`
+                and `peak_memory`. None or missing values are left blank.
+        """
+        unknown = sorted(set(metrics) - TRAIN_METRICS)
+        if unknown:
+            raise ValueError(f"unknown training metrics {unknown}; known: {sorted(TRAIN_METRICS)}")
+        if not self.is_global_zero:
+            return
+        names = [k for k, v in metrics.items() if v is not None]
+        values = dict(zip(names, _to_floats([metrics[k] for k in names])))  # type: ignore[misc]
+        row: dict[str, float | None] = {k: values.get(k) for k in CSV_COLUMNS}
+        row["step"] = step
+        self._write(row, "train")
+        postfix = [f"loss {values['loss']:.4f}"] if "loss" in values else []
+        if "tokens_per_second" in values:
+            postfix.append(f"{values['tokens_per_second']:,.0f} tokens/s")
+        self._bar.set_postfix_str(", ".join(postfix), refresh=False)
+
+    def validation_done(
+        self, step: int, *, loss: float | Tensor, tokens: int | Tensor, sample: str | None = None
+    ) -> float:
+        """Record a validation and return its perplexity, exp(loss), on every rank.
+
+        Args:
+            step: Optimizer steps completed.
+            loss: Global mean loss per target token (sum over ranks of per-token losses over the sum of
+                tokens, e.g. from `TokenWeightedMean`).
+            tokens: Global number of target tokens the loss covers.
+            sample: A generated sample, printed and appended to samples.txt.
+        """
+        val_loss, val_tokens = _to_floats([loss, tokens])
+        val_perplexity = perplexity(val_loss)
+        if not self.is_global_zero:
+            return val_perplexity
+        row: dict[str, float | None] = dict.fromkeys(CSV_COLUMNS)
+        row.update(step=step, val_loss=val_loss, val_perplexity=val_perplexity, val_tokens=val_tokens)
+        self._write(row, "val")
+        message = f"step {step}: val_loss {val_loss:.4f}, val_perplexity {val_perplexity:.2f}"
+        if sample is not None:
+            message += f"\n{sample}"
+            with (self.out_dir / SAMPLES_FILENAME).open("a") as f:
+                f.write(f"## step {step}\n{sample}\n\n")
+            if self._tensorboard is not None:
+                self._tensorboard.add_text("val/sample", sample, step)
+            if self._wandb is not None:
+                self._wandb.log({"val/sample": sample}, step=step)
+        self._bar.write(message)
+        return val_perplexity
+
+    def update_progress(self, step: int) -> None:
+        """Move the progress bar to `step` optimizer steps done; call every step (cheap, no sync)."""
+        if self._bar is not None and step > self._bar.n:
+            self._bar.update(step - self._bar.n)
+
+    def close(self) -> None:
+        """Close the bar and loggers, and write loss.png from the logged rows. Safe to call twice."""
+        if self._closed or not self.is_global_zero:
+            return
+        self._closed = True
+        self._bar.close()
+        self._plot()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+    def _plot(self) -> None:
+        # Figure without pyplot: renders with Agg and leaves the global backend and figures alone.
+        from matplotlib.figure import Figure
+
+        train = [(r["step"], r["loss"]) for r in self.history if r["loss"] is not None]
+        val = [(r["step"], r["val_loss"]) for r in self.history if r["val_loss"] is not None]
+        if not train and not val:
+            return
+        figure = Figure(figsize=(8, 5), layout="constrained")
+        axes = figure.subplots()
+        if train:
+            axes.plot(*zip(*train), label="train loss", linewidth=1)
+        if val:
+            axes.plot(*zip(*val), label="validation loss", marker="o", linewidth=1.5)
+        axes.set_xlabel("optimizer step")
+        axes.set_ylabel("loss (nats per token)")
+        axes.set_title(self.out_dir.name)
+        axes.grid(alpha=0.3)
+        axes.legend()
+        figure.savefig(self.out_dir / PLOT_FILENAME, dpi=100)
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

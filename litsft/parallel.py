@@ -1,0 +1,140 @@
+"""How the model is spread over devices: the one place that decides sharding.
+
+Every sharding strategy is FSDP2 (`fully_shard`) on a device mesh, run through Fabric's
+ModelParallelStrategy. FSDP2 runs unpatched on CPU (gloo) and GPU (NCCL), and its hybrid mode is
+correct where FSDP1's silently drops the cross-replica all-reduce (../shared/NOTES-cpu-fsdp.md):
+
+| strategy      | mesh                          | reshard_after_forward |
+|---------------|-------------------------------|-----------------------|
+| FULL_SHARD    | 1-D, all ranks                | True  (ZeRO-3)        |
+| SHARD_GRAD_OP | 1-D, all ranks                | False (ZeRO-2)        |
+| HYBRID_SHARD  | 2-D (nodes, devices per node) | True: shard in a node, replicate across nodes |
+| NO_SHARD      | 2-D (all ranks, 1)            | replicate everywhere (DDP)                    |
+
+One process runs without FSDP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from litsft.errors import LitsftError
+
+ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
+Precision = Literal["bf16-mixed", "bf16-true", "16-mixed", "32-true"]
+
+
+@dataclass
+class FSDPConfig:
+    """How the model is sharded when more than one process trains it."""
+
+    sharding_strategy: ShardingStrategy = "FULL_SHARD"
+    """FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), HYBRID_SHARD (shard in a node, replicate across
+    nodes) or NO_SHARD (replicate, like DDP)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass: less memory, about 1/3 more compute."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (GPU runs only)."""
+
+
+def build_fabric(devices: int, num_nodes: int, precision: Precision, fsdp: FSDPConfig) -> Fabric:
+    """A Fabric for `devices` x `num_nodes` processes, FSDP2-sharded as `fsdp` says when there is more than one."""
+    accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    if fsdp.cpu_offload and accelerator == "cpu":
+        raise LitsftError(
+            "--fsdp.cpu_offload needs GPUs: on a CPU-only machine everything already lives in CPU memory"
+        )
+    if devices * num_nodes == 1:
+        return Fabric(accelerator=accelerator, devices=1, num_nodes=1, precision=precision)
+
+    def parallelize_for_strategy(model: nn.Module, fabric_mesh: DeviceMesh) -> nn.Module:
+        return parallelize(
+            model,
+            data_parallel_mesh(fsdp.sharding_strategy, num_nodes, devices, accelerator),
+            fsdp,
+            precision,
+        )
+
+    strategy = ModelParallelStrategy(
+        parallelize_fn=parallelize_for_strategy, data_parallel_size=num_nodes, tensor_parallel_size=devices
+    )
+    # Fabric's autocast would cast inside every op; with FSDP2 the cast happens once per all-gather
+    # (MixedPrecisionPolicy below), so Fabric only needs to know about true-precision modes.
+    fabric_precision = "32-true" if precision == "bf16-mixed" else precision
+    return Fabric(
+        accelerator=accelerator,
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        precision=fabric_precision,
+    )
+
+
+def data_parallel_mesh(
+    strategy: ShardingStrategy, num_nodes: int, devices: int, device_type: str
+) -> DeviceMesh:
+    world_size = num_nodes * devices
+    if strategy == "HYBRID_SHARD":
+        return init_device_mesh(device_type, (num_nodes, devices), mesh_dim_names=("replicate", "shard"))
+    if strategy == "NO_SHARD":
+        return init_device_mesh(device_type, (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, precision: Precision) -> nn.Module:
+    """Shard each transformer block as its own FSDP unit, then the root (embeddings, final norm, head).
+
+    Frozen and trainable parameters (LoRA) never share a unit: a module whose parameters are mixed is
+    split into one unit per trainable submodule (the adapters) before its block is wrapped, so the
+    frozen base is all-gathered without gradients and only adapter gradients are reduce-scattered.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mp_policy = MixedPrecisionPolicy()
+    if precision == "bf16-mixed":
+        # fp32 master weights and gradient reduction, bf16 compute.
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload_policy = CPUOffloadPolicy(pin_memory=True) if fsdp.cpu_offload else OffloadPolicy()
+    reshard = fsdp.sharding_strategy != "SHARD_GRAD_OP"
+    options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+
+    for block in model.blocks:
+        for module in trainable_islands(block):
+            fully_shard(module, reshard_after_forward=reshard, **options)
+        fully_shard(block, reshard_after_forward=reshard, **options)
+    for module in trainable_islands(model, skip=model.blocks):
+        fully_shard(module, reshard_after_forward=reshard, **options)
+    # The root's parameters are needed again right at the start of backward; keeping them saves one all-gather.
+    fully_shard(model, reshard_after_forward=False, **options)
+    return model
+
+
+def trainable_islands(module: nn.Module, skip: nn.Module | None = None) -> list[nn.Module]:
+    """The largest submodules whose parameters are all trainable, inside a module that also holds frozen ones."""
+    params = [p for name, p in module.named_parameters() if skip is None or not _is_under(name, module, skip)]
+    if all(p.requires_grad for p in params) or not any(p.requires_grad for p in params):
+        return []
+    islands: list[nn.Module] = []
+    for child in module.children():
+        if child is skip:
+            continue
+        child_params = list(child.parameters())
+        if child_params and all(p.requires_grad for p in child_params):
+            islands.append(child)
+        elif any(p.requires_grad for p in child_params):
+            islands.extend(trainable_islands(child))
+    return islands
+
+
+def _is_under(name: str, root: nn.Module, sub: nn.Module) -> bool:
+    for child_name, child in root.named_children():
+        if child is sub:
+            return name.startswith(child_name + ".")
+    return False

@@ -1,0 +1,281 @@
+"""Memory planner: the device memory one training step needs, per device, worked out before launching it.
+
+Pure arithmetic over a `Config`, modelling the engine in litsft/parallel.py: FSDP2 `fully_shard` on every
+transformer block and on the root (embeddings, final norm, output head), through Fabric's
+ModelParallelStrategy; one process runs without FSDP. The byte counts:
+
+| precision  | stored parameters | gradients | AdamW exp_avg + exp_avg_sq | compute copy |
+|------------|-------------------|-----------|----------------------------|--------------|
+| bf16-mixed | fp32, sharded     | fp32      | 2 x fp32                   | bf16         |
+| 16-mixed   | fp32, sharded     | fp32      | 2 x fp32                   | fp16         |
+| bf16-true  | bf16              | bf16      | 2 x bf16                   | none needed  |
+| 32-true    | fp32              | fp32      | 2 x fp32                   | none needed  |
+
+Parameters, gradients and optimizer states are divided by the shard group: every rank for FULL_SHARD and
+SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, one (replicated) for NO_SHARD. On top come
+activations and transients (all-gathered compute-dtype parameters, a chunk of logits, gradient-reduction
+buffers). Everything the model rests on is a named constant below, so that a calibration test can compare
+`estimate_memory` with measured peaks and adjust them. The total adds phase peaks that do not all happen at
+the same moment, so it errs on the high side.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from litsft.config import Config, format_count
+from litsft.errors import LitsftError
+from litsft.parallel import Precision, ShardingStrategy
+
+# (bytes of a stored parameter, bytes of a parameter as the matmuls see it). Gradients and AdamW's two
+# states take the stored dtype: FSDP2 reduces gradients in fp32 (reduce_dtype) into the fp32 shards.
+PARAMETER_BYTES: dict[str, tuple[int, int]] = {
+    "bf16-mixed": (4, 2),
+    "16-mixed": (4, 2),
+    "bf16-true": (2, 2),
+    "32-true": (4, 4),
+}
+ADAM_STATES_PER_PARAMETER = 2
+"""exp_avg and exp_avg_sq, each the size and dtype of the parameter."""
+PREFETCHED_BLOCKS = 2
+"""Blocks whose unsharded parameters are alive at once when resharding after forward: the block being
+computed and the next one, all-gathered ahead (FSDP2's implicit prefetch)."""
+LOSS_CHUNK_TOKENS = 1024
+"""The loss runs the output head over this many tokens at a time, so only one chunk of logits exists."""
+LOGIT_EXTRA_BYTES = 8
+"""Per logit of a loss chunk, beyond the compute-dtype logits: the fp32 copy cross-entropy reads and its
+fp32 gradient."""
+ACTIVATION_SCALE = 1.0
+"""Calibration factor on the activation estimate (allocator rounding, saved tensors not counted below)."""
+USABLE_FRACTION = 0.9
+"""Share of a device's memory that tensors can use; the rest goes to the CUDA context, NCCL buffers and
+allocator fragmentation."""
+
+MEMORY_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+MEMORY_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one device holds at the peak of a training step."""
+
+    parameters: int
+    """Stored (master) parameters: the shard this device owns, or all of them when replicated."""
+    gradients: int
+    """Gradients of the trainable parameters, sharded like them."""
+    optimizer_states: int
+    """AdamW's two moments of the trainable parameters, sharded like them."""
+    activations: int
+    """Tensors the forward pass saves for the backward pass."""
+    transients: int
+    """All-gathered compute-dtype parameters, one chunk of logits, gradient-reduction buffers."""
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_states + self.activations + self.transients
+
+
+def shard_group_size(devices: int, num_nodes: int, sharding_strategy: ShardingStrategy) -> int:
+    """How many devices split each parameter between them."""
+    if sharding_strategy == "NO_SHARD":
+        return 1
+    if sharding_strategy == "HYBRID_SHARD":
+        return devices  # shard within a node, replicate across nodes
+    return devices * num_nodes
+
+
+def root_parameters(config: Config) -> int:
+    """Parameters outside the blocks: embeddings (and the untied output head) plus the final norm."""
+    return (
+        config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2) + config.hidden_size
+    )
+
+
+def block_parameters(config: Config) -> int:
+    return (config.num_parameters - root_parameters(config)) // config.num_layers
+
+
+def lora_parameters_per_block(config: Config, lora_rank: int) -> int:
+    """A (rank x in) and B (out x rank) for the q, k, v and o projections."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    C = config.hidden_size
+    return lora_rank * ((C + q) + 2 * (C + kv) + (q + C))
+
+
+def block_activation_bytes_per_token(
+    config: Config, compute_bytes: int, lora: bool = False, lora_rank: int = 8
+) -> int:
+    """Bytes one block saves for the backward pass per token, counted from litsft/model.py's Block.
+
+    Assumes a fused attention kernel (flash or memory-efficient: no (T, T) matrix is saved) and that a
+    linear layer keeps its input only when its weight is trained (autograd saves what a gradient needs).
+    """
+    C, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    c = compute_bytes
+    # RMSNorm keeps its fp32 upcast input; its output is kept by the linear layers that read it.
+    attn_norm = 4 * C + c * C
+    mlp_norm = 4 * C + (0 if lora else c * C)  # LoRA: frozen gate/up projections do not keep their input
+    # SDPA keeps q, k, v (k and v repeated to all heads), its output and a fp32 logsumexp per head;
+    # o_proj keeps its (contiguous) input.
+    attention = 5 * q * c + 4 * config.num_heads
+    qk_norm = (q + kv) * (4 + c) if config.qk_norm else 0
+    # SwiGLU: gate output (silu's input), silu output, up output, and their product (down_proj's input,
+    # not kept when down_proj is frozen).
+    mlp = (3 if lora else 4) * inter * c
+    adapters = 4 * lora_rank * c if lora else 0  # LoRA A outputs, kept by B
+    return attn_norm + mlp_norm + attention + qk_norm + mlp + adapters
+
+
+def estimate_memory(
+    config: Config,
+    devices: int = 1,
+    num_nodes: int = 1,
+    sharding_strategy: ShardingStrategy = "FULL_SHARD",
+    precision: Precision = "bf16-mixed",
+    micro_batch_size: int = 1,
+    max_seq_length: int = 2048,
+    activation_checkpointing: bool = False,
+    lora: bool = False,
+    lora_rank: int = 8,
+) -> MemoryEstimate:
+    """Per-device bytes of one training step with AdamW; see the module docstring for the model."""
+    if precision not in PARAMETER_BYTES:
+        raise LitsftError(
+            f"precision {precision!r} is not supported; choose one of {', '.join(PARAMETER_BYTES)}"
+        )
+    stored, compute = PARAMETER_BYTES[precision]
+    world_size = devices * num_nodes
+    shard = shard_group_size(devices, num_nodes, sharding_strategy) if world_size > 1 else 1
+
+    adapters_per_block = lora_parameters_per_block(config, lora_rank) if lora else 0
+    adapters = adapters_per_block * config.num_layers
+    trainable = adapters if lora else config.num_parameters
+    # LoRA's frozen base is stored like trainable parameters: fp32 shards under bf16-mixed, bf16 under bf16-true.
+    parameters = math.ceil((config.num_parameters + adapters) * stored / shard)
+    gradients = math.ceil(trainable * stored / shard)
+    optimizer_states = math.ceil(trainable * stored * ADAM_STATES_PER_PARAMETER / shard)
+
+    tokens = micro_batch_size * max_seq_length
+    per_block = block_activation_bytes_per_token(config, compute, lora, lora_rank) * tokens
+    if activation_checkpointing:
+        # Each block keeps only its input; one block's activations come back during its recomputation.
+        blocks = config.num_layers * tokens * config.hidden_size * compute + per_block
+    else:
+        blocks = config.num_layers * per_block
+    # Outside the blocks: the final norm (fp32 upcast + output) and RoPE's cos and sin.
+    head = tokens * (config.hidden_size * (4 + compute) + 2 * config.head_dim * compute)
+    activations = math.ceil((blocks + head) * ACTIVATION_SCALE)
+
+    block_size = block_parameters(config) + adapters_per_block
+    if world_size == 1:
+        # No FSDP: Fabric's autocast casts every weight for its matmul and the cast copies are kept for
+        # the backward pass; with one dtype the parameters are used as they are.
+        gathered = (config.num_parameters + adapters) * compute if stored != compute else 0
+        reduce_buffers = 0
+    else:
+        # The root is never resharded (litsft/parallel.py), SHARD_GRAD_OP keeps every block unsharded
+        # from its forward to its backward, the other strategies hold PREFETCHED_BLOCKS at a time.
+        held = (
+            config.num_layers
+            if sharding_strategy == "SHARD_GRAD_OP"
+            else min(PREFETCHED_BLOCKS, config.num_layers)
+        )
+        gathered = (held * block_size + root_parameters(config)) * compute
+        # One block's unsharded gradients (compute dtype) and their copy in the reduce dtype. The root's
+        # gradients are reduced at the very end of backward, when the activations are gone.
+        reduce_buffers = (adapters_per_block if lora else block_size) * (compute + stored)
+    logits = min(LOSS_CHUNK_TOKENS, tokens) * config.vocab_size * (compute + LOGIT_EXTRA_BYTES)
+    transients = gathered + reduce_buffers + logits
+    return MemoryEstimate(parameters, gradients, optimizer_states, activations, transients)
+
+
+def parse_memory_size(text: str) -> int:
+    """Bytes in "80GB" (10^9), "80GiB" (2^30), "24 GB", "512MiB"."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", text, flags=re.IGNORECASE)
+    if match is None or match.group(2).upper() not in MEMORY_UNITS:
+        raise LitsftError(f"device_memory {text!r} is not a memory size; write it like 80GB or 80GiB")
+    return int(float(match.group(1)) * MEMORY_UNITS[match.group(2).upper()])
+
+
+def fits(estimate: MemoryEstimate, device_memory: int) -> bool:
+    return estimate.total <= device_memory * USABLE_FRACTION
+
+
+def plan(
+    model: str,
+    devices: int = 1,
+    num_nodes: int = 1,
+    sharding_strategy: ShardingStrategy = "FULL_SHARD",
+    precision: Precision = "bf16-mixed",
+    micro_batch_size: int = 1,
+    max_seq_length: int = 2048,
+    activation_checkpointing: bool = False,
+    lora: bool = False,
+    lora_rank: int = 8,
+    device_memory: str | None = None,
+) -> None:
+    """Estimate the memory per device of a training run, and whether it fits.
+
+    Args:
+        model: A named config (`litsft list_models`) or a litsft checkpoint directory.
+        devices: Devices (GPUs) per node.
+        num_nodes: Number of nodes.
+        sharding_strategy: FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD, as in training.
+        precision: bf16-mixed, bf16-true, 16-mixed or 32-true, as in training.
+        micro_batch_size: Sequences per device per forward pass.
+        max_seq_length: Tokens per sequence.
+        activation_checkpointing: Recompute each block in the backward pass instead of keeping its activations.
+        lora: Train LoRA adapters on q, k, v and o instead of all parameters.
+        lora_rank: Rank of the LoRA adapters.
+        device_memory: Memory of one device, e.g. 80GB or 80GiB, for a fits / does not fit verdict.
+    """
+    for name, value in (
+        ("devices", devices),
+        ("num_nodes", num_nodes),
+        ("micro_batch_size", micro_batch_size),
+        ("max_seq_length", max_seq_length),
+        ("lora_rank", lora_rank),
+    ):
+        if value < 1:
+            raise LitsftError(f"--{name} must be at least 1, got {value}")
+    config = Config.from_checkpoint(model) if Path(model).is_dir() else Config.from_name(model)
+    estimate = estimate_memory(
+        config,
+        devices,
+        num_nodes,
+        sharding_strategy,
+        precision,
+        micro_batch_size,
+        max_seq_length,
+        activation_checkpointing,
+        lora,
+        lora_rank,
+    )
+    world_size = devices * num_nodes
+    shard = shard_group_size(devices, num_nodes, sharding_strategy) if world_size > 1 else 1
+    method = f"LoRA rank {lora_rank}" if lora else "full fine-tuning"
+    layout = f"{sharding_strategy}, shard group {shard}" if world_size > 1 else "one process, no FSDP"
+    print(f"{config.name} ({format_count(config.num_parameters)} parameters), {method}, {precision}")
+    print(f"{devices} device(s) x {num_nodes} node(s): {layout}")
+    checkpointing = "with" if activation_checkpointing else "without"
+    print(
+        f"micro batch {micro_batch_size} x {max_seq_length} tokens, {checkpointing} activation checkpointing"
+    )
+    print()
+    print(f"{'per device':<18}{'GiB':>9}")
+    for field in fields(estimate):
+        print(f"{field.name.replace('_', ' '):<18}{getattr(estimate, field.name) / 2**30:>9.2f}")
+    print(f"{'total':<18}{estimate.total / 2**30:>9.2f}")
+    if device_memory is None:
+        print("\nPass --device_memory (e.g. 80GB) for a verdict.")
+        return
+    memory = parse_memory_size(device_memory)
+    verdict = "fits" if fits(estimate, memory) else "does not fit"
+    print(
+        f"\n{verdict}: {estimate.total / 2**30:.2f} GiB needed, {memory * USABLE_FRACTION / 2**30:.2f} GiB usable "
+        f"of {device_memory} ({USABLE_FRACTION:.0%})"
+    )

@@ -1,0 +1,75 @@
+"""Full fine-tuning: every weight of a converted checkpoint is trained; the result is a full checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from litsft.checkpoint import load_weights, save_consolidated
+from litsft.config import Config
+from litsft.data import DataModule
+from litsft.engine import EvalConfig, LogConfig, Recipe, RunConfig, TrainConfig, launch
+from litsft.model import Transformer
+from litsft.optimizer import OptimizerConfig
+from litsft.parallel import FSDPConfig, Precision
+
+
+def setup(
+    checkpoint_dir: Path,
+    out_dir: Path = Path("out/finetune_full"),
+    data: DataModule | None = None,
+    devices: int = 1,
+    num_nodes: int = 1,
+    precision: Precision | None = None,
+    resume: bool | Literal["auto"] | Path = "auto",
+    seed: int = 1337,
+    fsdp: FSDPConfig = FSDPConfig(),
+    train: TrainConfig = TrainConfig(),
+    eval: EvalConfig = EvalConfig(),
+    optimizer: OptimizerConfig = OptimizerConfig(),
+    log: LogConfig = LogConfig(),
+) -> None:
+    """Fine-tune all weights of a litsft checkpoint on instruction or conversation data.
+
+    Args:
+        checkpoint_dir: A litsft checkpoint directory (from `litsft convert_from_hf`).
+        out_dir: Where checkpoints, metrics and the final model (out_dir/final) are written.
+        data: The data module, e.g. `--data JSON --data.json_path train.json` or `--data Demo`.
+        devices: Processes (GPUs) per node.
+        num_nodes: Nodes; with HYBRID_SHARD the model is replicated across nodes and sharded within one.
+        precision: bf16-mixed, bf16-true, 16-mixed or 32-true; default bf16-mixed on GPUs that support it, else 32-true.
+        resume: "auto" continues from the newest complete checkpoint in out_dir; a path resumes from that
+            checkpoint; false starts over.
+        seed: Seed for data order, dropout and sampling.
+        fsdp: Sharding strategy and memory options (used with more than one process).
+        train: Batch sizes, length of the run and checkpointing.
+        eval: Validation settings.
+        optimizer: AdamW and the learning-rate schedule.
+        log: Metric loggers.
+    """
+    arguments = dict(locals())
+    config = Config.from_checkpoint(checkpoint_dir)
+    recipe = Recipe(
+        name="finetune_full",
+        build_model=Transformer,
+        initialize=lambda model: load_weights(model, checkpoint_dir),
+        save_final=lambda model, final_dir: save_consolidated(model, final_dir, config, checkpoint_dir),
+    )
+    run = RunConfig(
+        config=config,
+        tokenizer_dir=checkpoint_dir,
+        data=data,
+        out_dir=out_dir,
+        devices=devices,
+        num_nodes=num_nodes,
+        precision=precision,
+        resume=resume,
+        seed=seed,
+        fsdp=fsdp,
+        train=train,
+        eval=eval,
+        optimizer=optimizer,
+        log=log,
+        cli_arguments=arguments,
+    )
+    launch(recipe, run)

@@ -1,0 +1,234 @@
+import dataclasses
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from litsft.config import NAMED_CONFIGS, Config, list_models
+from litsft.errors import LitsftError
+
+# The published numbers, typed in again from each model's config.json rather than copied from
+# litsft/config.py, so a typo in either place fails a test:
+# name: (layers, heads, kv heads, hidden, intermediate, vocab, rope theta, tied embeddings)
+PUBLISHED = {
+    "tiny-llama": (2, 4, 2, 64, 176, 512, 1e4, False),
+    "demo-llama": (4, 8, 4, 256, 688, 512, 1e4, False),
+    "Llama-2-7b-hf": (32, 32, 32, 4096, 11008, 32000, 1e4, False),
+    "Llama-2-7b-chat-hf": (32, 32, 32, 4096, 11008, 32000, 1e4, False),
+    "Llama-2-13b-hf": (40, 40, 40, 5120, 13824, 32000, 1e4, False),
+    "Llama-2-13b-chat-hf": (40, 40, 40, 5120, 13824, 32000, 1e4, False),
+    "Llama-2-70b-hf": (80, 64, 8, 8192, 28672, 32000, 1e4, False),
+    "Llama-2-70b-chat-hf": (80, 64, 8, 8192, 28672, 32000, 1e4, False),
+    "Meta-Llama-3-8B": (32, 32, 8, 4096, 14336, 128256, 5e5, False),
+    "Meta-Llama-3-8B-Instruct": (32, 32, 8, 4096, 14336, 128256, 5e5, False),
+    "Meta-Llama-3-70B": (80, 64, 8, 8192, 28672, 128256, 5e5, False),
+    "Meta-Llama-3-70B-Instruct": (80, 64, 8, 8192, 28672, 128256, 5e5, False),
+    "Llama-3.1-8B": (32, 32, 8, 4096, 14336, 128256, 5e5, False),
+    "Llama-3.1-8B-Instruct": (32, 32, 8, 4096, 14336, 128256, 5e5, False),
+    "Llama-3.1-70B": (80, 64, 8, 8192, 28672, 128256, 5e5, False),
+    "Llama-3.1-70B-Instruct": (80, 64, 8, 8192, 28672, 128256, 5e5, False),
+    "Llama-3.1-405B": (126, 128, 8, 16384, 53248, 128256, 5e5, False),
+    "Llama-3.1-405B-Instruct": (126, 128, 8, 16384, 53248, 128256, 5e5, False),
+    "Llama-3.2-1B": (16, 32, 8, 2048, 8192, 128256, 5e5, True),
+    "Llama-3.2-1B-Instruct": (16, 32, 8, 2048, 8192, 128256, 5e5, True),
+    "Llama-3.2-3B": (28, 24, 8, 3072, 8192, 128256, 5e5, True),
+    "Llama-3.2-3B-Instruct": (28, 24, 8, 3072, 8192, 128256, 5e5, True),
+    "Mistral-7B-v0.1": (32, 32, 8, 4096, 14336, 32000, 1e4, False),
+    "Mistral-7B-Instruct-v0.1": (32, 32, 8, 4096, 14336, 32000, 1e4, False),
+    "Mistral-7B-v0.3": (32, 32, 8, 4096, 14336, 32768, 1e6, False),
+    "Mistral-7B-Instruct-v0.3": (32, 32, 8, 4096, 14336, 32768, 1e6, False),
+    "Qwen2.5-0.5B": (24, 14, 2, 896, 4864, 151936, 1e6, True),
+    "Qwen2.5-0.5B-Instruct": (24, 14, 2, 896, 4864, 151936, 1e6, True),
+    "Qwen2.5-1.5B": (28, 12, 2, 1536, 8960, 151936, 1e6, True),
+    "Qwen2.5-1.5B-Instruct": (28, 12, 2, 1536, 8960, 151936, 1e6, True),
+    "Qwen2.5-3B": (36, 16, 2, 2048, 11008, 151936, 1e6, True),
+    "Qwen2.5-3B-Instruct": (36, 16, 2, 2048, 11008, 151936, 1e6, True),
+    "Qwen2.5-7B": (28, 28, 4, 3584, 18944, 152064, 1e6, False),
+    "Qwen2.5-7B-Instruct": (28, 28, 4, 3584, 18944, 152064, 1e6, False),
+    "Qwen2.5-14B": (48, 40, 8, 5120, 13824, 152064, 1e6, False),
+    "Qwen2.5-14B-Instruct": (48, 40, 8, 5120, 13824, 152064, 1e6, False),
+    "Qwen2.5-32B": (64, 40, 8, 5120, 27648, 152064, 1e6, False),
+    "Qwen2.5-32B-Instruct": (64, 40, 8, 5120, 27648, 152064, 1e6, False),
+    "Qwen2.5-72B": (80, 64, 8, 8192, 29568, 152064, 1e6, False),
+    "Qwen2.5-72B-Instruct": (80, 64, 8, 8192, 29568, 152064, 1e6, False),
+    "Qwen3-0.6B": (28, 16, 8, 1024, 3072, 151936, 1e6, True),
+    "Qwen3-0.6B-Base": (28, 16, 8, 1024, 3072, 151936, 1e6, True),
+    "Qwen3-1.7B": (28, 16, 8, 2048, 6144, 151936, 1e6, True),
+    "Qwen3-1.7B-Base": (28, 16, 8, 2048, 6144, 151936, 1e6, True),
+    "Qwen3-4B": (36, 32, 8, 2560, 9728, 151936, 1e6, True),
+    "Qwen3-4B-Base": (36, 32, 8, 2560, 9728, 151936, 1e6, True),
+    "Qwen3-8B": (36, 32, 8, 4096, 12288, 151936, 1e6, False),
+    "Qwen3-8B-Base": (36, 32, 8, 4096, 12288, 151936, 1e6, False),
+    "Qwen3-14B": (40, 40, 8, 5120, 17408, 151936, 1e6, False),
+    "Qwen3-14B-Base": (40, 40, 8, 5120, 17408, 151936, 1e6, False),
+    "Qwen3-32B": (64, 64, 8, 5120, 25600, 151936, 1e6, False),
+    "SmolLM2-135M": (30, 9, 3, 576, 1536, 49152, 1e5, True),
+    "SmolLM2-135M-Instruct": (30, 9, 3, 576, 1536, 49152, 1e5, True),
+    "SmolLM2-360M": (32, 15, 5, 960, 2560, 49152, 1e5, True),
+    "SmolLM2-360M-Instruct": (32, 15, 5, 960, 2560, 49152, 1e5, True),
+    "SmolLM2-1.7B": (24, 32, 32, 2048, 8192, 49152, 1.3e5, True),
+    "SmolLM2-1.7B-Instruct": (24, 32, 32, 2048, 8192, 49152, 1.3e5, True),
+    "TinyLlama-1.1B": (22, 32, 4, 2048, 5632, 32000, 1e4, False),
+    "TinyLlama-1.1B-Chat-v1.0": (22, 32, 4, 2048, 5632, 32000, 1e4, False),
+}
+
+# Totals counted by instantiating each Hugging Face model on the meta device (test below).
+KNOWN_PARAMETER_COUNTS = {
+    "Llama-2-7b-hf": 6_738_415_616,
+    "Meta-Llama-3-8B": 8_030_261_248,
+    "Qwen2.5-0.5B": 494_032_768,
+    "TinyLlama-1.1B": 1_100_048_384,
+}
+
+
+def hf_config_object(config: Config):
+    hf = config.to_hf_config()
+    return AutoConfig.for_model(hf.pop("model_type"), **hf)
+
+
+def meta_parameter_count(config: Config) -> int:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config_object(config))
+    return sum(p.numel() for p in model.parameters())  # tied weights are yielded once
+
+
+def test_every_named_config_has_published_numbers():
+    assert set(PUBLISHED) == set(NAMED_CONFIGS)
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_named_config_matches_published_numbers(name):
+    c = Config.from_name(name)
+    actual = (
+        c.num_layers,
+        c.num_heads,
+        c.num_kv_heads,
+        c.hidden_size,
+        c.intermediate_size,
+        c.vocab_size,
+        c.rope_theta,
+        c.tie_word_embeddings,
+    )
+    assert actual == PUBLISHED[name]
+
+
+def test_family_specific_fields():
+    llama31 = Config.from_name("Llama-3.1-8B-Instruct")
+    assert llama31.rope_scaling == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    assert (llama31.max_position_embeddings, llama31.eos_token_id) == (131072, [128001, 128008, 128009])
+    assert Config.from_name("Llama-3.2-1B").rope_scaling["factor"] == 32.0
+    assert Config.from_name("Meta-Llama-3-8B").rope_scaling is None
+    assert Config.from_name("Mistral-7B-v0.1").sliding_window == 4096
+    assert Config.from_name("Mistral-7B-v0.3").sliding_window is None
+    assert all(Config.from_name(n).qkv_bias for n in PUBLISHED if n.startswith("Qwen2.5"))
+    qwen3 = [Config.from_name(n) for n in PUBLISHED if n.startswith("Qwen3")]
+    assert all(c.qk_norm and c.head_dim == 128 and not c.qkv_bias for c in qwen3)
+    assert Config.from_name("Qwen2.5-7B-Instruct").eos_token_id == 151645
+    assert Config.from_name("Qwen2.5-7B").eos_token_id == 151643
+    assert Config.from_name("Llama-2-7b-hf").torch_dtype == "float16"
+
+
+def test_from_name_returns_an_independent_copy():
+    config = Config.from_name("Llama-3.1-8B")
+    config.rope_scaling["factor"] = 1.0
+    assert Config.from_name("Llama-3.1-8B-Instruct").rope_scaling["factor"] == 8.0
+    assert Config.from_name("Llama-3.1-8B").rope_scaling["factor"] == 8.0
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_hf_config_round_trip(name):
+    config = Config.from_name(name)
+    hf = json.loads(json.dumps(config.to_hf_config()))  # what a config.json file holds
+    assert Config.from_hf_config(hf, name=name) == config
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_transformers_builds_the_exported_config(name):
+    config = Config.from_name(name)
+    hf = hf_config_object(config)
+    assert type(hf).__name__ == config.hf_architecture.replace("ForCausalLM", "Config")
+    assert (hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads) == (
+        config.num_layers,
+        config.num_heads,
+        config.num_kv_heads,
+    )
+    assert (hf.hidden_size, hf.intermediate_size, hf.vocab_size, hf.head_dim) == (
+        config.hidden_size,
+        config.intermediate_size,
+        config.vocab_size,
+        config.head_dim,
+    )
+    assert hf.rope_parameters["rope_theta"] == config.rope_theta
+    assert hf.tie_word_embeddings == config.tie_word_embeddings
+    assert config == Config.from_name(name)  # building the HF config did not edit ours
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_parameter_count_matches_transformers_on_a_tiny_shape(name):
+    # Same family features (biases, qk-norm, tying, GQA ratio, explicit head_dim), tiny widths.
+    config = Config.from_name(name)
+    group = config.num_heads // config.num_kv_heads
+    tiny = dataclasses.replace(
+        config,
+        num_layers=2,
+        num_kv_heads=2,
+        num_heads=2 * group,
+        hidden_size=32 * group,
+        head_dim=16 if config.head_dim != config.hidden_size // config.num_heads else 0,
+        intermediate_size=48,
+        vocab_size=96,
+    )
+    assert tiny.num_parameters == meta_parameter_count(tiny)
+
+
+@pytest.mark.parametrize("name", KNOWN_PARAMETER_COUNTS)
+def test_parameter_count_of_well_known_models(name):
+    config = Config.from_name(name)
+    assert config.num_parameters == KNOWN_PARAMETER_COUNTS[name]
+    assert meta_parameter_count(config) == KNOWN_PARAMETER_COUNTS[name]
+
+
+def test_unknown_name_lists_close_matches():
+    with pytest.raises(LitsftError) as error:
+        Config.from_name("Lama-3.1-8B")
+    assert str(error.value) == (
+        "unknown model name 'Lama-3.1-8B'. "
+        "Did you mean one of: Llama-3.1-8B, Llama-3.1-8B-Instruct, Llama-3.1-70B, Llama-3.1-405B?"
+    )
+    # Names that contain what was typed (any case) come first.
+    with pytest.raises(
+        LitsftError, match=r"Did you mean one of: Qwen2\.5-7B, Qwen2\.5-7B-Instruct, Qwen2\.5-72B,"
+    ):
+        Config.from_name("qwen2.5-7b")
+
+
+def test_unknown_name_without_close_matches_points_to_list_models():
+    with pytest.raises(LitsftError) as error:
+        Config.from_name("gpt-neox-20b")
+    assert str(error.value) == "unknown model name 'gpt-neox-20b'. Run `litsft list_models` for the list."
+
+
+def test_unsupported_rope_type():
+    with pytest.raises(LitsftError) as error:
+        Config.from_name("tiny-llama", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    assert str(error.value) == (
+        "tiny-llama: rope_scaling type 'yarn' is not supported; supported types are default, llama3, linear"
+    )
+
+
+def test_list_models_prints_names_with_parameter_counts(capsys):
+    list_models()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(NAMED_CONFIGS)
+    rows = {line.split()[0]: line.split()[1] for line in lines}
+    assert rows["Llama-2-7b-hf"] == "6.74B"
+    assert rows["Llama-2-13b-hf"] == "13.0B"
+    assert rows["Llama-3.1-405B"] == "406B"
+    assert rows["SmolLM2-135M"] == "135M"

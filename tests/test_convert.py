@@ -1,0 +1,293 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_hf import TINY_HF_MODELS, save_tiny_hf, tiny_hf_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import litsft.weight_files
+from litsft.config import Config
+from litsft.convert import convert_from_hf, convert_to_hf, hf_name, litsft_name
+from litsft.errors import LitsftError
+from litsft.model import Transformer
+from litsft.weight_files import iter_tensors, load_checkpoint_state_dict
+
+torch.set_num_threads(1)
+TOKENS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def _hf_tensors(directory) -> dict[str, torch.Tensor]:
+    return dict(iter_tensors(directory))
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    return save_tiny_hf(tiny_hf_model("llama"), tmp_path / "hf")
+
+
+def test_name_templates_roundtrip():
+    assert hf_name("blocks.11.attn.q_norm.weight") == "model.layers.11.self_attn.q_norm.weight"
+    assert litsft_name("model.layers.3.post_attention_layernorm.weight") == "blocks.3.mlp_norm.weight"
+    assert litsft_name("model.embed_tokens.weight") == "embed.weight"
+    assert litsft_name("model.layers.0.mlp.experts.weight") is None
+
+
+@pytest.mark.parametrize("kind", list(TINY_HF_MODELS))
+def test_roundtrip_matches_hugging_face(tmp_path, kind):
+    hf_model = tiny_hf_model(kind)
+    hf_dir = save_tiny_hf(hf_model, tmp_path / "hf")
+    with torch.no_grad():
+        hf_logits = hf_model(TOKENS).logits
+
+    convert_from_hf(hf_dir, tmp_path / "litsft")
+    model = Transformer(Config.from_checkpoint(tmp_path / "litsft")).eval()
+    model.load_state_dict(load_checkpoint_state_dict(tmp_path / "litsft"))
+    with torch.no_grad():
+        logits = model(TOKENS)
+    assert (logits - hf_logits).abs().max() < 1e-4
+
+    convert_to_hf(tmp_path / "litsft", tmp_path / "export")
+    original, exported = _hf_tensors(hf_dir), _hf_tensors(tmp_path / "export")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[name], original[name]) for name in original)
+
+    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "export", output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+    with torch.no_grad():
+        assert torch.equal(reloaded.eval()(TOKENS).logits, hf_logits)
+
+    tokenizer, original_tokenizer = (
+        AutoTokenizer.from_pretrained(tmp_path / "export"),
+        AutoTokenizer.from_pretrained(hf_dir),
+    )
+    text = "Hello world, the quick dog reads 42 stories."
+    assert tokenizer(text).input_ids == original_tokenizer(text).input_ids
+    assert tokenizer.chat_template == original_tokenizer.chat_template is not None
+    assert json.loads((tmp_path / "export" / "generation_config.json").read_text()) == json.loads(
+        (hf_dir / "generation_config.json").read_text()
+    )
+
+
+@pytest.mark.parametrize("layout", ["sharded-safetensors", "bin", "sharded-bin"])
+def test_converts_every_weight_layout(tmp_path, layout):
+    hf_model = tiny_hf_model("qwen2")
+    kwargs = {
+        "sharded-safetensors": {"max_shard_size": "40KB"},
+        "bin": {"bin_shards": 1},
+        "sharded-bin": {"bin_shards": 3},
+    }
+    hf_dir = save_tiny_hf(hf_model, tmp_path / "hf", **kwargs[layout])
+    index = {
+        "sharded-safetensors": "model.safetensors.index.json",
+        "sharded-bin": "pytorch_model.bin.index.json",
+    }
+    if layout in index:
+        assert len(set(json.loads((hf_dir / index[layout]).read_text())["weight_map"].values())) > 1
+    else:
+        assert (hf_dir / "pytorch_model.bin").is_file()
+
+    convert_from_hf(hf_dir, tmp_path / "litsft")
+    state_dict = load_checkpoint_state_dict(tmp_path / "litsft")
+    for name, tensor in hf_model.state_dict().items():
+        assert torch.equal(state_dict[litsft_name(name)], tensor), name
+
+
+def test_convert_streams_one_shard_at_a_time(tmp_path, llama_dir, monkeypatch):
+    held = []
+    add = litsft.weight_files.ShardedSafetensorsWriter.add
+
+    def counting_add(writer, name, tensor):
+        add(writer, name, tensor)
+        held.append([t.nbytes for t in writer.shard.values()])
+
+    monkeypatch.setattr(litsft.weight_files.ShardedSafetensorsWriter, "add", counting_add)
+    convert_from_hf(llama_dir, tmp_path / "litsft", max_shard_size="40KB")
+    assert len(held) == 21
+    # Each shard is at most 40KB, except that a larger tensor (the 128KB embedding) is a shard of its own.
+    assert all(sum(shard) <= 40_000 or len(shard) == 1 for shard in held)
+    assert len(list((tmp_path / "litsft").glob("model-*-of-*.safetensors"))) >= 5
+
+
+def test_dtype_casts_and_records_it(tmp_path, llama_dir):
+    convert_from_hf(llama_dir, tmp_path / "litsft", dtype="bfloat16")
+    assert Config.from_checkpoint(tmp_path / "litsft").torch_dtype == "bfloat16"
+    assert {t.dtype for t in load_checkpoint_state_dict(tmp_path / "litsft").values()} == {torch.bfloat16}
+    convert_to_hf(tmp_path / "litsft", tmp_path / "export", dtype="float32")
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["torch_dtype"] == "float32"
+    assert {t.dtype for t in _hf_tensors(tmp_path / "export").values()} == {torch.float32}
+
+
+def test_tied_lm_head_stored_by_hf_is_dropped(tmp_path):
+    hf_model = tiny_hf_model("llama-tied")
+    hf_dir = save_tiny_hf(hf_model, tmp_path / "hf")
+    tensors = load_file(hf_dir / "model.safetensors")
+    save_file(
+        {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone()},
+        hf_dir / "model.safetensors",
+    )
+    convert_from_hf(hf_dir, tmp_path / "litsft")
+    assert "lm_head.weight" not in load_file(tmp_path / "litsft" / "model.safetensors")
+
+
+def _edit_config(hf_dir, **changes):
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def _expect_error_and_nothing_written(tmp_path, hf_dir, message):
+    out_dir = tmp_path / "out"
+    with pytest.raises(LitsftError) as err:
+        convert_from_hf(hf_dir, out_dir)
+    assert str(err.value) == message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_unsupported_architecture(tmp_path, llama_dir):
+    _edit_config(llama_dir, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    _expect_error_and_nothing_written(
+        tmp_path,
+        llama_dir,
+        "unsupported architecture 'GPT2LMHeadModel'; litsft supports LlamaForCausalLM, MistralForCausalLM, "
+        "Qwen2ForCausalLM, Qwen3ForCausalLM",
+    )
+
+
+def test_missing_config(tmp_path, llama_dir):
+    (llama_dir / "config.json").unlink()
+    _expect_error_and_nothing_written(
+        tmp_path,
+        llama_dir,
+        f"{llama_dir} has no config.json; point hf_dir at a Hugging Face checkpoint directory "
+        "(the one with config.json and the weights)",
+    )
+
+
+def test_missing_shard(tmp_path):
+    hf_dir = save_tiny_hf(tiny_hf_model("llama"), tmp_path / "hf", max_shard_size="40KB")
+    shard = sorted(hf_dir.glob("model-*-of-*.safetensors"))[1]
+    shard.unlink()
+    _expect_error_and_nothing_written(
+        tmp_path,
+        hf_dir,
+        f"{shard.name} is listed in {hf_dir / 'model.safetensors.index.json'} but missing "
+        f"from {hf_dir}; copy the complete checkpoint (all shards)",
+    )
+
+
+def test_shape_mismatch(tmp_path, llama_dir):
+    _edit_config(llama_dir, intermediate_size=96)
+    _expect_error_and_nothing_written(
+        tmp_path,
+        llama_dir,
+        f"{llama_dir / 'model.safetensors'}: tensor 'model.layers.0.mlp.gate_proj.weight' has shape [128, 64] "
+        "but the config requires [96, 64]; the config does not match the weights, restore the original config",
+    )
+
+
+def test_missing_tensor(tmp_path, llama_dir):
+    tensors = load_file(llama_dir / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, llama_dir / "model.safetensors")
+    _expect_error_and_nothing_written(
+        tmp_path,
+        llama_dir,
+        f"{llama_dir} lacks tensor 'model.layers.1.self_attn.k_proj.weight' that its config requires; "
+        "the checkpoint is incomplete or its config belongs to another model",
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            "model.layers.0.self_attn.q_proj.bias",
+            "unexpected tensor 'model.layers.0.self_attn.q_proj.bias' that the config does not have; the config does not match the weights, restore the original config",
+        ),
+        (
+            "model.layers.0.mlp.experts.weight",
+            "tensor 'model.layers.0.mlp.experts.weight' has no counterpart in litsft's LlamaForCausalLM; litsft converts only plain Llama/Mistral/Qwen2/Qwen3 checkpoints",
+        ),
+    ],
+)
+def test_unexpected_tensor(tmp_path, llama_dir, extra, message):
+    tensors = load_file(llama_dir / "model.safetensors")
+    save_file({**tensors, extra: torch.zeros(64)}, llama_dir / "model.safetensors")
+    _expect_error_and_nothing_written(tmp_path, llama_dir, f"{llama_dir / 'model.safetensors'}: {message}")
+
+
+def test_malicious_bin_is_refused_and_not_run(tmp_path, llama_dir):
+    from test_weight_files import _Malicious
+
+    marker = tmp_path / "pwned"
+    (llama_dir / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": _Malicious(marker)}, llama_dir / "pytorch_model.bin")
+    _expect_error_and_nothing_written(
+        tmp_path,
+        llama_dir,
+        f"{llama_dir / 'pytorch_model.bin'} holds Python objects other than tensors (posix.system) and litsft "
+        "refuses to unpickle them; use a safetensors checkpoint or a plain state dict of tensors",
+    )
+    assert not marker.exists()
+
+
+def test_existing_out_dir_is_refused_and_kept(tmp_path, llama_dir):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "notes.txt").write_text("keep me")
+    with pytest.raises(LitsftError) as err:
+        convert_from_hf(llama_dir, out_dir)
+    assert str(err.value) == (
+        f"output directory {out_dir} already exists and is not empty; choose another --out_dir or remove it"
+    )
+    assert [p.name for p in out_dir.iterdir()] == ["notes.txt"] and (
+        out_dir / "notes.txt"
+    ).read_text() == "keep me"
+
+
+def test_failure_while_writing_leaves_nothing(tmp_path, llama_dir, monkeypatch):
+    add = litsft.weight_files.ShardedSafetensorsWriter.add
+
+    def failing_add(writer, name, tensor):
+        if name.startswith("blocks.1."):
+            raise OSError("disk full")
+        add(writer, name, tensor)
+
+    monkeypatch.setattr(litsft.weight_files.ShardedSafetensorsWriter, "add", failing_add)
+    with pytest.raises(OSError, match="disk full"):
+        convert_from_hf(llama_dir, tmp_path / "out", max_shard_size="40KB")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_default_out_dirs(tmp_path, llama_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    convert_from_hf(llama_dir)
+    assert (tmp_path / "checkpoints" / "hf" / "litsft_config.json").is_file()
+    convert_to_hf(tmp_path / "checkpoints" / "hf")
+    assert (tmp_path / "checkpoints" / "hf-hf" / "config.json").is_file()
+
+
+def test_cli(tmp_path, llama_dir):
+    command = [sys.executable, "-m", "litsft"]
+    ok = subprocess.run(
+        [*command, "convert_from_hf", str(llama_dir)], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert (tmp_path / "checkpoints" / "hf" / "litsft_config.json").is_file()
+
+    ok = subprocess.run(
+        [*command, "convert_to_hf", "checkpoints/hf"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert (tmp_path / "checkpoints" / "hf-hf" / "config.json").is_file()  # the default out_dir
+
+    bad = subprocess.run(
+        [*command, "convert_from_hf", str(tmp_path / "nowhere")], capture_output=True, text=True
+    )
+    assert bad.returncode == 2
+    assert bad.stderr == (
+        f"error: {tmp_path / 'nowhere'} has no config.json; point hf_dir at a Hugging Face checkpoint "
+        "directory (the one with config.json and the weights)\n"
+    )

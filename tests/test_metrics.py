@@ -1,0 +1,321 @@
+import csv
+import math
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import litsft.metrics as metrics
+from litsft.config import Config
+from litsft.errors import LitsftError
+from litsft.metrics import (
+    CSV_COLUMNS,
+    MetricsLogger,
+    Throughput,
+    TokenWeightedMean,
+    device_peak_flops,
+    flops_per_token,
+    gpu_peak_flops,
+    matmul_precision,
+    peak_memory,
+)
+from litsft.model import Transformer
+
+torch.set_num_threads(1)
+
+TINY = Config(
+    name="flops", vocab_size=10, hidden_size=4, intermediate_size=6, num_layers=2, num_heads=2, num_kv_heads=1
+)
+
+
+def test_flops_per_token_hand_count():
+    # Per layer: q 4*4 + k 4*2 + v 4*2 + o 4*4 = 48, MLP 3*4*6 = 72 -> 120; 2 layers + lm_head 10*4 -> N = 280.
+    # Attention: 12 * layers 2 * (heads 2 * head_dim 2) * seq_len 8 = 768.
+    assert flops_per_token(TINY, seq_len=8) == 6 * 280 + 768
+    assert flops_per_token(TINY, seq_len=8, trainable="lora") == 4 * 280 + 768
+
+
+@pytest.mark.parametrize("tie_word_embeddings", [False, True])
+@pytest.mark.parametrize("trainable", ["all", "lora"])
+def test_flops_per_token_matches_torch_flop_counter(trainable, tie_word_embeddings):
+    config = Config.from_name("tiny-llama", tie_word_embeddings=tie_word_embeddings)
+    model = Transformer(config)
+    if trainable == "lora":  # frozen base: only input gradients flow back through the blocks
+        model.requires_grad_(False)
+        model.embed.register_forward_hook(lambda module, args, output: output.requires_grad_())
+    batch, seq_len = 2, 16
+    input_ids = torch.randint(0, config.vocab_size, (batch, seq_len))
+    # The math backend runs attention as bmm, which the counter sees (CPU's fused kernel it does not).
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(input_ids).sum().backward()
+    assert counter.get_total_flops() / (batch * seq_len) == flops_per_token(config, seq_len, trainable)
+
+
+@pytest.mark.parametrize(
+    ("device_name", "precision", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16-mixed", 989.4e12),
+        ("NVIDIA H100 PCIe", "bf16-true", 756e12),
+        ("NVIDIA H200", "16-mixed", 989.4e12),
+        ("NVIDIA A100-SXM4-80GB", "bf16-mixed", 312e12),
+        ("NVIDIA A100 80GB PCIe", "32-true", 19.5e12),
+        ("NVIDIA A10G", "bf16-mixed", 125e12),
+        ("NVIDIA L4", "bf16-mixed", 121e12),
+        ("NVIDIA L40S", "bf16-mixed", 362.05e12),
+        ("NVIDIA GeForce RTX 4090", "bf16-mixed", 165.2e12),
+        ("Tesla V100-SXM2-16GB", "16-mixed", 125e12),
+        ("Tesla V100-SXM2-16GB", "bf16-mixed", None),  # no bf16 units: emulated, no MFU
+        ("Tesla V100-PCIE-32GB", "16-mixed", 112e12),
+        ("NVIDIA H100 80GB HBM3", "64-true", None),
+        ("Some Future GPU", "bf16-mixed", None),
+    ],
+)
+def test_gpu_peak_flops(device_name, precision, expected):
+    assert gpu_peak_flops(device_name, precision) == expected
+
+
+def test_fp32_matmuls_count_as_tf32_when_torch_allows_it():
+    previous = torch.get_float32_matmul_precision()
+    try:
+        assert matmul_precision("32-true") == "fp32"
+        assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", "32-true") == 19.5e12
+        torch.set_float32_matmul_precision("high")
+        assert matmul_precision("32-true") == "tf32"
+        assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", "32-true") == 156e12
+        assert gpu_peak_flops("Tesla T4", "32-true") == 8.1e12  # no TF32 units: fp32 rate
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def test_device_peak_flops_cpu_is_unknown_and_override_wins():
+    cpu = torch.device("cpu")
+    assert device_peak_flops(cpu, "bf16-mixed") is None
+    assert device_peak_flops(cpu, "bf16-mixed", peak_flops=100e12) == 100e12
+    with pytest.raises(LitsftError, match=r"^peak_flops=0.0 must be a positive FLOP/s figure, e.g. 989e12$"):
+        device_peak_flops(cpu, "bf16-mixed", peak_flops=0.0)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_throughput_tokens_per_second_and_mfu(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    throughput = Throughput(flops_per_token=1e6, world_size=2, device=torch.device("cpu"), peak_flops=1e12)
+    throughput.update(torch.tensor(1500), torch.tensor(700))
+    clock.now += 1.0
+    with throughput.paused():  # validation: 50 s that must not count
+        clock.now += 50.0
+    throughput.update(torch.tensor(2500), 900)
+    clock.now += 1.0
+    result = throughput.compute()
+    # 4000 tokens in 2 s on 2 devices of 1e12 FLOP/s: 2000 tokens/s * 1e6 FLOPs / 2e12 = 1e-3.
+    assert result == {
+        "tokens_per_second": 2000.0,
+        "tokens_per_second_per_device": 1000.0,
+        "loss_tokens_per_second": 800.0,
+        "mfu": 1e-3,
+    }
+    # The next window starts empty.
+    assert throughput.compute() == {}
+
+
+def test_throughput_without_peak_reports_no_mfu(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    throughput = Throughput(1e6, world_size=1, device=torch.device("cpu"), peak_flops=None)
+    throughput.update(10, 10)
+    clock.now += 2.0
+    assert throughput.compute()["mfu"] is None
+
+
+def test_peak_memory_on_cpu_is_process_rss():
+    memory = peak_memory(torch.device("cpu"))
+    assert set(memory) == {"peak_rss_mib"}
+    assert 10 < memory["peak_rss_mib"] < 100_000  # this process holds torch: tens of MiB at least
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        return reader.fieldnames, list(reader)
+
+
+def test_csv_rows_and_blanks(tmp_path):
+    with MetricsLogger(tmp_path, is_global_zero=True, total_steps=4, run_config={"lr": 1e-3}) as logger:
+        for step in range(1, 5):
+            logger.update_progress(step)
+        logger.log_step(
+            2,
+            {
+                "loss": torch.tensor(2.5),
+                "learning_rate": 1e-3,
+                "grad_norm": torch.tensor(0.75),
+                "epoch": 0,
+                "tokens_per_second": 2000.0,
+                "tokens_per_second_per_device": 1000.0,
+                "mfu": None,  # unknown device
+                "peak_rss_mib": 321.0,
+            },
+        )
+        perplexity = logger.validation_done(
+            2, loss=torch.tensor(2.0), tokens=torch.tensor(96), sample="Hello there"
+        )
+    assert perplexity == math.exp(2.0)
+    header, rows = read_csv(tmp_path / "metrics.csv")
+    assert tuple(header) == CSV_COLUMNS
+    train, val = rows
+    assert train["step"] == "2"
+    assert float(train["loss"]) == 2.5
+    assert float(train["grad_norm"]) == 0.75
+    assert float(train["tokens_per_second_per_device"]) == 1000.0
+    assert train["mfu"] == "" and train["val_loss"] == "" and train["peak_gpu_memory_allocated_mib"] == ""
+    assert val["step"] == "2" and val["loss"] == ""
+    assert float(val["val_loss"]) == 2.0
+    assert float(val["val_perplexity"]) == math.exp(2.0)
+    assert float(val["val_tokens"]) == 96
+    assert (tmp_path / "samples.txt").read_text() == "## step 2\nHello there\n\n"
+    png = (tmp_path / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
+
+
+def test_step_done_logs_window_loss_throughput_and_mfu(tmp_path, monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    logger = MetricsLogger(tmp_path, is_global_zero=True, total_steps=4)
+    logger.set_model(
+        TINY, world_size=1, device=torch.device("cpu"), precision="bf16-mixed", seq_len=8, peak_flops=1e9
+    )
+    # (loss per target token, target tokens, input tokens) of four steps, logged every second step.
+    steps = [(2.0, 10, 12), (4.0, 30, 32), (1.0, 5, 8), (1.0, 5, 8)]
+    for step, (loss, target_tokens, input_tokens) in enumerate(steps, start=1):
+        clock.now += 1.0
+        logger.step_done(
+            step,
+            epoch=0,
+            loss=torch.tensor(loss),
+            learning_rate=0.1 * step,
+            grad_norm=torch.tensor(0.5),
+            target_tokens=torch.tensor(target_tokens),
+            input_tokens=torch.tensor(input_tokens),
+            log=step % 2 == 0,
+        )
+        if step == 2:
+            with logger.paused():  # a validation taking 100 s does not dilute the next window
+                clock.now += 100.0
+    logger.close()
+    _, rows = read_csv(tmp_path / "metrics.csv")
+    assert [r["step"] for r in rows] == ["2", "4"]
+    first, second = rows
+    assert float(first["loss"]) == (2.0 * 10 + 4.0 * 30) / 40  # token-weighted over the window: 3.5
+    assert float(first["learning_rate"]) == pytest.approx(0.2)
+    assert float(first["tokens_per_second"]) == (12 + 32) / 2
+    assert float(first["loss_tokens_per_second"]) == 40 / 2
+    assert float(first["mfu"]) == pytest.approx(flops_per_token(TINY, 8) * 22 / 1e9)
+    assert float(second["loss"]) == 1.0
+    assert float(second["tokens_per_second"]) == 16 / 2
+    assert float(first["peak_rss_mib"]) > 0 and first["peak_gpu_memory_allocated_mib"] == ""
+
+
+def test_no_mfu_on_an_unknown_device(tmp_path):
+    logger = MetricsLogger(tmp_path, is_global_zero=True)
+    logger.set_model(TINY, world_size=1, device=torch.device("cpu"), precision="bf16-mixed", seq_len=8)
+    logger.step_done(
+        1, epoch=0, loss=1.0, learning_rate=0.1, grad_norm=None, target_tokens=4, input_tokens=4, log=True
+    )
+    logger.close()
+    _, (row,) = read_csv(tmp_path / "metrics.csv")
+    assert float(row["tokens_per_second"]) > 0
+    assert row["mfu"] == "" and row["grad_norm"] == ""
+
+
+def test_unknown_metric_name_is_rejected(tmp_path):
+    logger = MetricsLogger(tmp_path, is_global_zero=True)
+    with pytest.raises(ValueError, match=r"unknown training metrics \['lr'\]"):
+        logger.log_step(1, {"lr": 1e-3})
+    logger.close()
+
+
+def test_resume_keeps_rows_up_to_start_step(tmp_path):
+    with MetricsLogger(tmp_path, is_global_zero=True) as logger:
+        for step in (1, 2, 3):
+            logger.log_step(step, {"loss": float(step)})
+    # Resuming from the checkpoint at step 2: the row logged after it is dropped, then logging goes on.
+    with MetricsLogger(tmp_path, is_global_zero=True, start_step=2) as logger:
+        logger.log_step(3, {"loss": 30.0})
+    _, rows = read_csv(tmp_path / "metrics.csv")
+    assert [(r["step"], float(r["loss"])) for r in rows] == [("1", 1.0), ("2", 2.0), ("3", 30.0)]
+    assert [r["loss"] for r in logger.history] == [1.0, 2.0, 30.0]
+
+
+def test_other_ranks_write_nothing(tmp_path):
+    out_dir = tmp_path / "run"
+    with MetricsLogger(out_dir, is_global_zero=False, total_steps=2) as logger:
+        logger.update_progress(1)
+        logger.log_step(1, {"loss": torch.tensor(1.0)})
+        perplexity = logger.validation_done(1, loss=0.5, tokens=10, sample="text")
+    assert perplexity == math.exp(0.5)
+    assert not out_dir.exists()
+
+
+def test_logger_choices_are_checked(tmp_path, monkeypatch):
+    with pytest.raises(LitsftError, match=r"^unknown logger 'mlflow'; choose from csv, tensorboard, wandb$"):
+        MetricsLogger(tmp_path, is_global_zero=True, loggers=["csv", "mlflow"])
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
+    with pytest.raises(
+        LitsftError,
+        match=r"^loggers includes 'tensorboard' but the tensorboard package is not installed; "
+        r"run `pip install tensorboard` or drop 'tensorboard' from loggers$",
+    ):
+        MetricsLogger(tmp_path, is_global_zero=False, loggers=["tensorboard"])
+
+
+# Two "ranks": (per-token loss sum, label tokens) of each batch. Rank 1 has few tokens with a high loss,
+# so the mean of per-rank means (2.75) differs from the token-weighted mean.
+RANK_BATCHES = [[(10.0, 10), (30.0, 10)], [(8.0, 2)]]
+GLOBAL_MEAN = (10.0 + 30.0 + 8.0) / (10 + 10 + 2)
+
+
+def test_token_weighted_mean_merged_across_ranks():
+    ranks = [TokenWeightedMean() for _ in RANK_BATCHES]
+    for metric, batches in zip(ranks, RANK_BATCHES):
+        for loss_sum, tokens in batches:
+            metric.update(torch.tensor(loss_sum), torch.tensor(tokens))
+    ranks[0].merge_state(ranks[1])
+    assert ranks[0].compute().item() == pytest.approx(GLOBAL_MEAN, rel=1e-6)
+    assert GLOBAL_MEAN != pytest.approx((2.0 + 4.0) / 2)
+
+
+def _sync_worker(rank: int, init_file: str, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    metric = TokenWeightedMean()
+    for loss_sum, tokens in RANK_BATCHES[rank]:
+        metric.update(torch.tensor(loss_sum), tokens)
+    results.put((rank, metric.compute().item()))
+    dist.destroy_process_group()
+
+
+def test_token_weighted_mean_all_reduces_over_a_process_group(tmp_path):
+    # fork, not spawn: the children reuse this process's imports and start in a fraction of a second.
+    context = mp.get_context("fork")
+    results = context.Queue()
+    workers = [
+        context.Process(target=_sync_worker, args=(rank, str(tmp_path / "init"), results)) for rank in (0, 1)
+    ]
+    for worker in workers:
+        worker.start()
+    computed = dict(results.get(timeout=60) for _ in workers)
+    for worker in workers:
+        worker.join(timeout=60)
+        assert worker.exitcode == 0
+    assert computed[0] == pytest.approx(GLOBAL_MEAN, rel=1e-6)
+    assert computed[1] == pytest.approx(GLOBAL_MEAN, rel=1e-6)

@@ -1,0 +1,115 @@
+"""Tiny random Hugging Face checkpoints of every architecture litsft supports, built offline from a config
+and saved the way the hub lays checkpoints out (config.json, weights, tokenizer files)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tiny_tokenizer import write_tiny_tokenizer
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+# Shapes that exercise grouped-query attention in milliseconds; the vocabulary matches the tiny tokenizer.
+_SHAPES = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+# Name -> (config, model class). Each one differs from plain Llama in what its name says.
+TINY_HF_MODELS: dict[str, tuple[PretrainedConfig, type[PreTrainedModel]]] = {
+    "llama": (LlamaConfig(**_SHAPES, tie_word_embeddings=False), LlamaForCausalLM),
+    "llama-tied": (LlamaConfig(**_SHAPES, tie_word_embeddings=True), LlamaForCausalLM),
+    "llama3-rope": (
+        LlamaConfig(
+            **_SHAPES, tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE_SCALING, rope_theta=500000.0
+        ),
+        LlamaForCausalLM,
+    ),
+    "mistral": (MistralConfig(**_SHAPES, tie_word_embeddings=False, sliding_window=None), MistralForCausalLM),
+    # Qwen2: biases on q/k/v; tied like the small Qwen2.5 models.
+    "qwen2": (Qwen2Config(**_SHAPES, tie_word_embeddings=True), Qwen2ForCausalLM),
+    # Qwen3: q/k norms and a head_dim that is not hidden_size // num_heads.
+    "qwen3": (Qwen3Config(**_SHAPES, head_dim=32, tie_word_embeddings=False), Qwen3ForCausalLM),
+}
+
+
+def tiny_hf_model(kind: str, seed: int = 0) -> PreTrainedModel:
+    """A randomly initialized fp32 model of one of TINY_HF_MODELS, in eval mode. Norm weights are random too,
+    so a converter that mixed up two norms would change the logits."""
+    config, model_class = TINY_HF_MODELS[kind]
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith(".bias"):  # zero-initialized by transformers
+                param.normal_(std=0.1)
+    return model
+
+
+def save_tiny_hf(
+    model: PreTrainedModel,
+    directory: Path,
+    max_shard_size: str | None = None,
+    bin_shards: int = 0,
+    tokenizer: bool = True,
+) -> Path:
+    """Save `model` like a hub checkpoint: safetensors via save_pretrained (sharded past `max_shard_size`),
+    or, when bin_shards > 0, as pytorch_model.bin (one shard) or pytorch_model-0000i-of-0000N.bin plus
+    pytorch_model.bin.index.json. transformers 5 no longer writes .bin files, so they are written here."""
+    directory = Path(directory)
+    generation = None
+    if tokenizer:
+        write_tiny_tokenizer(directory, chat_template="chatml")
+        generation = (directory / "generation_config.json").read_text()
+        model.config.bos_token_id = json.loads(generation)["bos_token_id"]
+        model.config.eos_token_id = json.loads(generation)["eos_token_id"]
+    if bin_shards == 0:
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(directory, **kwargs)
+    else:
+        model.config.save_pretrained(directory)
+        _save_bin(model.state_dict(), directory, bin_shards)
+    if generation is not None:  # save_pretrained writes its own; keep the tokenizer's stop tokens
+        (directory / "generation_config.json").write_text(generation)
+    return directory
+
+
+def _save_bin(state_dict: dict[str, torch.Tensor], directory: Path, num_shards: int) -> None:
+    names = list(state_dict)
+    if num_shards == 1:
+        torch.save({n: state_dict[n].clone() for n in names}, directory / "pytorch_model.bin")
+        return
+    weight_map = {}
+    for i in range(num_shards):
+        file_name = f"pytorch_model-{i + 1:05d}-of-{num_shards:05d}.bin"
+        shard = {n: state_dict[n].clone() for n in names[i::num_shards]}
+        torch.save(shard, directory / file_name)
+        weight_map.update(dict.fromkeys(shard, file_name))
+    index = {"metadata": {"total_size": sum(t.nbytes for t in state_dict.values())}, "weight_map": weight_map}
+    (directory / "pytorch_model.bin.index.json").write_text(json.dumps(index, indent=2))
