@@ -104,7 +104,7 @@ def convert_from_hf(
     Args:
         hf_dir: Directory with config.json, the weights (safetensors or .bin, single or sharded) and the
             tokenizer files.
-        out_dir: Where to write the litsft checkpoint; must not exist or be empty.
+        out_dir: Where to write the litsft checkpoint; must be absent or empty.
             Default: checkpoints/<name of hf_dir>.
         dtype: Store the weights in this dtype; "auto" keeps the dtype they have.
         max_shard_size: Split the weights into files of at most this size, e.g. 5GB, 500MB, 2GiB.
@@ -131,7 +131,7 @@ def convert_to_hf(
 
     Args:
         checkpoint_dir: A litsft checkpoint directory (litsft_config.json and model*.safetensors).
-        out_dir: Where to write the Hugging Face checkpoint; must not exist or be empty.
+        out_dir: Where to write the Hugging Face checkpoint; must be absent or empty.
             Default: <checkpoint_dir>-hf next to checkpoint_dir.
         dtype: Write the weights in this dtype; "auto" keeps the dtype they have.
         max_shard_size: Split the weights into files of at most this size, e.g. 5GB, 500MB, 2GiB.

@@ -241,8 +241,7 @@ def setup_model(fabric: Fabric, recipe: Recipe, run: RunConfig) -> nn.Module:
     model.activation_checkpointing = run.fsdp.activation_checkpointing
     if fabric.world_size == 1:
         model.to_empty(device=fabric.device)
-        if run.config.tie_word_embeddings:
-            model.lm_head.weight = model.embed.weight  # to_empty unties shared parameters
+        model.tie_weights()
     model = fabric.setup_module(model)
     recipe.initialize(model)
     return model

@@ -188,7 +188,8 @@ def _to_floats(values: Sequence[Tensor | float | int]) -> list[float]:
     tensors = [v for v in values if isinstance(v, Tensor)]
     if not tensors:
         return [float(v) for v in values]  # type: ignore[arg-type]
-    read = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist())
+    device = tensors[0].device  # a CPU scalar among CUDA ones moves there without a sync
+    read = iter(torch.stack([t.detach().float().reshape(()).to(device) for t in tensors]).tolist())
     return [next(read) if isinstance(v, Tensor) else float(v) for v in values]
 
 
@@ -310,7 +311,7 @@ class TokenWeightedMean(Metric):
     def update(self, loss_sum: Tensor | float, tokens: Tensor | int) -> None:
         """Add a batch: the sum of its per-token losses and the number of tokens in that sum."""
         self.loss_sum += torch.as_tensor(loss_sum, device=self.loss_sum.device).detach().float()
-        self.tokens += torch.as_tensor(tokens, device=self.tokens.device)
+        self.tokens += torch.as_tensor(tokens, device=self.tokens.device).long()
 
     def compute(self) -> Tensor:
         """The global mean; NaN when no tokens were counted."""

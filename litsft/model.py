@@ -201,15 +201,15 @@ def attention_mask(
     return None
 
 
-def _chunk_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(hidden, weight).float()  # (N, V)
+def _chunk_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()  # (N, V)
     return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
 
 
 def chunked_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 2048
+    hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, chunk_size: int = 2048
 ) -> torch.Tensor:
-    """Summed cross-entropy of hidden (B, T, C) @ weight.T against labels (B, T), `chunk_size` tokens at a time.
+    """Summed cross-entropy of head(hidden (B, T, C)) against labels (B, T), `chunk_size` tokens at a time.
 
     Each chunk's logits are recomputed in the backward pass instead of kept, so the full (B*T, V) fp32
     logits (2 GiB for one 4k sequence with a 128k vocabulary) never exist.
@@ -217,12 +217,12 @@ def chunked_cross_entropy(
     hidden = hidden.flatten(0, 1)
     labels = labels.flatten()
     if hidden.shape[0] <= chunk_size:
-        return _chunk_cross_entropy(hidden, weight, labels)
+        return _chunk_cross_entropy(hidden, head, labels)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_size):
         end = start + chunk_size
         total = total + checkpoint(
-            _chunk_cross_entropy, hidden[start:end], weight, labels[start:end], use_reentrant=False
+            _chunk_cross_entropy, hidden[start:end], head, labels[start:end], use_reentrant=False
         )
     return total
 
@@ -235,8 +235,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed.weight
+        self.tie_weights()
         self.kv_caches: list[KVCache] | None = None
         self.activation_checkpointing = False
         """Recompute each block in the backward pass instead of storing its activations."""
@@ -253,7 +252,16 @@ class Transformer(nn.Module):
         hidden = self.hidden_states(input_ids, position_ids, document_ids)
         if labels is None:
             return self.lm_head(hidden)
-        return chunked_cross_entropy(hidden, self.lm_head.weight, labels)
+        return chunked_cross_entropy(hidden, self.lm_head, labels)
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the output projection when the config ties them. Called again after
+        `to_empty`, which gives shared parameters separate storage."""
+        if self.config.tie_word_embeddings:
+            head = getattr(
+                self.lm_head, "base", self.lm_head
+            )  # a LoRA-wrapped head keeps the frozen weight in .base
+            head.weight = self.embed.weight
 
     def hidden_states(
         self,

@@ -25,10 +25,15 @@ import math
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Literal
 
 from litsft.config import Config, format_count
 from litsft.errors import LitsftError
-from litsft.parallel import Precision, ShardingStrategy
+
+# The same choices as litsft/parallel.py (a test keeps them equal), written out here so that planning
+# does not import torch and Lightning.
+ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
+Precision = Literal["bf16-mixed", "bf16-true", "16-mixed", "32-true"]
 
 # (bytes of a stored parameter, bytes of a parameter as the matmuls see it). Gradients and AdamW's two
 # states take the stored dtype: FSDP2 reduces gradients in fp32 (reduce_dtype) into the fp32 shards.

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -64,7 +64,7 @@ _SIZE_UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
-_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_SHARD_NAME = re.compile(r"model-\d{5}(-of-\d{5}\.safetensors|\.safetensors\.partial)")
 
 TensorInfo = tuple[tuple[int, ...], torch.dtype]
 
@@ -95,11 +95,13 @@ class ShardedSafetensorsWriter:
         self.shard: dict[str, torch.Tensor] = {}
         self.shard_bytes = 0
         self.written: list[tuple[Path, list[str]]] = []  # (temporary file, tensor names) per shard
+        self.names: set[str] = set()
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self.shard or any(name in names for _, names in self.written):
+        if name in self.names:
             raise ValueError(f"tensor {name!r} was written twice")
+        self.names.add(name)
         tensor = tensor.detach().to("cpu").contiguous()
         # safetensors refuses tensors that share storage (a view of a larger tensor); copy those.
         if tensor.untyped_storage().nbytes() != tensor.nbytes:
@@ -139,13 +141,6 @@ class ShardedSafetensorsWriter:
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
         (self.out_dir / SAFETENSORS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         return files
-
-    def __enter__(self) -> ShardedSafetensorsWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        if exc_type is None:
-            self.close()
 
 
 def write_safetensors(
@@ -189,7 +184,9 @@ def atomic_output_dir(out_dir: Path) -> Iterator[Path]:
             f"output directory {out_dir} already exists and is not empty; choose another --out_dir or remove it"
         )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    # Not tempfile.mkdtemp: its 0700 permissions would become the checkpoint's.
+    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(4)}"
+    tmp_dir.mkdir()
     try:
         yield tmp_dir
         if out_dir.exists():

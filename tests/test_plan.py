@@ -1,8 +1,13 @@
+from typing import get_args
+
 import pytest
 
+from litsft import parallel
 from litsft.config import Config
 from litsft.errors import LitsftError
 from litsft.plan import (
+    Precision,
+    ShardingStrategy,
     block_activation_bytes_per_token,
     block_parameters,
     estimate_memory,
@@ -15,6 +20,11 @@ from litsft.plan import (
 LLAMA_2_7B = 6_738_415_616
 LLAMA_2_70B = 68_976_648_192
 GB = 10**9
+
+
+def test_choices_match_the_engine():
+    assert get_args(ShardingStrategy) == get_args(parallel.ShardingStrategy)
+    assert get_args(Precision) == get_args(parallel.Precision)
 
 
 def test_parameter_split_adds_up():

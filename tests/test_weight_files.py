@@ -218,6 +218,9 @@ def test_atomic_output_dir_renames_on_success_and_refuses_non_empty(tmp_path):
     with atomic_output_dir(out_dir) as work_dir:
         (work_dir / "a.txt").write_text("a")
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and (out_dir / "a.txt").read_text() == "a"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out_dir.stat().st_mode & 0o777 == 0o777 & ~umask  # not tempfile's private 0700
     with pytest.raises(LitsftError) as err, atomic_output_dir(out_dir):
         pass
     assert str(err.value) == (
@@ -255,6 +258,7 @@ def test_save_checkpoint_files_replaces_earlier_shards(tmp_path):
     config = Config.from_name("tiny-llama")
     model = Transformer(config)
     save_checkpoint_files(model.state_dict().items(), config, tmp_path, max_shard_size="100KB")
+    (tmp_path / "model-00007.safetensors.partial").write_text("left by a crashed save")
     save_checkpoint_files(model.state_dict().items(), config, tmp_path, max_shard_size="5GB")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["litsft_config.json", "model.safetensors"]
 

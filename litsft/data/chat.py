@@ -10,7 +10,7 @@ to spans by character offsets, gives the same tokens as tokenizing the text at g
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from itertools import chain
 from typing import Literal
 
 import jinja2
@@ -116,20 +116,41 @@ class ChatFormat:
     def tokenize(self, messages: list[Message]) -> tuple[np.ndarray, np.ndarray]:
         """Token ids (int32) of the whole conversation, and a bool array: True where the token is a
         loss target (assistant reply and its end-of-turn token; every token with mask_prompt=False)."""
-        text = self.render(messages)
-        ids, offsets = self.tokenizer.encode_with_offsets(text)
-        ids = np.asarray(ids, dtype=np.int32)
-        starts = np.fromiter((start for start, _ in offsets), dtype=np.int64, count=len(offsets))
-        if self.mask_prompt:
-            bounds = np.asarray(self._assistant_spans(messages, text), dtype=np.int64).reshape(-1)
-            # A token is a target when its first character lies inside a span [start, end).
-            targets = np.searchsorted(bounds, starts, side="right") % 2 == 1
-        else:
-            targets = np.ones(len(ids), dtype=bool)
-        if self.tokenizer.add_bos and (len(ids) == 0 or ids[0] != self.tokenizer.bos_id):
-            ids = np.concatenate([np.asarray([self.tokenizer.bos_id], dtype=np.int32), ids])
-            targets = np.concatenate([np.zeros(1, dtype=bool), targets])
-        return ids, targets
+        tokens, targets, _ = self.tokenize_many([messages])
+        return tokens, targets
+
+    def tokenize_many(self, conversations: list[list[Message]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`tokenize` for many conversations: (tokens, targets, lengths), concatenated. Tokenizes in one
+        batch call, and finds the target tokens of all conversations with one search."""
+        texts, spans = [], []
+        for messages in conversations:
+            text = self.render(messages)
+            texts.append(text)
+            spans.append(self._assistant_spans(messages, text) if self.mask_prompt else [(0, len(text))])
+        encoded = _encode_batch_with_offsets(self.tokenizer, texts)
+        lengths = np.fromiter((len(ids) for ids, _ in encoded), dtype=np.int64, count=len(encoded))
+        tokens = np.fromiter(chain.from_iterable(ids for ids, _ in encoded), dtype=np.int32, count=lengths.sum())
+        starts = np.fromiter(
+            (start for _, offsets in encoded for start, _ in offsets), dtype=np.int64, count=lengths.sum()
+        )
+        # Place every text at its own base in one long line, so one sorted array holds all spans.
+        bases = np.zeros(len(texts), dtype=np.int64)
+        np.cumsum([len(text) + 1 for text in texts[:-1]], out=bases[1:])
+        bounds = np.fromiter(
+            (base + bound for base, text_spans in zip(bases.tolist(), spans) for span in text_spans for bound in span),
+            dtype=np.int64,
+        )
+        # A token is a target when its first character lies inside a span [start, end).
+        targets = np.searchsorted(bounds, starts + np.repeat(bases, lengths), side="right") % 2 == 1
+        if self.tokenizer.add_bos:
+            # A template that writes bos itself (Llama 3) has it already; add it where it is missing.
+            firsts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+            missing = (lengths == 0) | (tokens[firsts.clip(max=max(len(tokens) - 1, 0))] != self.tokenizer.bos_id)
+            if missing.any():
+                tokens = np.insert(tokens, firsts[missing], self.tokenizer.bos_id)
+                targets = np.insert(targets, firsts[missing], False)
+                lengths = lengths + missing
+        return tokens, targets, lengths
 
     def _with_bos(self, ids: list[int]) -> list[int]:
         # A template that wants bos writes it (Llama 3); add it only when encoding wants it and it is missing.
@@ -181,3 +202,12 @@ class ChatFormat:
             spans.append((start, end))
             cursor = end
         return spans
+
+
+def _encode_batch_with_offsets(tokenizer: Tokenizer, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """(ids, offsets) of each text, without bos or eos: one parallel call into `tokenizers`."""
+    batch = getattr(tokenizer, "encode_batch_with_offsets", None)
+    if batch is not None:
+        return batch(texts)
+    encodings = tokenizer._tokenizer.encode_batch(texts, add_special_tokens=False)
+    return [(encoding.ids, encoding.offsets) for encoding in encodings]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -71,17 +72,37 @@ class Samples:
 
 
 def tokenize_conversations(conversations: list[list[Message]], chat_format: ChatFormat) -> Samples:
-    """Render and tokenize every conversation (one pass, no truncation)."""
-    tokens, targets = [], []
+    """Render and tokenize every conversation (no truncation), in worker processes for large sets."""
+    chunks = [conversations[i : i + CHUNK_SIZE] for i in range(0, len(conversations), CHUNK_SIZE)]
+    processes = min(len(chunks), os.cpu_count() or 1, MAX_PROCESSES)
+    if processes > 1 and "fork" in multiprocessing.get_all_start_methods():
+        global _WORK
+        # Forked workers inherit the conversations and the compiled template instead of pickling them.
+        _WORK = (chunks, chat_format)
+        try:
+            with multiprocessing.get_context("fork").Pool(processes) as pool:
+                parts = pool.map(_tokenize_chunk, range(len(chunks)))
+        finally:
+            _WORK = None
+    else:
+        parts = [chat_format.tokenize_many(chunk) for chunk in chunks]
     offsets = np.zeros(len(conversations) + 1, dtype=np.int64)
-    for i, messages in enumerate(conversations):
-        ids, is_target = chat_format.tokenize(messages)
-        tokens.append(ids)
-        targets.append(is_target)
-        offsets[i + 1] = offsets[i] + len(ids)
-    if not conversations:
+    if not parts:
         return Samples(np.zeros(0, np.int32), np.zeros(0, bool), offsets)
-    return Samples(np.concatenate(tokens), np.concatenate(targets), offsets)
+    np.cumsum(np.concatenate([lengths for _, _, lengths in parts]), out=offsets[1:])
+    return Samples(
+        np.concatenate([tokens for tokens, _, _ in parts]), np.concatenate([targets for _, targets, _ in parts]), offsets
+    )
+
+
+CHUNK_SIZE = 10_000
+MAX_PROCESSES = 16
+_WORK: tuple[list[list[list[Message]]], ChatFormat] | None = None
+
+
+def _tokenize_chunk(index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    chunks, chat_format = _WORK
+    return chat_format.tokenize_many(chunks[index])
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
