@@ -1,6 +1,6 @@
 """Tokenizing 100k demo records (render the chat template, tokenize, mask): prints the rate.
 
-    python benchmarks/bench_tokenize.py [--num_records 100000]
+python benchmarks/bench_tokenize.py [--num_records 100000]
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,29 +145,34 @@ class RowReader:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, weights_dir: Path, rename: dict[str, str] | None = None) -> None:
+def load_weights(
+    model: nn.Module, weights_dir: Path, stored_name: Callable[[str], str | None] = lambda name: name
+) -> None:
     """Fill `model` (materialized, possibly sharded) from a litsft weights directory, each rank reading only
-    its own rows. `rename` maps model parameter names to stored names (LoRA's `...q_proj.base.weight`)."""
+    its own rows. `stored_name` maps a parameter name to its name on disk, or None for one not loaded
+    (LoRA's adapters; its frozen `...q_proj.base.weight` is stored as `...q_proj.weight`)."""
     reader = RowReader.for_weights_dir(weights_dir)
-    rename = rename or {}
     missing = []
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        stored = rename.get(name, name)
+    for name, param in model.named_parameters():  # a tied lm_head is the embedding, listed once
+        stored = stored_name(name)
+        if stored is None:
+            continue
         if stored not in reader.names():
-            if (
-                name == "lm_head.weight"
-                and getattr(model, "config", None)
-                and model.config.tie_word_embeddings
-            ):
-                continue
             missing.append(stored)
             continue
-        reader.fill(stored, tensor.data if isinstance(tensor, nn.Parameter) else tensor)
+        reader.fill(stored, param.data)
     if missing:
         raise LitsftError(
             f"{weights_dir} lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}; "
             "it was converted from a different model"
         )
+
+
+@torch.no_grad()
+def copy_rows(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's rows of the full tensor `full` into `target` (a plain tensor or a DTensor)."""
+    local, offset, _ = local_rows(target)
+    local.copy_(full[offset : offset + local.shape[0]] if local.dim() else full)
 
 
 # ---- saving ---------------------------------------------------------------------------------------------

@@ -394,32 +394,12 @@ MISTRAL = dict(
     eos_token_id=2,
     hf_architecture="MistralForCausalLM",
 )
-for kind in ("", "Instruct-"):
-    _register(
-        _model(
-            f"Mistral-7B-{kind}v0.1",
-            32,
-            4096,
-            32,
-            8,
-            14336,
-            **MISTRAL,
-            vocab_size=32000,
-            rope_theta=10000.0,
-            sliding_window=4096,
-        ),
-        _model(
-            f"Mistral-7B-{kind}v0.3",
-            32,
-            4096,
-            32,
-            8,
-            14336,
-            **MISTRAL,
-            vocab_size=32768,
-            rope_theta=1000000.0,
-        ),
-    )
+for version, own in (
+    ("v0.1", dict(vocab_size=32000, rope_theta=10000.0, sliding_window=4096)),
+    ("v0.3", dict(vocab_size=32768, rope_theta=1000000.0)),
+):
+    for kind in ("", "Instruct-"):
+        _register(_model(f"Mistral-7B-{kind}{version}", 32, 4096, 32, 8, 14336, **MISTRAL, **own))
 
 # Qwen2.5: bias on q/k/v, theta 1e6; 0.5B-3B tie embeddings and have 151936 tokens, 7B+ have 152064.
 # Base models end documents with <|endoftext|> (151643), Instruct turns with <|im_end|> (151645); Instruct
@@ -432,7 +412,8 @@ QWEN2_5 = dict(
     eos_token_id=151643,
     hf_architecture="Qwen2ForCausalLM",
 )
-for size, layers, hidden, heads, kv_heads, intermediate, vocab, tied, context, eps in (
+QWEN2_5_INSTRUCT = dict(eos_token_id=151645, max_position_embeddings=32768, rms_norm_eps=1e-6)
+for size, *shape, vocab, tied, context, eps in (
     ("0.5B", 24, 896, 14, 2, 4864, 151936, True, 32768, 1e-6),  # checked: Qwen2.5-0.5B config.json
     ("1.5B", 28, 1536, 12, 2, 8960, 151936, True, 131072, 1e-6),
     ("3B", 36, 2048, 16, 2, 11008, 151936, True, 32768, 1e-6),
@@ -441,33 +422,16 @@ for size, layers, hidden, heads, kv_heads, intermediate, vocab, tied, context, e
     ("32B", 64, 5120, 40, 8, 27648, 152064, False, 131072, 1e-5),
     ("72B", 80, 8192, 64, 8, 29568, 152064, False, 131072, 1e-5),
 ):
-    base = _model(
-        f"Qwen2.5-{size}",
-        layers,
-        hidden,
-        heads,
-        kv_heads,
-        intermediate,
-        **QWEN2_5,
-        vocab_size=vocab,
-        tie_word_embeddings=tied,
-        max_position_embeddings=context,
-        rms_norm_eps=eps,
+    sized = dict(
+        vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=context, rms_norm_eps=eps
     )
-    _register(
-        base,
-        replace(
-            base,
-            name=f"Qwen2.5-{size}-Instruct",
-            eos_token_id=151645,
-            max_position_embeddings=32768,
-            rms_norm_eps=1e-6,
-        ),
-    )
+    base = _model(f"Qwen2.5-{size}", *shape, **QWEN2_5, **sized)
+    _register(base, replace(base, name=f"Qwen2.5-{size}-Instruct", **QWEN2_5_INSTRUCT))
 
 # Qwen3: RMSNorm on queries and keys, head_dim 128 whatever the width, 151936 tokens, theta 1e6; 0.6B-4B
 # tie embeddings. "Qwen3-8B" is the post-trained (thinking) release, "-Base" the pretrained one (no 32B
 # base was published). Checked: LitGPT, and Qwen3-8B/14B config.json copies (max_position_embeddings 40960).
+# Not found in the searchable sources, so from memory: the Base models' 32768 context and eos 151643.
 QWEN3 = dict(
     vocab_size=151936,
     head_dim=128,
@@ -497,7 +461,7 @@ for size, *shape, tied in (
         )
 
 # SmolLM2 (HuggingFaceTB): Llama architecture, tied embeddings, 49152 tokens. Base models use token 0 as
-# bos and eos, Instruct 1 and 2. Checked: SmolLM2-135M config.json, LitGPT for 360M and 1.7B.
+# bos and eos, Instruct 1 and 2 (from memory). Checked: SmolLM2-135M config.json, LitGPT for 360M and 1.7B.
 SMOLLM2 = dict(
     vocab_size=49152,
     max_position_embeddings=8192,

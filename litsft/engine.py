@@ -7,9 +7,9 @@ save at the end); `fit` does the rest. The loop says what happens each step; `li
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -82,6 +82,8 @@ class Recipe:
     """Write the final model to the given directory (collective: every rank calls it)."""
     checkpoint_frozen: bool = True
     """Whether step checkpoints hold frozen parameters too (LoRA: no, the base is loaded again)."""
+    trainable: Literal["all", "lora"] = "all"
+    """What is trained; decides the FLOPs per token behind MFU."""
 
 
 @dataclass
@@ -172,7 +174,7 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
     resume_from = find_resume_checkpoint(run.resume, out_dir)
     if resume_from is not None:
         step, epoch = resume(
-            fabric, resume_from, model, optimizer, train_loader, run.seed, recipe.checkpoint_frozen
+            fabric, resume_from, model.module, optimizer, train_loader, run.seed, recipe.checkpoint_frozen
         )
     else:
         train_loader.set_epoch(0)
@@ -182,7 +184,8 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
         loggers=run.log.loggers,
         is_global_zero=fabric.is_global_zero,
         total_steps=total_steps,
-        run_config=run.cli_arguments,
+        start_step=step,
+        run_config=describe(run.cli_arguments),
     )
     metrics.set_model(
         run.config,
@@ -190,20 +193,59 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
         device=fabric.device,
         precision=run.precision,
         seq_len=train.max_seq_length,
+        trainable=recipe.trainable,
     )
+    with metrics:
+        train_loop(
+            fabric,
+            recipe,
+            run,
+            model,
+            optimizer,
+            train_loader,
+            val_loader,
+            tokenizer,
+            metrics,
+            step,
+            epoch,
+            total_steps,
+            accumulation,
+        )
+        with metrics.paused():
+            validate(fabric, model, val_loader, tokenizer, run, metrics, total_steps)
+            recipe.save_final(model.module, out_dir / "final")
+    fabric.barrier()
+    fabric.print(f"Saved the final model to {out_dir / 'final'}")
+
+
+def train_loop(
+    fabric: Fabric,
+    recipe: Recipe,
+    run: RunConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_loader: Any,
+    val_loader: Any,
+    tokenizer: Any,
+    metrics: Any,
+    step: int,
+    epoch: int,
+    total_steps: int,
+    accumulation: int,
+) -> None:
     preemption = PreemptionFlag()
-    batches = epoch_batches(train_loader, epoch)
+    batches = iter(train_loader)
     while step < total_steps:
         micro_batches, epoch, batches = next_micro_batches(batches, train_loader, epoch, accumulation)
-        if micro_batches is None:  # the data cannot fill even one optimizer step
+        if micro_batches is None:
             raise LitsftError(
-                "the training data is too small for one optimizer step; lower --train.global_batch_size"
+                "the training data cannot fill one optimizer step; lower --train.global_batch_size"
             )
-        optimizer.param_groups[0]["lr"] = lr = learning_rate(run.optimizer, step, total_steps)
-        for group in optimizer.param_groups[1:]:
+        lr = learning_rate(run.optimizer, step, total_steps)
+        for group in optimizer.param_groups:
             group["lr"] = lr
-        loss, grad_norm, tokens, padding_free_tokens = train_step(
-            fabric, model, optimizer, micro_batches, train.max_norm
+        loss, grad_norm, target_tokens, input_tokens = train_step(
+            fabric, model, optimizer, micro_batches, run.train.max_norm
         )
         step += 1
         metrics.step_done(
@@ -212,25 +254,35 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
             loss=loss,
             learning_rate=lr,
             grad_norm=grad_norm,
-            target_tokens=tokens,
-            input_tokens=padding_free_tokens,
-            log=step % train.log_interval == 0 or step == total_steps,
+            target_tokens=target_tokens,
+            input_tokens=input_tokens,
+            log=step % run.train.log_interval == 0 or step == total_steps,
         )
-        if run.eval.interval and step % run.eval.interval == 0 and step < total_steps:
-            validate(fabric, model, val_loader, tokenizer, run, metrics, step)
         must_stop = preemption.is_set(fabric)
-        if (train.save_interval and step % train.save_interval == 0) or must_stop:
-            save_checkpoint(fabric, out_dir, step, epoch, model, optimizer, train_loader, run, recipe)
+        with metrics.paused():
+            if run.eval.interval and step % run.eval.interval == 0 and step < total_steps:
+                validate(fabric, model, val_loader, tokenizer, run, metrics, step)
+            if (run.train.save_interval and step % run.train.save_interval == 0) or must_stop:
+                save_checkpoint(
+                    fabric, run.out_dir, step, epoch, model.module, optimizer, train_loader, run, recipe
+                )
         if must_stop:
             fabric.print(f"Stopped by a signal after step {step}; relaunch the same command to resume.")
-            metrics.close()
             raise SystemExit(PREEMPTED_EXIT_CODE)
 
-    validate(fabric, model, val_loader, tokenizer, run, metrics, step)
-    recipe.save_final(model, out_dir / "final")
-    fabric.barrier()
-    metrics.close()
-    fabric.print(f"Saved the final model to {out_dir / 'final'}")
+
+def describe(value: Any) -> Any:
+    """A JSON-friendly view of CLI arguments (dataclasses, paths, data modules) for logs and checkpoints."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: describe(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {"class": type(value).__name__, **fields}
+    if isinstance(value, dict):
+        return {str(k): describe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [describe(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
 
 
 # ---- setup ----------------------------------------------------------------------------------------------
@@ -243,7 +295,8 @@ def setup_model(fabric: Fabric, recipe: Recipe, run: RunConfig) -> nn.Module:
         model.to_empty(device=fabric.device)
         model.tie_weights()
     model = fabric.setup_module(model)
-    recipe.initialize(model)
+    # Recipes, checkpoints and exports see the model itself, with its own parameter names.
+    recipe.initialize(model.module)
     return model
 
 
@@ -277,10 +330,6 @@ def find_resume_checkpoint(resume: bool | str | Path, out_dir: Path) -> Path | N
 
 
 # ---- the loop's parts ---------------------------------------------------------------------------------------
-def epoch_batches(loader: Any, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
-    return iter(loader)
-
-
 def next_micro_batches(
     batches: Iterator, loader: Any, epoch: int, accumulation: int
 ) -> tuple[list[dict[str, torch.Tensor]] | None, int, Iterator]:
@@ -419,7 +468,7 @@ def save_checkpoint(
         "recipe": recipe.name,
         "seed": run.seed,
         "config": asdict(run.config),
-        "arguments": run.cli_arguments,
+        "arguments": describe(run.cli_arguments),
     }
     rank_state = {"rng": checkpoint.rng_state(), "loader": loader.state_dict(), "epoch": epoch}
     checkpoint.save_training_checkpoint(
@@ -475,7 +524,3 @@ class PreemptionFlag:
         if fabric.world_size > 1:
             flag = fabric.all_reduce(flag, reduce_op="max")
         return bool(flag.item())
-
-
-def timestamp() -> float:
-    return time.perf_counter()

@@ -458,3 +458,19 @@ def export_lora_to_hf(
             iter_checkpoint_tensors(base_checkpoint), adapters, lora_config, config.tie_word_embeddings
         )
         write_hf_checkpoint(tensors, merged_config(config, lora_config), tmp_dir, Path(lora_checkpoint_dir))
+
+
+def base_weight_name(name: str) -> str | None:
+    """Where a LoRA model's parameter lives in the plain base checkpoint, or None for an adapter."""
+    if _is_adapter_name(name):
+        return None
+    return name.replace(".base.", ".")
+
+
+def initial_adapter_value(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """A fresh adapter drawn from `generator` alone, so it does not depend on how the model is sharded:
+    A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (nn.Linear's default, PEFT's choice), B = 0."""
+    if name.endswith("lora_B.weight"):
+        return torch.zeros(shape)
+    bound = 1 / math.sqrt(shape[1])
+    return (torch.rand(shape, generator=generator) * 2 - 1) * bound

@@ -48,11 +48,12 @@ ADAM_STATES_PER_PARAMETER = 2
 PREFETCHED_BLOCKS = 2
 """Blocks whose unsharded parameters are alive at once when resharding after forward: the block being
 computed and the next one, all-gathered ahead (FSDP2's implicit prefetch)."""
-LOSS_CHUNK_TOKENS = 1024
-"""The loss runs the output head over this many tokens at a time, so only one chunk of logits exists."""
-LOGIT_EXTRA_BYTES = 8
-"""Per logit of a loss chunk, beyond the compute-dtype logits: the fp32 copy cross-entropy reads and its
-fp32 gradient."""
+LOSS_CHUNK_TOKENS = 2048
+"""litsft.model.chunked_cross_entropy runs the output head over this many tokens at a time and recomputes
+each chunk in the backward pass, so only one chunk of logits exists (a test keeps the two equal)."""
+LOGIT_EXTRA_BYTES = 12
+"""Per logit of a loss chunk, beyond the compute-dtype logits: the fp32 copy, the fp32 log-softmax and,
+in the backward pass, an fp32 gradient."""
 ACTIVATION_SCALE = 1.0
 """Calibration factor on the activation estimate (allocator rounding, saved tensors not counted below)."""
 USABLE_FRACTION = 0.9
@@ -247,6 +248,7 @@ def plan(
     ):
         if value < 1:
             raise LitsftError(f"--{name} must be at least 1, got {value}")
+    memory = parse_memory_size(device_memory) if device_memory is not None else None
     config = Config.from_checkpoint(model) if Path(model).is_dir() else Config.from_name(model)
     estimate = estimate_memory(
         config,
@@ -275,10 +277,9 @@ def plan(
     for field in fields(estimate):
         print(f"{field.name.replace('_', ' '):<18}{getattr(estimate, field.name) / 2**30:>9.2f}")
     print(f"{'total':<18}{estimate.total / 2**30:>9.2f}")
-    if device_memory is None:
+    if memory is None:
         print("\nPass --device_memory (e.g. 80GB) for a verdict.")
         return
-    memory = parse_memory_size(device_memory)
     verdict = "fits" if fits(estimate, memory) else "does not fit"
     print(
         f"\n{verdict}: {estimate.total / 2**30:.2f} GiB needed, {memory * USABLE_FRACTION / 2**30:.2f} GiB usable "

@@ -47,16 +47,15 @@ class Loader(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-@dataclass(kw_only=True)
 class DataModule:
-    """Where the training data comes from and how it is batched (see the module docstring)."""
+    """Where the training data comes from and how it is batched (see the module docstring).
 
-    num_workers: int = 0
-    """Loader worker processes per rank; 0 builds batches in the training process."""
-    seed: int | None = None
-    """Seed of the data order and the validation split; None uses the run's seed."""
-    cache_dir: Path | None = None
-    """Where tokenized data is cached; default $LITSFT_CACHE_DIR or ~/.cache/litsft. User files are never written."""
+    Not a dataclass itself, so that jsonargparse offers its subclasses for `data: DataModule`.
+    """
+
+    num_workers: int
+    seed: int | None
+    cache_dir: Path | None
 
     def connect(self, tokenizer: Tokenizer, max_seq_length: int, seed: int) -> None:
         """Called first on every rank, before prepare and setup."""
@@ -89,7 +88,19 @@ class DataModule:
 
 
 @dataclass(kw_only=True)
-class SFTDataModule(DataModule):
+class DataOptions:
+    """Options every data module has."""
+
+    num_workers: int = 0
+    """Loader worker processes per rank; 0 builds batches in the training process."""
+    seed: int | None = None
+    """Seed of the data order and the validation split; None uses the run's seed."""
+    cache_dir: Path | None = None
+    """Where tokenized data is cached; default $LITSFT_CACHE_DIR or ~/.cache/litsft. User files are never written."""
+
+
+@dataclass(kw_only=True)
+class SFTDataModule(DataOptions, DataModule):
     """Conversations, rendered with a chat template, loss on the assistant replies."""
 
     packing: bool = True
@@ -119,12 +130,18 @@ class SFTDataModule(DataModule):
 
     def prepare(self) -> None:
         sources = self.sources()
-        missing = {split: source for split, source in sources.items() if not (self._cached(source[0]) / "meta.json").is_file()}
+        missing = {
+            split: source
+            for split, source in sources.items()
+            if not (self._cached(source[0]) / "meta.json").is_file()
+        }
         # Read (and so check) every file before tokenizing or writing anything.
         conversations = {split: read() for split, (_, read) in missing.items()}
         for split, (identity, _) in missing.items():
             samples = tokenize_conversations(conversations[split], self.chat_format)
-            write_atomically(self._cached(identity), samples.save, {"source": identity, "samples": len(samples)})
+            write_atomically(
+                self._cached(identity), samples.save, {"source": identity, "samples": len(samples)}
+            )
         self._load(warn=True)
 
     def setup(self) -> None:
@@ -175,7 +192,7 @@ class SFTDataModule(DataModule):
         key = {
             "version": CACHE_FORMAT_VERSION,
             "source": identity,
-            "tokenizer": _tokenizer_fingerprint(self.tokenizer),
+            "tokenizer": tokenizer_fingerprint(self.tokenizer),
             "template": self.chat_format.template,
             "mask_prompt": self.mask_prompt,
         }
@@ -213,7 +230,7 @@ class SFTDataModule(DataModule):
         return train, val
 
 
-def _tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     digest = hashlib.sha256()
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
         path = tokenizer.checkpoint_dir / name
@@ -229,4 +246,3 @@ def file_fingerprint(path: Path) -> str:
         while block := file.read(1 << 24):
             digest.update(block)
     return f"{Path(path).resolve()}:{digest.hexdigest()}"
-

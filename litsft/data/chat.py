@@ -71,7 +71,9 @@ class ChatFormat:
         mask_prompt: Only assistant tokens carry loss; False trains on every token.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_style: str | None = None, mask_prompt: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_style: str | None = None, mask_prompt: bool = True
+    ) -> None:
         if prompt_style is not None and prompt_style not in PROMPT_STYLES:
             raise LitsftError(
                 f"unknown prompt style {prompt_style!r}; choose one of {', '.join(PROMPT_STYLES)} "
@@ -129,7 +131,9 @@ class ChatFormat:
             spans.append(self._assistant_spans(messages, text) if self.mask_prompt else [(0, len(text))])
         encoded = _encode_batch_with_offsets(self.tokenizer, texts)
         lengths = np.fromiter((len(ids) for ids, _ in encoded), dtype=np.int64, count=len(encoded))
-        tokens = np.fromiter(chain.from_iterable(ids for ids, _ in encoded), dtype=np.int32, count=lengths.sum())
+        tokens = np.fromiter(
+            chain.from_iterable(ids for ids, _ in encoded), dtype=np.int32, count=lengths.sum()
+        )
         starts = np.fromiter(
             (start for _, offsets in encoded for start, _ in offsets), dtype=np.int64, count=lengths.sum()
         )
@@ -137,7 +141,12 @@ class ChatFormat:
         bases = np.zeros(len(texts), dtype=np.int64)
         np.cumsum([len(text) + 1 for text in texts[:-1]], out=bases[1:])
         bounds = np.fromiter(
-            (base + bound for base, text_spans in zip(bases.tolist(), spans) for span in text_spans for bound in span),
+            (
+                base + bound
+                for base, text_spans in zip(bases.tolist(), spans)
+                for span in text_spans
+                for bound in span
+            ),
             dtype=np.int64,
         )
         # A token is a target when its first character lies inside a span [start, end).
@@ -145,7 +154,9 @@ class ChatFormat:
         if self.tokenizer.add_bos:
             # A template that writes bos itself (Llama 3) has it already; add it where it is missing.
             firsts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-            missing = (lengths == 0) | (tokens[firsts.clip(max=max(len(tokens) - 1, 0))] != self.tokenizer.bos_id)
+            missing = (lengths == 0) | (
+                tokens[firsts.clip(max=max(len(tokens) - 1, 0))] != self.tokenizer.bos_id
+            )
             if missing.any():
                 tokens = np.insert(tokens, firsts[missing], self.tokenizer.bos_id)
                 targets = np.insert(targets, firsts[missing], False)
@@ -204,7 +215,9 @@ class ChatFormat:
         return spans
 
 
-def _encode_batch_with_offsets(tokenizer: Tokenizer, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+def _encode_batch_with_offsets(
+    tokenizer: Tokenizer, texts: list[str]
+) -> list[tuple[list[int], list[tuple[int, int]]]]:
     """(ids, offsets) of each text, without bos or eos: one parallel call into `tokenizers`."""
     batch = getattr(tokenizer, "encode_batch_with_offsets", None)
     if batch is not None:

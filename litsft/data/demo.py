@@ -43,7 +43,11 @@ def _example(rng: random.Random) -> dict[str, str]:
         return {"instruction": "Subtract the numbers.", "input": f"{a} - {b}", "output": str(a - b)}
     words = _words(rng, 3, 5) if task in ("reverse", "sort") else _words(rng, 2, 4)
     if task == "reverse":
-        return {"instruction": "Reverse the words.", "input": " ".join(words), "output": " ".join(words[::-1])}
+        return {
+            "instruction": "Reverse the words.",
+            "input": " ".join(words),
+            "output": " ".join(words[::-1]),
+        }
     if task == "sort":
         return {"instruction": "Sort the words.", "input": " ".join(words), "output": " ".join(sorted(words))}
     if task == "upper":
@@ -53,7 +57,9 @@ def _example(rng: random.Random) -> dict[str, str]:
     return {"instruction": "Write the words in lower case.", "input": text.upper(), "output": text}
 
 
-def generate_examples(count: int, seed: int = 0, exclude: set[tuple[str, str]] | None = None) -> list[dict[str, str]]:
+def generate_examples(
+    count: int, seed: int = 0, exclude: set[tuple[str, str]] | None = None
+) -> list[dict[str, str]]:
     """`count` distinct instruction records ({"instruction", "input", "output"}), none of whose
     (instruction, input) is in `exclude`; the same list for the same arguments."""
     rng = random.Random(f"litsft-demo-{GENERATOR_VERSION}-{seed}")
@@ -68,7 +74,9 @@ def generate_examples(count: int, seed: int = 0, exclude: set[tuple[str, str]] |
     return examples
 
 
-def demo_splits(num_train: int, num_val: int, num_eval: int, seed: int = 0) -> dict[str, list[dict[str, str]]]:
+def demo_splits(
+    num_train: int, num_val: int, num_eval: int, seed: int = 0
+) -> dict[str, list[dict[str, str]]]:
     """Disjoint train / val / eval records: no held-out prompt appears in training."""
     examples = generate_examples(num_eval + num_val + num_train, seed)
     return {
@@ -92,7 +100,9 @@ def corpus_text(example: dict[str, str]) -> str:
     return f"{example['instruction']}\n{example['input']}\n{example['output']}\n"
 
 
-def write_demo_corpus(directory: Path, num_examples: int = 20_000, num_files: int = 4, seed: int = 0) -> list[Path]:
+def write_demo_corpus(
+    directory: Path, num_examples: int = 20_000, num_files: int = 4, seed: int = 0
+) -> list[Path]:
     """The training examples of `demo_splits` as plain text, `num_files` .txt files, one blank line
     between examples; for `--data TextFiles --data.train_data_path <directory>`."""
     directory = Path(directory)
@@ -101,7 +111,9 @@ def write_demo_corpus(directory: Path, num_examples: int = 20_000, num_files: in
     paths = []
     for i in range(num_files):
         path = directory / f"demo-{i:03d}.txt"
-        path.write_text("\n".join(corpus_text(example) for example in examples[i::num_files]), encoding="utf-8")
+        path.write_text(
+            "\n".join(corpus_text(example) for example in examples[i::num_files]), encoding="utf-8"
+        )
         paths.append(path)
     return paths
 
@@ -179,8 +191,12 @@ class Demo(SFTDataModule):
             raise LitsftError("Demo: num_train, num_val and num_eval must not be negative")
 
     def sources(self) -> dict[str, tuple[str, Callable[[], list[list[Message]]]]]:
-        identity = f"demo:v{GENERATOR_VERSION}:{self.num_train}:{self.num_val}:{self.num_eval}:{self.generator_seed}"
-        return {split: (f"{identity}:{split}", partial(self._conversations, split)) for split in ("train", "val")}
+        identity = (
+            f"demo:v{GENERATOR_VERSION}:{self.num_train}:{self.num_val}:{self.num_eval}:{self.generator_seed}"
+        )
+        return {
+            split: (f"{identity}:{split}", partial(self._conversations, split)) for split in ("train", "val")
+        }
 
     def _conversations(self, split: str) -> list[list[Message]]:
         records = demo_splits(self.num_train, self.num_val, self.num_eval, self.generator_seed)[split]

@@ -30,11 +30,15 @@ class JSON(SFTDataModule):
         if path.is_dir():
             files = {split: self._find(path, split) for split in ("train", "val")}
             if files["train"] is None:
-                raise LitsftError(f"{path} has no train.json or train.jsonl; add one, or pass the file itself")
+                raise LitsftError(
+                    f"{path} has no train.json or train.jsonl; add one, or pass the file itself"
+                )
         elif path.is_file():
             files = {"train": path}
         else:
-            raise LitsftError(f"--data.json_path {path} does not exist; pass a .json/.jsonl file or a directory")
+            raise LitsftError(
+                f"--data.json_path {path} does not exist; pass a .json/.jsonl file or a directory"
+            )
         return {
             split: (file_fingerprint(file), partial(read_conversations, file))
             for split, file in files.items()

@@ -86,7 +86,9 @@ def plan_epoch(
     return batches
 
 
-def collate(samples: Samples, rows: list[Row], seq_length: int | None, pad_id: int) -> dict[str, torch.Tensor]:
+def collate(
+    samples: Samples, rows: list[Row], seq_length: int | None, pad_id: int
+) -> dict[str, torch.Tensor]:
     """One micro-batch. A sample of n tokens fills n - 1 positions: its tokens but the last as inputs,
     its tokens but the first as labels (already shifted), -100 where a token is not a target.
 
@@ -126,7 +128,12 @@ class _MicroBatches(Dataset):
     """Micro-batch k of one rank's epoch, built on demand (in a worker process when there are any)."""
 
     def __init__(self, samples: Samples, micro_batches: list[list[Row]], seq_length: int | None, pad_id: int):
-        self.samples, self.micro_batches, self.seq_length, self.pad_id = samples, micro_batches, seq_length, pad_id
+        self.samples, self.micro_batches, self.seq_length, self.pad_id = (
+            samples,
+            micro_batches,
+            seq_length,
+            pad_id,
+        )
 
     def __len__(self) -> int:
         return len(self.micro_batches)
@@ -164,6 +171,8 @@ class SFTLoader:
             )
         self.samples = samples
         self.positions = samples.lengths - 1
+        if len(samples) and self.positions.max() > max_seq_length:
+            raise ValueError(f"samples must be truncated to max_seq_length + 1 = {max_seq_length + 1} tokens first")
         self.max_seq_length = max_seq_length
         self.packing = packing
         self.pad_id = pad_id
@@ -186,7 +195,13 @@ class SFTLoader:
         epoch = self.epoch if epoch is None else epoch
         if self._plan is None or self._plan[0] != epoch:
             batches = plan_epoch(
-                self.positions, self.max_seq_length, self.packing, self.global_batch_size, self.seed, epoch, self.shuffle
+                self.positions,
+                self.max_seq_length,
+                self.packing,
+                self.global_batch_size,
+                self.seed,
+                epoch,
+                self.shuffle,
             )
             self._plan = (epoch, batches)
         return self._plan[1]

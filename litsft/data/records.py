@@ -64,7 +64,9 @@ def to_conversation(record: Any, path: Path | str = "<records>", line: int = 0) 
                 )
             for key in ("role", "content"):
                 if key not in message:
-                    raise LitsftError(f"{where}: messages[{i}] has no {key!r}; every message needs 'role' and 'content'")
+                    raise LitsftError(
+                        f"{where}: messages[{i}] has no {key!r}; every message needs 'role' and 'content'"
+                    )
                 if not isinstance(message[key], str):
                     raise LitsftError(
                         f"{where}: messages[{i}].{key} is {_type_name(message[key])}, expected a string"
@@ -75,7 +77,9 @@ def to_conversation(record: Any, path: Path | str = "<records>", line: int = 0) 
                 )
             conversation.append({"role": message["role"], "content": message["content"]})
         if not any(message["role"] == "assistant" for message in conversation):
-            raise LitsftError(f"{where}: the conversation has no assistant message; add the reply to train on")
+            raise LitsftError(
+                f"{where}: the conversation has no assistant message; add the reply to train on"
+            )
         return conversation
     if "instruction" not in record or "output" not in record:
         missing = "instruction" if "instruction" not in record else "output"
@@ -125,7 +129,10 @@ def _records_of_json(path: Path, text: str) -> list[tuple[int, Any]]:
 
     position = _skip_space(text, 0)
     if text[position] != "[":
-        raise fail(position, "a .json data file must hold a list of records ([{...}, ...]); use .jsonl for one record per line")
+        raise fail(
+            position,
+            "a .json data file must hold a list of records ([{...}, ...]); use .jsonl for one record per line",
+        )
     records, line, counted_to = [], 1, 0
     position = _skip_space(text, position + 1)
     while position < len(text) and text[position] != "]":

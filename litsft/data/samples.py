@@ -67,7 +67,10 @@ class Samples:
     @classmethod
     def load(cls, directory: Path) -> Samples:
         # allow_pickle=False: cache files are data only.
-        arrays = [np.load(directory / f"{name}.npy", allow_pickle=False) for name in ("tokens", "targets", "offsets")]
+        arrays = [
+            np.load(directory / f"{name}.npy", allow_pickle=False)
+            for name in ("tokens", "targets", "offsets")
+        ]
         return cls(*arrays)
 
 
@@ -91,7 +94,9 @@ def tokenize_conversations(conversations: list[list[Message]], chat_format: Chat
         return Samples(np.zeros(0, np.int32), np.zeros(0, bool), offsets)
     np.cumsum(np.concatenate([lengths for _, _, lengths in parts]), out=offsets[1:])
     return Samples(
-        np.concatenate([tokens for tokens, _, _ in parts]), np.concatenate([targets for _, targets, _ in parts]), offsets
+        np.concatenate([tokens for tokens, _, _ in parts]),
+        np.concatenate([targets for _, targets, _ in parts]),
+        offsets,
     )
 
 

@@ -1,0 +1,349 @@
+"""Pretraining data: plain text files tokenized into litdata shards (`--data TextFiles`), and any
+litdata-optimized token dataset, local or remote (`--data LitData`), streamed in blocks.
+
+A block is max_seq_length + 1 consecutive tokens of the token stream (documents end with eos); every
+token is a target, and attention is plain causal across the block. The order comes from litdata: it
+depends on the world size (chunks are dealt to ranks), so streaming runs with different world sizes see
+different global batches, unlike SFT data (litsft/data/loader.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from litsft.data.base import DataModule, DataOptions, tokenizer_fingerprint
+from litsft.errors import LitsftError
+from litsft.tokenizer import Tokenizer
+
+TEXT_EXTENSIONS = (".txt",)
+RANGE_BYTES = 16 * 2**20
+"""Large files are cut at line ends into pieces of about this size, tokenized in parallel."""
+
+
+class StreamingLoader:
+    """A litdata StreamingDataLoader giving litsft batches, with its state saved and restored.
+
+    `len(loader)` is litdata's count of micro-batches per rank for one epoch.
+    """
+
+    def __init__(self, dataloader: Any) -> None:
+        self.dataloader = dataloader
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for block in self.dataloader:
+            block = block.long()  # (B, T + 1)
+            input_ids = block[:, :-1]
+            yield {
+                "input_ids": input_ids,
+                "labels": block[:, 1:],
+                "position_ids": torch.arange(input_ids.shape[1]).expand_as(input_ids).contiguous(),
+            }
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def set_epoch(self, epoch: int) -> None:
+        # litdata starts its next epoch (a new shuffle) by itself each time it is iterated.
+        self.epoch = epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "streaming": self.dataloader.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = state["epoch"]
+        self.dataloader.load_state_dict(state["streaming"])
+
+
+def streaming_loader(
+    input_dir: str,
+    max_seq_length: int,
+    rank: int,
+    world_size: int,
+    micro_batch_size: int,
+    seed: int,
+    num_workers: int,
+    shuffle: bool,
+) -> StreamingLoader:
+    from litdata.streaming import StreamingDataLoader, StreamingDataset, TokensLoader
+    from litdata.utilities.env import _DistributedEnv
+
+    dataset = StreamingDataset(
+        input_dir=input_dir,
+        item_loader=TokensLoader(block_size=max_seq_length + 1),
+        shuffle=shuffle,
+        drop_last=True,
+        seed=seed,
+    )
+    # The engine says which rank this is; litdata would otherwise guess from the environment.
+    dataset.distributed_env = _DistributedEnv(world_size=world_size, global_rank=rank, num_nodes=1)
+    dataset.drop_last = True  # every rank the same number of batches, or collectives would hang
+    dataloader = StreamingDataLoader(
+        dataset, batch_size=micro_batch_size, num_workers=num_workers, drop_last=True
+    )
+    return StreamingLoader(dataloader)
+
+
+@dataclass(kw_only=True)
+class LitData(DataOptions, DataModule):
+    """A token dataset optimized with litdata (`litsft prepare`, or `litdata.optimize` with a
+    TokensLoader), local or remote (s3://, gs://, ...), streamed."""
+
+    path: str
+    """The dataset: a directory with train/ and val/ inside, or one optimized directory (no validation)."""
+    split_names: tuple[str, str] = ("train", "val")
+    """Subdirectories of `path` holding the training and validation data."""
+
+    def _split_dirs(self) -> tuple[str, str | None]:
+        train, val = self.split_names
+        local = "://" not in self.path
+        if local and not Path(self.path).exists():
+            raise LitsftError(f"--data.path {self.path} does not exist; create it with `litsft prepare`")
+        if local and (Path(self.path) / "index.json").is_file():
+            return self.path, None
+        if local and not (Path(self.path) / train / "index.json").is_file():
+            raise LitsftError(
+                f"{self.path} holds no litdata dataset (no index.json, no {train}/index.json); "
+                "create it with `litsft prepare` or point --data.path at an optimized directory"
+            )
+        val_dir = f"{self.path.rstrip('/')}/{val}"
+        if local and not (Path(val_dir) / "index.json").is_file():
+            val_dir = None
+        return f"{self.path.rstrip('/')}/{train}", val_dir
+
+    def train_dataloader(
+        self, rank: int, world_size: int, micro_batch_size: int, global_batch_size: int
+    ) -> StreamingLoader:
+        _check_batch_sizes(world_size, micro_batch_size, global_batch_size)
+        train, _ = self._split_dirs()
+        return streaming_loader(
+            train,
+            self.max_seq_length,
+            rank,
+            world_size,
+            micro_batch_size,
+            self.data_seed,
+            self.num_workers,
+            True,
+        )
+
+    def val_dataloader(self, rank: int, world_size: int, micro_batch_size: int) -> StreamingLoader | None:
+        _, val = self._split_dirs()
+        if val is None:
+            return None
+        return streaming_loader(
+            val,
+            self.max_seq_length,
+            rank,
+            world_size,
+            micro_batch_size,
+            self.data_seed,
+            self.num_workers,
+            False,
+        )
+
+
+@dataclass(kw_only=True)
+class TextFiles(DataOptions, DataModule):
+    """Plain .txt files for pretraining: each file is a document. Tokenized once into litdata shards
+    in the cache directory, then streamed."""
+
+    train_data_path: Path
+    """A .txt file or a directory searched recursively for .txt files."""
+    val_data_path: Path | None = None
+    """Validation files, like train_data_path; None holds out val_split_fraction of the training files."""
+    val_split_fraction: float = 0.05
+    """Share of the training files held out for validation (at least one, when there are two or more)."""
+    tokenize_workers: int | None = None
+    """Processes that tokenize the files; None: one per CPU."""
+
+    def splits(self) -> dict[str, list[Path]]:
+        train = text_files(self.train_data_path)
+        if self.val_data_path is not None:
+            return {"train": train, "val": text_files(self.val_data_path)}
+        if len(train) < 2 or self.val_split_fraction <= 0:
+            return {"train": train}
+        shuffled = random.Random(self.data_seed).sample(train, len(train))
+        num_val = min(len(train) - 1, max(1, math.floor(self.val_split_fraction * len(train))))
+        return {"train": sorted(shuffled[num_val:]), "val": sorted(shuffled[:num_val])}
+
+    def optimized_dir(self, split: str, files: list[Path]) -> Path:
+        key = {
+            "files": [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in files],
+            "tokenizer": tokenizer_fingerprint(self.tokenizer),
+        }
+        digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]
+        return self.cache_root / "text" / digest / split
+
+    def prepare(self) -> None:
+        splits = self.splits()
+        for files in splits.values():
+            check_text_files(files)
+        for split, files in splits.items():
+            out = self.optimized_dir(split, files)
+            if not (out / "index.json").is_file():
+                optimize_text(files, out, self.tokenizer.checkpoint_dir, self.tokenize_workers)
+
+    def setup(self) -> None:
+        for split, files in self.splits().items():
+            if not (self.optimized_dir(split, files) / "index.json").is_file():
+                raise LitsftError(
+                    f"the tokenized {split} data is missing from {self.optimized_dir(split, files)}; run "
+                    "prepare() on rank 0 first, with a cache_dir that every node can read"
+                )
+
+    def train_dataloader(
+        self, rank: int, world_size: int, micro_batch_size: int, global_batch_size: int
+    ) -> StreamingLoader:
+        _check_batch_sizes(world_size, micro_batch_size, global_batch_size)
+        files = self.splits()["train"]
+        return streaming_loader(
+            str(self.optimized_dir("train", files)),
+            self.max_seq_length,
+            rank,
+            world_size,
+            micro_batch_size,
+            self.data_seed,
+            self.num_workers,
+            True,
+        )
+
+    def val_dataloader(self, rank: int, world_size: int, micro_batch_size: int) -> StreamingLoader | None:
+        files = self.splits().get("val")
+        if files is None:
+            return None
+        return streaming_loader(
+            str(self.optimized_dir("val", files)),
+            self.max_seq_length,
+            rank,
+            world_size,
+            micro_batch_size,
+            self.data_seed,
+            self.num_workers,
+            False,
+        )
+
+
+def _check_batch_sizes(world_size: int, micro_batch_size: int, global_batch_size: int) -> None:
+    if global_batch_size % (world_size * micro_batch_size):
+        raise LitsftError(
+            f"global_batch_size={global_batch_size} is not a multiple of world_size x micro_batch_size="
+            f"{world_size} x {micro_batch_size}; choose sizes so that it is"
+        )
+
+
+def text_files(path: Path) -> list[Path]:
+    """A .txt file, or the .txt files under a directory, sorted."""
+    path = Path(path)
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_EXTENSIONS and p.is_file())
+    else:
+        raise LitsftError(f"{path} does not exist; pass a .txt file or a directory of .txt files")
+    if not files:
+        raise LitsftError(f"{path} holds no .txt files; add some, or point at the directory that has them")
+    return files
+
+
+def check_text_files(files: list[Path]) -> None:
+    """Fail before tokenizing anything on an empty or non-UTF-8 file, naming the file and line."""
+    for path in files:
+        empty = True
+        with open(path, "rb") as file:
+            for number, line in enumerate(file, start=1):
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise LitsftError(
+                        f"{path} line {number}: byte 0x{line[err.start]:02x} is not valid UTF-8; "
+                        "re-encode the file as UTF-8"
+                    ) from None
+                empty = empty and not line.strip()
+        if empty:
+            raise LitsftError(f"{path} is empty; remove it or add text")
+
+
+def byte_ranges(files: list[Path], range_bytes: int = RANGE_BYTES) -> list[tuple[str, int, int, bool]]:
+    """(file, start, end, is_last_piece) pieces of about range_bytes, cut after a newline."""
+    pieces = []
+    for path in files:
+        size = path.stat().st_size
+        start = 0
+        with open(path, "rb") as file:
+            while start < size:
+                end = min(start + range_bytes, size)
+                if end < size:
+                    file.seek(end)
+                    end += len(file.readline())  # to the end of that line
+                pieces.append((str(path), start, end, end >= size))
+                start = end
+    return pieces
+
+
+_TOKENIZERS: dict[str, Tokenizer] = {}
+
+
+def tokenize_piece(piece: tuple[str, int, int, bool], checkpoint_dir: str) -> torch.Tensor:
+    """The tokens of one piece of a file: bos before a file's first piece (when the tokenizer adds
+    bos), eos after its last, so every file is one document."""
+    tokenizer = _TOKENIZERS.get(checkpoint_dir) or _TOKENIZERS.setdefault(
+        checkpoint_dir, Tokenizer(checkpoint_dir)
+    )
+    path, start, end, is_last = piece
+    with open(path, "rb") as file:
+        file.seek(start)
+        text = file.read(end - start).decode("utf-8")
+    ids = tokenizer.encode(text, add_bos=tokenizer.add_bos and start == 0, add_eos=is_last)
+    dtype = torch.int32 if tokenizer.vocab_size < 2**31 else torch.int64
+    return torch.tensor(ids, dtype=dtype)
+
+
+def optimize_text(
+    files: list[Path],
+    out_dir: Path,
+    checkpoint_dir: Path,
+    num_workers: int | None = None,
+    chunk_bytes: str = "64MB",
+) -> None:
+    """Tokenize `files` into a litdata token dataset at `out_dir`, in parallel processes with a progress
+    bar. Written into a temporary sibling and renamed, so an interrupted run leaves nothing to trust."""
+    from litdata import TokensLoader, optimize
+
+    pieces = byte_ranges(files)
+    num_workers = max(1, min(num_workers or os.cpu_count() or 1, len(pieces)))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
+    try:
+        optimize(
+            fn=partial(tokenize_piece, checkpoint_dir=str(checkpoint_dir)),
+            inputs=pieces,
+            output_dir=str(staging),
+            num_workers=num_workers,
+            chunk_bytes=chunk_bytes,
+            item_loader=TokensLoader(),
+            reorder_files=False,  # keep the pieces of a file in order, so its document stays whole
+            start_method="fork" if "fork" in _start_methods() else None,
+        )
+        os.replace(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _start_methods() -> list[str]:
+    import multiprocessing
+
+    return multiprocessing.get_all_start_methods()

@@ -1,0 +1,102 @@
+"""LoRA fine-tuning: the base checkpoint stays frozen (and sharded), only low-rank adapters train; checkpoints
+and the final result hold the adapters alone, with a reference to the base checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from litsft.checkpoint import copy_rows, global_rank, load_weights
+from litsft.config import Config
+from litsft.data import DataModule
+from litsft.engine import EvalConfig, LogConfig, Recipe, RunConfig, TrainConfig, launch
+from litsft.lora import (
+    LoRAConfig,
+    apply_lora,
+    base_weight_name,
+    initial_adapter_value,
+    lora_state_dict,
+    save_lora_checkpoint,
+)
+from litsft.model import Transformer, parameter_generator
+from litsft.optimizer import OptimizerConfig
+from litsft.parallel import FSDPConfig, Precision
+
+
+def setup(
+    checkpoint_dir: Path,
+    out_dir: Path = Path("out/finetune_lora"),
+    data: DataModule | None = None,
+    devices: int = 1,
+    num_nodes: int = 1,
+    precision: Precision | None = None,
+    resume: bool | Literal["auto"] | Path = "auto",
+    seed: int = 1337,
+    lora: LoRAConfig = LoRAConfig(),
+    fsdp: FSDPConfig = FSDPConfig(),
+    train: TrainConfig = TrainConfig(),
+    eval: EvalConfig = EvalConfig(),
+    optimizer: OptimizerConfig = OptimizerConfig(lr=2e-4, warmup_fraction=0.03),
+    log: LogConfig = LogConfig(),
+) -> None:
+    """Fine-tune low-rank adapters on top of a frozen litsft checkpoint.
+
+    Args:
+        checkpoint_dir: The base litsft checkpoint directory (from `litsft convert_from_hf`).
+        out_dir: Where checkpoints, metrics and the final adapter (out_dir/final) are written.
+        data: The data module, e.g. `--data JSON --data.json_path train.json` or `--data Demo`.
+        devices: Processes (GPUs) per node.
+        num_nodes: Nodes.
+        precision: bf16-mixed, bf16-true, 16-mixed or 32-true; default bf16-mixed on GPUs that support it, else 32-true.
+        resume: "auto" continues from the newest complete checkpoint in out_dir; a path resumes from that
+            checkpoint; false starts over.
+        seed: Seed for data order, adapter initialization, dropout and sampling.
+        lora: Rank, alpha, dropout and which projections get adapters.
+        fsdp: Sharding strategy and memory options (used with more than one process).
+        train: Batch sizes, length of the run and checkpointing.
+        eval: Validation settings.
+        optimizer: AdamW and the learning-rate schedule.
+        log: Metric loggers.
+    """
+    arguments = dict(locals())
+    config = Config.from_checkpoint(checkpoint_dir)
+
+    def initialize(model: Transformer) -> None:
+        load_weights(model, checkpoint_dir, stored_name=base_weight_name)
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                copy_rows(
+                    param.data, initial_adapter_value(name, param.shape, parameter_generator(seed, name))
+                )
+
+    def save_final(model: Transformer, final_dir: Path) -> None:
+        adapters = lora_state_dict(model)  # collective: every rank gathers
+        if global_rank() == 0:
+            save_lora_checkpoint(adapters, lora, checkpoint_dir, final_dir)
+
+    recipe = Recipe(
+        name="finetune_lora",
+        build_model=lambda config: apply_lora(Transformer(config), lora),
+        initialize=initialize,
+        save_final=save_final,
+        checkpoint_frozen=False,
+        trainable="lora",
+    )
+    run = RunConfig(
+        config=config,
+        tokenizer_dir=checkpoint_dir,
+        data=data,
+        out_dir=out_dir,
+        devices=devices,
+        num_nodes=num_nodes,
+        precision=precision,
+        resume=resume,
+        seed=seed,
+        fsdp=fsdp,
+        train=train,
+        eval=eval,
+        optimizer=optimizer,
+        log=log,
+        cli_arguments=arguments,
+    )
+    launch(recipe, run)

@@ -1,0 +1,87 @@
+"""Pretraining from scratch: a named config with freshly initialized weights, trained on streamed text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from litsft.checkpoint import copy_rows, save_consolidated
+from litsft.config import CONFIG_FILENAME, Config
+from litsft.data import DataModule
+from litsft.engine import EvalConfig, LogConfig, Recipe, RunConfig, TrainConfig, launch
+from litsft.model import Transformer, parameter_generator
+from litsft.optimizer import OptimizerConfig
+from litsft.parallel import FSDPConfig, Precision
+
+
+def setup(
+    model_name: str,
+    tokenizer_dir: Path,
+    out_dir: Path = Path("out/pretrain"),
+    data: DataModule | None = None,
+    devices: int = 1,
+    num_nodes: int = 1,
+    precision: Precision | None = None,
+    resume: bool | Literal["auto"] | Path = "auto",
+    seed: int = 1337,
+    fsdp: FSDPConfig = FSDPConfig(),
+    train: TrainConfig = TrainConfig(global_batch_size=64, micro_batch_size=8),
+    eval: EvalConfig = EvalConfig(),
+    optimizer: OptimizerConfig = OptimizerConfig(
+        lr=3e-4, min_lr=3e-5, weight_decay=0.1, warmup_fraction=0.02
+    ),
+    log: LogConfig = LogConfig(),
+) -> None:
+    """Pretrain a model from scratch.
+
+    Args:
+        model_name: A named config (`litsft list_models`) or a directory holding a litsft_config.json.
+        tokenizer_dir: A directory with tokenizer.json (and tokenizer_config.json); its vocabulary must fit
+            the model's vocab_size.
+        out_dir: Where checkpoints, metrics and the final model (out_dir/final) are written.
+        data: The data module, e.g. `--data TextFiles --data.train_dir corpus/` or `--data LitData --data.path ...`.
+        devices: Processes (GPUs) per node.
+        num_nodes: Nodes; with HYBRID_SHARD the model is replicated across nodes and sharded within one.
+        precision: bf16-mixed, bf16-true, 16-mixed or 32-true; default bf16-mixed on GPUs that support it, else 32-true.
+        resume: "auto" continues from the newest complete checkpoint in out_dir; a path resumes from that
+            checkpoint; false starts over.
+        seed: Seed for initialization, data order and dropout.
+        fsdp: Sharding strategy and memory options (used with more than one process).
+        train: Batch sizes, length of the run and checkpointing.
+        eval: Validation settings.
+        optimizer: AdamW and the learning-rate schedule.
+        log: Metric loggers.
+    """
+    arguments = dict(locals())
+    is_dir = (Path(model_name) / CONFIG_FILENAME).is_file()
+    config = Config.from_checkpoint(model_name) if is_dir else Config.from_name(model_name)
+
+    def initialize(model: Transformer) -> None:
+        # Drawn per parameter from its own generator: the same weights on 1 GPU or 64.
+        for name, param in model.named_parameters():
+            copy_rows(param.data, model.initial_value(name, param.shape, parameter_generator(seed, name)))
+
+    recipe = Recipe(
+        name="pretrain",
+        build_model=Transformer,
+        initialize=initialize,
+        save_final=lambda model, final_dir: save_consolidated(model, final_dir, config, tokenizer_dir),
+    )
+    run = RunConfig(
+        config=config,
+        tokenizer_dir=tokenizer_dir,
+        data=data,
+        out_dir=out_dir,
+        devices=devices,
+        num_nodes=num_nodes,
+        precision=precision,
+        resume=resume,
+        seed=seed,
+        fsdp=fsdp,
+        train=train,
+        eval=eval,
+        optimizer=optimizer,
+        log=log,
+        cli_arguments=arguments,
+    )
+    launch(recipe, run)

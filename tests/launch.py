@@ -1,0 +1,111 @@
+"""Running litsft commands in fresh processes, the way users run them (Fabric spawns the extra ranks)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from tiny_tokenizer import write_tiny_tokenizer
+
+from litsft.config import Config
+from litsft.model import Transformer
+from litsft.weight_files import load_checkpoint_state_dict, save_checkpoint_files
+
+
+def test_env(tmp_path: Path) -> dict[str, str]:
+    """One thread per process (2 cores, up to 2 ranks) and every cache under the test's own directory."""
+    env = dict(os.environ)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        env.pop(name, None)
+    env.update(
+        OMP_NUM_THREADS="1",
+        LITSFT_CACHE_DIR=str(tmp_path / "cache"),
+        TMPDIR=str(tmp_path),
+        DATA_OPTIMIZER_CACHE_FOLDER=str(tmp_path / "litdata-cache"),
+        DATA_OPTIMIZER_DATA_CACHE_FOLDER=str(tmp_path / "litdata-data"),
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+        PYTHONWARNINGS="ignore",
+    )
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def litsft(
+    args: list[str], tmp_path: Path, timeout: int = 300, check: bool = True
+) -> subprocess.CompletedProcess:
+    env = test_env(tmp_path)
+    env["MASTER_PORT"] = str(free_port())
+    result = subprocess.run(
+        [sys.executable, "-m", "litsft", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"litsft {args[0]} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+        )
+    return result
+
+
+def litsft_two_nodes(args: list[str], tmp_path: Path, timeout: int = 300) -> None:
+    """Two single-process "nodes" on 127.0.0.1, launched by torchrun as on a cluster."""
+    env, port = test_env(tmp_path), free_port()
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(rank),
+                "--nproc_per_node",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                "-m",
+                "litsft",
+                *args,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [p.communicate(timeout=timeout)[0] for p in processes]
+    for p, out in zip(processes, outputs):
+        if p.returncode != 0:
+            raise AssertionError(f"node exited {p.returncode}:\n{out[-6000:]}")
+
+
+def write_tiny_checkpoint(directory: Path, seed: int = 0, **overrides) -> Path:
+    """A random tiny-llama litsft checkpoint with the tiny ChatML tokenizer."""
+    config = Config.from_name("tiny-llama", **overrides)
+    model = Transformer(config)
+    model.init_weights(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_tiny_tokenizer(directory)
+    save_checkpoint_files(model.state_dict().items(), config, directory, directory)
+    return directory
+
+
+def max_difference(dir_a: Path, dir_b: Path) -> float:
+    a, b = load_checkpoint_state_dict(dir_a), load_checkpoint_state_dict(dir_b)
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint_state_dict(directory)

@@ -1,0 +1,132 @@
+"""Chat formatting and the loss mask (litsft/data/chat.py)."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_tokenizer import write_tiny_tokenizer
+
+from litsft.data.chat import ChatFormat
+from litsft.errors import LitsftError
+from litsft.tokenizer import Tokenizer
+
+CONVERSATION = [
+    {"role": "system", "content": "You answer in one line."},
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "It is 5."},
+    {"role": "user", "content": "And the red cat?"},
+    {"role": "assistant", "content": "The cat sings today!"},
+]
+END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}
+
+
+@pytest.fixture(scope="module", params=["chatml", "llama3"])
+def template_tokenizer(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    write_tiny_tokenizer(directory, chat_template=request.param)
+    return request.param, Tokenizer(directory)
+
+
+def pieces(tokenizer: Tokenizer, ids) -> list[str]:
+    return [tokenizer.decode([int(i)], skip_special_tokens=False) for i in ids]
+
+
+def test_exactly_the_assistant_tokens_are_targets(template_tokenizer):
+    name, tokenizer = template_tokenizer
+    chat_format = ChatFormat(tokenizer)
+    assert chat_format.name == "checkpoint"
+    tokens, targets = chat_format.tokenize(CONVERSATION)
+    # The tokens are the ones generation would see: the rendered template, encoded as a whole.
+    assert tokens.tolist() == tokenizer.encode(tokenizer.render_chat(CONVERSATION), add_bos=False)
+    target_pieces = pieces(tokenizer, tokens[targets])
+    print(name, "targets:", target_pieces)
+    print(name, "others: ", pieces(tokenizer, tokens[~targets]))
+    # Each reply, then its end-of-turn token, and nothing else: no system, user or header token.
+    expected = []
+    for message in CONVERSATION:
+        if message["role"] == "assistant":
+            expected += pieces(tokenizer, tokenizer.encode(message["content"], add_bos=False))
+            expected.append(END_OF_TURN[name])
+    assert target_pieces == expected
+    assert "".join(target_pieces) == f"It is 5.{END_OF_TURN[name]}The cat sings today!{END_OF_TURN[name]}"
+
+
+def test_llama3_bos_is_written_once(tmp_path):
+    write_tiny_tokenizer(tmp_path, chat_template="llama3")
+    tokenizer = Tokenizer(tmp_path)
+    assert tokenizer.add_bos
+    tokens, targets = ChatFormat(tokenizer).tokenize(CONVERSATION)
+    assert tokens[0] == tokenizer.bos_id and tokens[1] != tokenizer.bos_id and not targets[0]
+
+
+def test_training_on_everything(template_tokenizer):
+    _, tokenizer = template_tokenizer
+    tokens, targets = ChatFormat(tokenizer, mask_prompt=False).tokenize(CONVERSATION)
+    assert targets.all() and len(tokens) > 20
+
+
+def test_named_style_over_a_template_less_checkpoint(tmp_path):
+    write_tiny_tokenizer(tmp_path, chat_template=None)
+    tokenizer = Tokenizer(tmp_path)
+    chat_format = ChatFormat(tokenizer)
+    assert chat_format.name == "alpaca"  # the default when the checkpoint has no template
+    messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}]
+    assert chat_format.render(messages) == (
+        "Below is an instruction that describes a task. Write a response that appropriately completes the "
+        "request.\n\n### Instruction:\nSay hi\n\n### Response:\nhi<|end_of_text|>\n\n"
+    )
+    tokens, targets = chat_format.tokenize(messages)
+    assert tokens[0] == tokenizer.bos_id  # the tokenizer adds bos and alpaca does not write it
+    assert pieces(tokenizer, tokens[targets]) == ["h", "i", "<|end_of_text|>"]
+    prompt = chat_format.encode_prompt(messages[:1])
+    assert prompt == tokens[: len(prompt)].tolist() and len(prompt) == len(tokens) - 3
+
+
+def test_prompt_style_overrides_the_checkpoint_template(template_tokenizer):
+    _, tokenizer = template_tokenizer
+    chat_format = ChatFormat(tokenizer, prompt_style="plain")
+    messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}]
+    assert chat_format.render(messages) == "Say hi\nhi<|end_of_text|>\n"
+
+
+def test_reply_opening_a_conversation(tmp_path):
+    write_tiny_tokenizer(tmp_path, chat_template="chatml")
+    tokenizer = Tokenizer(tmp_path)
+    messages = [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "hi"}]
+    tokens, targets = ChatFormat(tokenizer, prompt_style="chatml").tokenize(messages)
+    assert "".join(pieces(tokenizer, tokens[targets])) == "Hello<|im_end|>"
+
+
+def test_unknown_prompt_style(template_tokenizer):
+    with pytest.raises(LitsftError) as error:
+        ChatFormat(template_tokenizer[1], prompt_style="vicuna")
+    assert str(error.value) == (
+        "unknown prompt style 'vicuna'; choose one of chatml, llama3, alpaca, plain or leave it unset "
+        "to use the checkpoint's chat template"
+    )
+
+
+def test_template_that_rewrites_history_falls_back_to_search(tmp_path):
+    # The last reply gets another header than earlier ones, so earlier renders are not prefixes.
+    write_tiny_tokenizer(tmp_path, chat_template="chatml")
+    tokenizer = Tokenizer(tmp_path)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% set head = 'final' if loop.last else m['role'] %}"
+        "{{ '<|im_start|>' + head + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>final\\n' }}{% endif %}"
+    )
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "one"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "two"},
+    ]
+    tokens, targets = ChatFormat(tokenizer).tokenize(messages)
+    assert "".join(pieces(tokenizer, tokens[targets])) == "one<|im_end|>two<|im_end|>"
+
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'][:2] + '\\n' }}{% endfor %}"
+    with pytest.raises(LitsftError) as error:
+        ChatFormat(tokenizer).tokenize(messages)
+    assert str(error.value) == (
+        "the checkpoint chat template does not show assistant message 1 verbatim, so its tokens cannot be "
+        "found for the loss mask; choose a --data.prompt_style such as chatml"
+    )

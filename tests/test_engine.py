@@ -1,0 +1,109 @@
+"""The engine's promises, each checked by an equivalence: distributed = single-process, resumed = uninterrupted."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from launch import litsft, litsft_two_nodes, max_difference, state_dict, write_tiny_checkpoint
+
+from litsft.checkpoint import latest_checkpoint
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
+
+
+def write_records(path: Path, count: int, seed: int = 0) -> Path:
+    """Instruction records of mixed lengths, so packing, masking and token-weighted loss all matter."""
+    rng = random.Random(seed)
+    records = [
+        {
+            "instruction": " ".join(rng.choices(WORDS, k=rng.randint(2, 12))),
+            "output": " ".join(rng.choices(WORDS, k=rng.randint(1, 10))),
+        }
+        for _ in range(count)
+    ]
+    path.write_text(json.dumps(records))
+    return path
+
+
+def finetune_args(
+    checkpoint: Path, data: Path, out_dir: Path, micro: int, steps: int = 5, *extra: str
+) -> list[str]:
+    return [
+        "finetune_full", str(checkpoint), "--out_dir", str(out_dir),
+        "--data", "JSON", "--data.json_path", str(data), "--data.val_split_fraction", "0.1",
+        "--train.global_batch_size", "4", "--train.micro_batch_size", str(micro),
+        "--train.max_steps", str(steps), "--train.max_seq_length", "64",
+        "--optimizer.lr", "1e-3", "--optimizer.weight_decay", "0.1", "--optimizer.warmup_steps", "2",
+        "--precision", "32-true", "--eval.max_new_tokens", "0", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("engine")
+    write_tiny_checkpoint(root / "base", seed=1)
+    write_tiny_checkpoint(root / "base-dropout", seed=1, attention_dropout=0.1)
+    write_records(root / "data.json", count=48)
+    return root
+
+
+def test_distributed_training_equals_single_process(workspace: Path) -> None:
+    base, data = workspace / "base", workspace / "data.json"
+    reference = workspace / "single-micro4"
+    litsft(finetune_args(base, data, reference, micro=4), workspace)
+    runs = {"single, micro 2 x accumulation 2": workspace / "single-micro2"}
+    litsft(finetune_args(base, data, runs["single, micro 2 x accumulation 2"], micro=2), workspace)
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        out = runs[f"2 processes {strategy}"] = workspace / f"two-{strategy}"
+        litsft(
+            finetune_args(base, data, out, 2, 5, "--devices", "2", "--fsdp.sharding_strategy", strategy),
+            workspace,
+        )
+    out = runs["2 nodes x 1 device HYBRID_SHARD"] = workspace / "two-nodes-hybrid"
+    litsft_two_nodes(
+        finetune_args(base, data, out, 2, 5, "--num_nodes", "2", "--fsdp.sharding_strategy", "HYBRID_SHARD"),
+        workspace,
+    )
+    differences = {name: max_difference(reference / "final", out / "final") for name, out in runs.items()}
+    print(differences)
+    assert all(difference < 1e-5 for difference in differences.values()), differences
+    # Training moved the weights: equality above is not the equality of untouched models.
+    assert max_difference(base, reference / "final") > 1e-3
+
+
+def test_resume_is_exact_with_two_processes_and_dropout(workspace: Path) -> None:
+    """Stopped after step 6 of 12 and resumed: bit-identical to the uninterrupted run. The data holds about
+    5 optimizer steps per epoch, so both halves cross an epoch boundary."""
+    base, data = workspace / "base-dropout", workspace / "data.json"
+    args = ["--devices", "2", "--train.save_interval", "6"]
+    uninterrupted, resumed = workspace / "uninterrupted", workspace / "resumed"
+    litsft(finetune_args(base, data, uninterrupted, 2, 12, *args), workspace)
+    shutil.copytree(uninterrupted, resumed)
+    shutil.rmtree(resumed / "step-00000012")
+    shutil.rmtree(resumed / "final")
+    result = litsft(finetune_args(base, data, resumed, 2, 12, *args), workspace)
+    assert "Resumed from" in result.stdout + result.stderr
+    a, b = state_dict(uninterrupted / "final"), state_dict(resumed / "final")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+    epochs = [row.split(",")[1] for row in (uninterrupted / "metrics.csv").read_text().splitlines()[1:]]
+    assert len(set(epochs)) >= 3, "the run should span more than two epochs"
+
+
+def test_interrupted_checkpoint_is_never_resumed(tmp_path: Path) -> None:
+    complete = tmp_path / "step-00000004"
+    (complete / "shards").mkdir(parents=True)
+    (complete / "shards" / "rank-00000.safetensors").write_bytes(b"x")
+    (complete / "trainer_state.json").write_text(json.dumps({"files": ["shards/rank-00000.safetensors"]}))
+    # Newer, but each is incomplete in its own way.
+    (tmp_path / ".step-00000008.partial").mkdir()
+    (tmp_path / "step-00000006").mkdir()  # no trainer_state.json: the writer died before publishing
+    lost_file = tmp_path / "step-00000007"
+    lost_file.mkdir()
+    (lost_file / "trainer_state.json").write_text(json.dumps({"files": ["shards/rank-00000.safetensors"]}))
+    (tmp_path / "step-00000009").mkdir()
+    (tmp_path / "step-00000009" / "trainer_state.json").write_text("{truncated")
+    assert latest_checkpoint(tmp_path) == complete
