@@ -13,7 +13,7 @@ from litsft.errors import LitsftError
 # name: (layers, heads, kv heads, hidden, intermediate, vocab, rope theta, tied embeddings)
 PUBLISHED = {
     "tiny-llama": (2, 4, 2, 64, 176, 512, 1e4, False),
-    "demo-llama": (4, 8, 4, 256, 688, 512, 1e4, False),
+    "demo-llama": (4, 4, 2, 128, 352, 512, 1e4, False),
     "Llama-2-7b-hf": (32, 32, 32, 4096, 11008, 32000, 1e4, False),
     "Llama-2-7b-chat-hf": (32, 32, 32, 4096, 11008, 32000, 1e4, False),
     "Llama-2-13b-hf": (40, 40, 40, 5120, 13824, 32000, 1e4, False),

@@ -76,9 +76,12 @@ def test_named_style_over_a_template_less_checkpoint(tmp_path):
     )
     tokens, targets = chat_format.tokenize(messages)
     assert tokens[0] == tokenizer.bos_id  # the tokenizer adds bos and alpaca does not write it
-    assert pieces(tokenizer, tokens[targets]) == ["h", "i", "<|end_of_text|>"]
+    assert pieces(tokenizer, tokens[targets]) == ["hi", "<|end_of_text|>"]
     prompt = chat_format.encode_prompt(messages[:1])
-    assert prompt == tokens[: len(prompt)].tolist() and len(prompt) == len(tokens) - 3
+    assert prompt == tokens[: len(prompt)].tolist()
+    assert (
+        tokenizer.decode(tokens[len(prompt) :].tolist(), skip_special_tokens=False) == "hi<|end_of_text|>\n\n"
+    )
 
 
 def test_prompt_style_overrides_the_checkpoint_template(template_tokenizer):
@@ -123,7 +126,11 @@ def test_template_that_rewrites_history_falls_back_to_search(tmp_path):
     tokens, targets = ChatFormat(tokenizer).tokenize(messages)
     assert "".join(pieces(tokenizer, tokens[targets])) == "one<|im_end|>two<|im_end|>"
 
-    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'][:2] + '\\n' }}{% endfor %}"
+    # Not a prefix either, and the replies are cut short: nothing to find.
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ ('*' if loop.last else '') + m['role'] + ': ' + m['content'][:2] + '\\n' }}"
+        "{% endfor %}"
+    )
     with pytest.raises(LitsftError) as error:
         ChatFormat(tokenizer).tokenize(messages)
     assert str(error.value) == (

@@ -27,7 +27,9 @@ def random_samples(lengths: list[int], vocab_size: int = 512, seed: int = 0) -> 
 
 def per_token_losses(model: Transformer, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     logits = model(batch["input_ids"], batch["position_ids"], batch.get("document_ids"))
-    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none").view_as(batch["labels"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none").view_as(
+        batch["labels"]
+    )
 
 
 def test_packed_losses_equal_one_by_one():
@@ -48,7 +50,9 @@ def test_packed_losses_equal_one_by_one():
                 alone = collate(samples, [[i]], seq_length=None, pad_id=0)  # one sample, no padding
                 n = lengths[i] - 1
                 alone_losses = per_token_losses(model, alone)[0]
-                torch.testing.assert_close(packed_losses[r, cursor : cursor + n], alone_losses, atol=1e-5, rtol=0)
+                torch.testing.assert_close(
+                    packed_losses[r, cursor : cursor + n], alone_losses, atol=1e-5, rtol=0
+                )
                 assert torch.equal(packed["labels"][r, cursor : cursor + n], alone["labels"][0])
                 cursor += n
             assert (packed["labels"][r, cursor:] == IGNORE_INDEX).all()
@@ -135,7 +139,9 @@ def test_global_batches_do_not_depend_on_world_size_or_micro_batch_size():
             else:  # padded to each micro-batch's longest: compare the samples
                 tokens = {tuple(row[row != 0].tolist()) for row in big["input_ids"]}
                 for parts in (halves, by_rank):
-                    assert {tuple(row[row != 0].tolist()) for part in parts for row in part["input_ids"]} == tokens
+                    assert {
+                        tuple(row[row != 0].tolist()) for part in parts for row in part["input_ids"]
+                    } == tokens
 
 
 def test_epochs_reshuffle_and_seeds_repeat():

@@ -123,6 +123,7 @@ class SFTDataModule(DataOptions, DataModule):
         if not 0.0 <= self.val_split_fraction < 1.0:
             raise LitsftError(f"val_split_fraction={self.val_split_fraction} must be in [0, 1)")
         self.chat_format = ChatFormat(tokenizer, self.prompt_style, self.mask_prompt)
+        self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
 
     def render_prompt(self, messages: list[Message]) -> str:
         """A prompt as training formatted it, ending with the assistant header: for generation."""
@@ -163,10 +164,13 @@ class SFTDataModule(DataOptions, DataModule):
             self.num_workers,
         )
         if len(loader) == 0:
-            unit = "packed rows of max_seq_length" if self.packing else "samples"
+            count = (
+                f"the {len(self.train_samples)} training samples fill fewer packed rows than"
+                if self.packing
+                else (f"there are {len(self.train_samples)} training samples, fewer than")
+            )
             raise LitsftError(
-                f"the {len(self.train_samples)} training samples make fewer {unit} than "
-                f"global_batch_size={global_batch_size}; lower global_batch_size or add data"
+                f"{count} global_batch_size={global_batch_size}; lower global_batch_size or add data"
             )
         return loader
 
@@ -192,7 +196,7 @@ class SFTDataModule(DataOptions, DataModule):
         key = {
             "version": CACHE_FORMAT_VERSION,
             "source": identity,
-            "tokenizer": tokenizer_fingerprint(self.tokenizer),
+            "tokenizer": self.tokenizer_fingerprint,
             "template": self.chat_format.template,
             "mask_prompt": self.mask_prompt,
         }

@@ -172,7 +172,9 @@ class SFTLoader:
         self.samples = samples
         self.positions = samples.lengths - 1
         if len(samples) and self.positions.max() > max_seq_length:
-            raise ValueError(f"samples must be truncated to max_seq_length + 1 = {max_seq_length + 1} tokens first")
+            raise ValueError(
+                f"samples must be truncated to max_seq_length + 1 = {max_seq_length + 1} tokens first"
+            )
         self.max_seq_length = max_seq_length
         self.packing = packing
         self.pad_id = pad_id

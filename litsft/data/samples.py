@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return within + np.repeat(starts.astype(np.int64), lengths)
 
 
-def write_atomically(directory: Path, write: callable, meta: dict) -> None:
+def write_atomically(directory: Path, write: Callable[[Path], None], meta: dict) -> None:
     """Write a cache entry into a temporary sibling and rename it into place, so a crash or a concurrent
     writer never leaves a half-written entry that a later run would trust."""
     directory.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,157 @@
+"""`--data JSON` end to end: the cache, the validation split, truncation (litsft/data/json_data.py,
+litsft/data/base.py, litsft/data/samples.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from tiny_tokenizer import write_tiny_tokenizer
+
+from litsft.data import JSON
+from litsft.data.loader import IGNORE_INDEX
+from litsft.data.samples import Samples
+from litsft.errors import LitsftError
+from litsft.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tokenizer")
+    write_tiny_tokenizer(directory, chat_template="chatml")
+    return Tokenizer(directory)
+
+
+def write_records(path, count, output_words=3):
+    records = [
+        {"instruction": f"Count to {i}", "output": " ".join(["one"] * (1 + i % output_words))}
+        for i in range(count)
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+
+
+def prepared(tokenizer, max_seq_length=64, seed=0, **options) -> JSON:
+    data = JSON(**options)
+    data.connect(tokenizer, max_seq_length, seed)
+    data.prepare()
+    data.setup()
+    return data
+
+
+def test_file_is_split_cached_and_batched(tmp_path, tokenizer):
+    write_records(tmp_path / "data.jsonl", 40)
+    data = prepared(
+        tokenizer, json_path=tmp_path / "data.jsonl", cache_dir=tmp_path / "cache", val_split_fraction=0.1
+    )
+    assert (len(data.train_samples), len(data.val_samples)) == (36, 4)
+    (entry,) = (tmp_path / "cache" / "sft").iterdir()
+    assert json.loads((entry / "meta.json").read_text())["samples"] == 40
+    written = (entry / "tokens.npy").stat().st_mtime_ns
+    again = prepared(
+        tokenizer, json_path=tmp_path / "data.jsonl", cache_dir=tmp_path / "cache", val_split_fraction=0.1
+    )
+    assert (entry / "tokens.npy").stat().st_mtime_ns == written  # reused, not rewritten
+    assert np.array_equal(again.train_samples.tokens, data.train_samples.tokens)
+
+    batch = next(iter(data.train_dataloader(0, 1, 2, 4)))
+    assert set(batch) == {"input_ids", "labels", "position_ids", "document_ids"}
+    assert all(value.dtype == torch.long and value.shape == (2, 64) for value in batch.values())
+    val_rows = [row for rows in data.val_dataloader(0, 1, 2).micro_batches() for row in rows]
+    assert sorted(i for row in val_rows for i in row) == [0, 1, 2, 3]
+
+    write_records(tmp_path / "data.jsonl", 41)  # new contents, new cache entry
+    prepared(tokenizer, json_path=tmp_path / "data.jsonl", cache_dir=tmp_path / "cache")
+    assert len(list((tmp_path / "cache" / "sft").iterdir())) == 2
+
+
+def test_train_and_val_files(tmp_path, tokenizer):
+    write_records(tmp_path / "train.jsonl", 10)
+    (tmp_path / "val.json").write_text(json.dumps([{"instruction": "a", "output": "b"}] * 3))
+    data = prepared(tokenizer, json_path=tmp_path, cache_dir=tmp_path / "cache")
+    assert (len(data.train_samples), len(data.val_samples)) == (10, 3)
+    (tmp_path / "train.json").write_text("[]")
+    with pytest.raises(LitsftError) as error:
+        prepared(tokenizer, json_path=tmp_path, cache_dir=tmp_path / "cache")
+    assert str(error.value) == f"{tmp_path} has both train.json and train.jsonl; keep one of them"
+
+
+def test_truncation_keeps_the_mask_and_drops_samples_without_targets(tmp_path, tokenizer):
+    long_prompt = {"instruction": "word " * 80, "output": "ok"}
+    records = [
+        {"instruction": "Hi", "output": "Hello there " * 20},
+        long_prompt,
+        {"instruction": "a", "output": "b"},
+    ]
+    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    with pytest.warns(UserWarning) as warned:
+        data = prepared(
+            tokenizer,
+            max_seq_length=48,
+            json_path=tmp_path / "data.jsonl",
+            cache_dir=tmp_path,
+            val_split_fraction=0,
+        )
+    assert str(warned[0].message) == (
+        "dropped 1 of 3 training samples: no assistant token is left within max_seq_length=48; "
+        "raise max_seq_length or shorten the prompts"
+    )
+    assert data.val_samples is None and data.val_dataloader(0, 1, 1) is None
+    assert data.train_samples.lengths.tolist()[0] == 49  # cut to max_seq_length + 1 tokens
+    full = data.chat_format.tokenize(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there " * 20}]
+    )
+    first = data.train_samples.subset(np.array([0]))
+    assert np.array_equal(first.tokens, full[0][:49]) and np.array_equal(first.targets, full[1][:49])
+
+
+def test_truncate_is_the_python_loop():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 30, 50)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    samples = Samples(
+        rng.integers(0, 100, offsets[-1]).astype(np.int32), rng.random(offsets[-1]) < 0.2, offsets
+    )
+    truncated, dropped = samples.truncate(12)
+    expected = []
+    for i in range(50):
+        tokens = samples.tokens[offsets[i] : offsets[i + 1]][:12]
+        targets = samples.targets[offsets[i] : offsets[i + 1]][:12].copy()
+        targets[0] = False
+        if targets.any():
+            expected.append((tokens.tolist(), targets.tolist()))
+    got = [
+        (truncated.tokens[a:b].tolist(), truncated.targets[a:b].tolist())
+        for a, b in zip(truncated.offsets[:-1], truncated.offsets[1:])
+    ]
+    assert got == expected and dropped == 50 - len(expected)
+
+
+def test_training_on_everything_labels_the_prompt(tmp_path, tokenizer):
+    write_records(tmp_path / "data.jsonl", 4)
+    masked = prepared(tokenizer, json_path=tmp_path / "data.jsonl", cache_dir=tmp_path, val_split_fraction=0)
+    unmasked = prepared(
+        tokenizer,
+        json_path=tmp_path / "data.jsonl",
+        cache_dir=tmp_path,
+        val_split_fraction=0,
+        mask_prompt=False,
+    )
+    batch = next(iter(unmasked.train_dataloader(0, 1, 4, 4)))
+    in_document = batch["document_ids"] >= 0
+    assert (batch["labels"][in_document] != IGNORE_INDEX).all()
+    masked_batch = next(iter(masked.train_dataloader(0, 1, 4, 4)))
+    assert (masked_batch["labels"] != IGNORE_INDEX).sum() < (batch["labels"] != IGNORE_INDEX).sum()
+
+
+def test_too_little_data_for_one_global_batch(tmp_path, tokenizer):
+    write_records(tmp_path / "data.jsonl", 3)
+    data = prepared(
+        tokenizer, json_path=tmp_path / "data.jsonl", cache_dir=tmp_path, val_split_fraction=0, packing=False
+    )
+    with pytest.raises(LitsftError) as error:
+        data.train_dataloader(0, 1, 4, 4)
+    assert str(error.value) == (
+        "there are 3 training samples, fewer than global_batch_size=4; lower global_batch_size or add data"
+    )

@@ -1,0 +1,157 @@
+"""Reading records, and bad data failing with one line naming the file, the line and the fix
+(litsft/data/records.py), before anything is written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tiny_tokenizer import write_tiny_tokenizer
+
+from litsft.data import JSON
+from litsft.data.records import read_conversations
+from litsft.errors import LitsftError
+from litsft.tokenizer import Tokenizer
+
+GOOD = {"instruction": "Add.", "input": "1 + 2", "output": "3"}
+GOOD_LINE = json.dumps(GOOD)
+
+# (file name, file bytes, expected message after "<path> ")
+BAD_DATA = {
+    "bad_json": (
+        "train.jsonl",
+        f'{GOOD_LINE}\n{{"instruction": "a", "output": }}\n'.encode(),
+        "line 2: invalid JSON (Expecting value at column 32); each line of a .jsonl file must be one complete JSON record",
+    ),
+    "missing_field": (
+        "train.jsonl",
+        f'{GOOD_LINE}\n\n{{"instruction": "a"}}\n'.encode(),
+        "line 3: the record has no 'output'; each record needs 'instruction' and 'output' (and optionally "
+        "'input'), or 'messages'",
+    ),
+    "wrong_type": (
+        "train.jsonl",
+        b'{"instruction": "a", "output": 5}\n',
+        "line 1: 'output' is a number (5), expected a string",
+    ),
+    "not_an_object": (
+        "train.jsonl",
+        b'["a", "b"]\n',
+        "line 1: a record must be a JSON object, got a list; "
+        "each record needs 'instruction' and 'output' (and optionally 'input'), or 'messages'",
+    ),
+    "empty_file": ("train.jsonl", b"\n  \n", "is empty; add at least one record"),
+    "empty_list": ("train.json", b"[]", "holds no records; add at least one record"),
+    "non_utf8": (
+        "train.jsonl",
+        GOOD_LINE.encode() + b'\n{"instruction": "caf\xe9", "output": "x"}\n',
+        "line 2: byte 0xe9 is not valid UTF-8; re-encode the file as UTF-8",
+    ),
+    "json_list_missing_field": (
+        "train.json",
+        f'[\n  {GOOD_LINE},\n  {GOOD_LINE},\n  {{"input": "x",\n   "output": "y"}}\n]'.encode(),
+        "line 4: the record has no 'instruction'; each record needs 'instruction' and 'output' (and optionally "
+        "'input'), or 'messages'",
+    ),
+    "json_list_syntax": (
+        "train.json",
+        f"[\n  {GOOD_LINE}\n  {GOOD_LINE}\n]".encode(),
+        "line 3: invalid JSON (expected ',' or ']' after a record); fix the list syntax",
+    ),
+    "json_not_a_list": (
+        "train.json",
+        GOOD_LINE.encode(),
+        "line 1: a .json data file must hold a list of records ([{...}, ...]); use .jsonl for one record per line",
+    ),
+    "bad_role": (
+        "train.jsonl",
+        b'{"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "yo"}]}',
+        "line 1: messages[0].role is 'human'; use one of system, user, assistant",
+    ),
+    "messages_not_a_list": (
+        "train.jsonl",
+        b'{"messages": "hi"}',
+        "line 1: 'messages' must be a non-empty list of {role, content} objects, got a string",
+    ),
+    "message_without_content": (
+        "train.jsonl",
+        b'{"messages": [{"role": "user"}]}',
+        "line 1: messages[0] has no 'content'; every message needs 'role' and 'content'",
+    ),
+    "no_assistant": (
+        "train.jsonl",
+        b'{"messages": [{"role": "user", "content": "hi"}]}',
+        "line 1: the conversation has no assistant message; add the reply to train on",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tokenizer")
+    write_tiny_tokenizer(directory, chat_template="chatml")
+    return Tokenizer(directory)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DATA))
+def test_bad_data_fails_in_one_line_and_writes_nothing(case, tmp_path, tokenizer):
+    name, content, message = BAD_DATA[case]
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / name).write_bytes(content)
+    data = JSON(json_path=data_dir, cache_dir=tmp_path / "cache")
+    data.connect(tokenizer, 64, seed=0)
+    with pytest.raises(LitsftError) as error:
+        data.prepare()
+    assert str(error.value) == f"{data_dir / name} {message}"
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "cache").exists()
+    assert sorted(p.name for p in data_dir.iterdir()) == [name]
+
+
+def test_a_bad_validation_file_stops_before_the_training_file_is_cached(tmp_path, tokenizer):
+    (tmp_path / "train.jsonl").write_text(GOOD_LINE + "\n")
+    (tmp_path / "val.jsonl").write_text('{"output": "x"}\n')
+    data = JSON(json_path=tmp_path, cache_dir=tmp_path / "cache")
+    data.connect(tokenizer, 64, seed=0)
+    with pytest.raises(LitsftError, match=r"val.jsonl line 1: the record has no 'instruction'"):
+        data.prepare()
+    assert not (tmp_path / "cache").exists()
+
+
+def test_missing_paths(tmp_path, tokenizer):
+    data = JSON(json_path=tmp_path / "nope.jsonl", cache_dir=tmp_path / "cache")
+    data.connect(tokenizer, 64, seed=0)
+    with pytest.raises(LitsftError) as error:
+        data.prepare()
+    assert str(error.value) == (
+        f"--data.json_path {tmp_path / 'nope.jsonl'} does not exist; pass a .json/.jsonl file or a directory"
+    )
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(LitsftError) as error:
+        read_conversations(tmp_path / "data.csv")
+    assert (
+        str(error.value)
+        == f"{tmp_path / 'data.csv'} has an unsupported extension; use a .json or .jsonl file"
+    )
+
+
+def test_json_and_jsonl_hold_the_same_records(tmp_path):
+    records = [
+        GOOD,
+        {"instruction": "Hi", "output": "Hello", "system": "Be nice."},
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+    ]
+    (tmp_path / "a.json").write_text(json.dumps(records, indent=2))
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    conversations = read_conversations(tmp_path / "a.json")
+    assert conversations == read_conversations(tmp_path / "a.jsonl")
+    assert conversations == [
+        [{"role": "user", "content": "Add.\n\n1 + 2"}, {"role": "assistant", "content": "3"}],
+        [
+            {"role": "system", "content": "Be nice."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+        ],
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+    ]
