@@ -7,7 +7,7 @@ import random
 import pytest
 
 from litsft.data import Demo, build_demo_tokenizer, exact_match, write_demo_corpus
-from litsft.data.demo import WORDS, corpus_text, demo_splits, generate_examples
+from litsft.data.demo import ALL_TASKS, WORDS, corpus_text, demo_splits, generate_examples
 from litsft.data.loader import collate
 from litsft.tokenizer import Tokenizer
 
@@ -50,7 +50,7 @@ def test_held_out_prompts_are_not_trained_on():
     keys = {name: {(e["instruction"], e["input"]) for e in split} for name, split in splits.items()}
     assert [len(keys[name]) for name in ("train", "val", "eval")] == [2000, 50, 100]
     assert not keys["eval"] & (keys["train"] | keys["val"]) and not keys["val"] & keys["train"]
-    prompts = Demo(num_train=2000, num_val=50, num_eval=100).eval_prompts()
+    prompts = Demo(num_train=2000, num_val=50, num_eval=100, tasks=list(ALL_TASKS)).eval_prompts()
     assert len(prompts) == 100
     messages, answer = prompts[0]
     assert [m["role"] for m in messages] == ["user"] and answer == splits["eval"][0]["output"]
