@@ -48,6 +48,8 @@ class TrainConfig:
     """Keep only the newest this-many step checkpoints (older ones are deleted after a new one is complete)."""
     log_interval: int = 1
     """Log metrics every this many optimizer steps."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (GPU runs; the first steps are slower)."""
 
 
 @dataclass
@@ -291,13 +293,29 @@ def setup_model(fabric: Fabric, recipe: Recipe, run: RunConfig) -> nn.Module:
     with torch.device("meta"):
         model = recipe.build_model(run.config)
     model.activation_checkpointing = run.fsdp.activation_checkpointing
+    if run.train.compile:
+        for block in model.blocks:
+            block.compile()  # in place: parameter names do not change
     if fabric.world_size == 1:
         model.to_empty(device=fabric.device)
         model.tie_weights()
     model = fabric.setup_module(model)
     # Recipes, checkpoints and exports see the model itself, with its own parameter names.
     recipe.initialize(model.module)
+    fabric.print(trainable_memory_report(model.module, run.config))
     return model
+
+
+def trainable_memory_report(model: nn.Module, config: Config) -> str:
+    """One line comparing what training holds for the trained parameters (fp32 weights, gradients and
+    AdamW's two moments: 16 bytes each) with what full fine-tuning of the same model would hold."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    full = config.num_parameters
+    mib = 16 / 2**20
+    return (
+        f"Trainable parameters: {trainable:,} of {full:,}; params+grads+AdamW state {trainable * mib:,.1f} MiB "
+        f"vs {full * mib:,.1f} MiB for full fine-tuning ({trainable / full:.2%}), before sharding"
+    )
 
 
 def total_optimizer_steps(train: TrainConfig, loader: Any, accumulation: int) -> int:
@@ -433,18 +451,21 @@ def validate(
 
 
 def generate_sample(model: nn.Module, tokenizer: Any, run: RunConfig) -> str | None:
-    """Greedy completion of one validation prompt. Every rank generates it (sharded forwards are collective)."""
-    prompt = getattr(run.data, "sample_prompt", lambda: None)()
-    if prompt is None or run.eval.max_new_tokens <= 0:
+    """Greedy completion of the first held-out prompt (data modules with `eval_prompts`, e.g. Demo).
+    Every rank generates it: forwards of a sharded model are collective."""
+    if run.eval.max_new_tokens <= 0 or not hasattr(run.data, "eval_prompts"):
+        return None
+    prompts = run.data.eval_prompts()
+    if not prompts:
         return None
     from litsft.generate import generate_batch
 
-    text = tokenizer.render_chat(prompt, add_generation_prompt=True) if tokenizer.chat_template else prompt
-    prompt_ids = tokenizer.encode(text) if isinstance(text, str) else text
+    messages, _ = prompts[0]
+    prompt_ids = run.data.chat_format.encode_prompt(messages)
     completion = generate_batch(
         model, [prompt_ids], max_new_tokens=run.eval.max_new_tokens, stop_ids=tokenizer.stop_ids
     )[0]
-    return tokenizer.decode(completion)
+    return f"{run.data.render_prompt(messages)}{tokenizer.decode(completion)}"
 
 
 # ---- checkpoints and resume ----------------------------------------------------------------------------
