@@ -126,18 +126,28 @@ def convert_to_hf(
     out_dir: Path | None = None,
     dtype: DType = "auto",
     max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+    lora_format: Literal["merged", "peft"] = "merged",
 ) -> None:
     """Convert a litsft checkpoint directory into a Hugging Face checkpoint that transformers loads as is.
 
     Args:
-        checkpoint_dir: A litsft checkpoint directory (litsft_config.json and model*.safetensors).
+        checkpoint_dir: A litsft checkpoint directory (litsft_config.json and model*.safetensors), or a LoRA
+            checkpoint written by finetune_lora (lora_config.json and adapter.safetensors).
         out_dir: Where to write the Hugging Face checkpoint; must be absent or empty.
             Default: <checkpoint_dir>-hf next to checkpoint_dir.
         dtype: Write the weights in this dtype; "auto" keeps the dtype they have.
         max_shard_size: Split the weights into files of at most this size, e.g. 5GB, 500MB, 2GiB.
+        lora_format: For a LoRA checkpoint: "merged" writes the base model with the adapters folded in,
+            "peft" writes a PEFT adapter (adapter_config.json, adapter_model.safetensors) for the HF base model.
     """
     checkpoint_dir = Path(checkpoint_dir)
     out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir.with_name(checkpoint_dir.name + "-hf")
+    if (checkpoint_dir / "lora_config.json").is_file():
+        from litsft.lora import export_lora_to_hf
+
+        export_lora_to_hf(checkpoint_dir, out_dir, lora_format)
+        print(f"Saved Hugging Face {lora_format} export of the LoRA checkpoint to {out_dir}")
+        return
     config = Config.from_checkpoint(checkpoint_dir)
     _check_checkpoint_tensors(checkpoint_dir, config)
     if dtype != "auto":
