@@ -6,7 +6,10 @@ Layout of `out_dir/step-00000012/`:
     trainer_state.json                 step, epoch, optimizer hyper-parameters, the run config, file list
 
 A checkpoint is written under `.step-00000012.partial/` and renamed once every rank's files are on disk
-and `trainer_state.json` is written, so a crash mid-write never leaves a directory that looks complete.
+(fsynced) and `trainer_state.json`, listing every file with its size, is written, so a crash mid-write
+never leaves a directory that looks complete. A write that fails on any rank (disk full, permissions) fails
+on every rank with the same message, so none waits forever for the others, and the partial directory is
+removed; older checkpoints are deleted only after a new one is published.
 
 Every tensor is stored as the rows this rank holds plus their offset in the full tensor. FSDP2 shards
 along dim 0, so loading reads exactly the rows a rank needs, from whichever files hold them: the same
@@ -16,9 +19,12 @@ weights directory without any rank building a full copy.
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import random
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,16 +32,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from litsft.errors import LitsftError
+from litsft.faults import fault_point
 from litsft.weight_files import weight_file_map
 
 STEP_PREFIX = "step-"
 PARTIAL_SUFFIX = ".partial"
+DELETING_SUFFIX = ".deleting"
 TRAINER_STATE = "trainer_state.json"
 SHARDS_DIR = "shards"
 
@@ -95,13 +103,19 @@ class RowReader:
     def for_training_checkpoint(cls, checkpoint_dir: Path, prefix: str) -> RowReader:
         blocks: dict[str, list[tuple[Path, str, int, int]]] = {}
         for path in sorted((checkpoint_dir / SHARDS_DIR).glob("rank-*.safetensors")):
-            with safe_open(path, framework="pt") as f:
-                offsets = json.loads((f.metadata() or {}).get("row_offsets", "{}"))
-                for key in f.keys():
-                    if key.startswith(prefix):
-                        shape = f.get_slice(key).get_shape()
-                        rows = shape[0] if shape else 1
-                        blocks.setdefault(key[len(prefix) :], []).append((path, key, offsets[key], rows))
+            try:
+                with safe_open(path, framework="pt") as f:
+                    offsets = json.loads((f.metadata() or {}).get("row_offsets", "{}"))
+                    for key in f.keys():
+                        if key.startswith(prefix):
+                            shape = f.get_slice(key).get_shape()
+                            rows = shape[0] if shape else 1
+                            blocks.setdefault(key[len(prefix) :], []).append((path, key, offsets[key], rows))
+            except (SafetensorError, OSError, ValueError, KeyError) as err:
+                raise LitsftError(
+                    f"{path} is damaged ({_first_line(err)}); delete {checkpoint_dir} to resume from the "
+                    "checkpoint before it, or pass --resume <an older step dir>"
+                ) from None
         return cls(blocks)
 
     def names(self) -> set[str]:
@@ -189,15 +203,35 @@ def save_training_checkpoint(
     rank_state: dict[str, Any],
     save_frozen: bool = True,
 ) -> Path:
-    """Write `out_dir/step-XXXXXXXX/` collectively (every rank calls this) and return its path."""
+    """Write `out_dir/step-XXXXXXXX/` collectively (every rank calls this) and return its path. A failed
+    write raises the same LitsftError on every rank and leaves the checkpoints already there as they were."""
     final = out_dir / checkpoint_name(step)
     partial = out_dir / f".{checkpoint_name(step)}{PARTIAL_SUFFIX}"
     rank = global_rank()
+    previous = latest_checkpoint(out_dir)
+
+    def fail_together(error: BaseException | None) -> None:
+        failure = first_failure(error)
+        if failure is not None:
+            if rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            failed_rank, message = failure
+            kept = f"{previous.name} is intact" if previous else "no earlier checkpoint exists"
+            raise LitsftError(
+                f"could not write checkpoint {final} (rank {failed_rank}: {message}); {kept}: free disk space "
+                "or fix permissions, then relaunch the same command to resume"
+            )
+
+    error = None
     if rank == 0:
-        if partial.exists():
-            shutil.rmtree(partial)
-        (partial / SHARDS_DIR).mkdir(parents=True)
-    barrier()
+        try:
+            if partial.exists():
+                shutil.rmtree(partial)
+            (partial / SHARDS_DIR).mkdir(parents=True)
+        except OSError as err:
+            error = err
+    fail_together(error)  # also the barrier: no rank writes before the directory exists
+    fault_point(f"save_{step}_started", rank)
 
     tensors: dict[str, torch.Tensor] = {}
     offsets: dict[str, int] = {}
@@ -216,30 +250,77 @@ def save_training_checkpoint(
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 add(f"optimizer/{names_of[id(param)]}/{key}", value)
-    save_file(
-        tensors,
-        partial / SHARDS_DIR / f"rank-{rank:05d}.safetensors",
-        metadata={"row_offsets": json.dumps(offsets)},
-    )
-    torch.save(rank_state, partial / f"rank-{rank:05d}.pt")
-    barrier()
+    try:
+        fault_point(f"save_{step}_writing", rank)
+        shard_path = partial / SHARDS_DIR / f"rank-{rank:05d}.safetensors"
+        save_file(tensors, shard_path, metadata={"row_offsets": json.dumps(offsets)})
+        _fsync_file(shard_path)
+        buffer = io.BytesIO()
+        torch.save(rank_state, buffer)
+        _write_bytes_durably(partial / f"rank-{rank:05d}.pt", buffer.getvalue())
+        error = None
+    except (OSError, SafetensorError, RuntimeError) as err:
+        error = err
+    fault_point(f"save_{step}_shards_written", rank)
+    fail_together(error)  # also the barrier: every rank's files are on disk
+
+    error = None
     if rank == 0:
-        state = dict(
-            trainer_state,
-            step=step,
-            world_size=world_size(),
-            param_groups=[
-                {k: v for k, v in group.items() if k != "params"}
-                | {"params": [names_of[id(p)] for p in group["params"]]}
-                for group in optimizer.param_groups
-            ],
-            files=sorted(str(p.relative_to(partial)) for p in partial.rglob("*") if p.is_file()),
-        )
-        _write_json_durably(partial / TRAINER_STATE, state)
-        os.replace(partial, final)
-        _fsync_dir(out_dir)
-    barrier()
+        try:
+            files = {str(p.relative_to(partial)): p.stat().st_size for p in partial.rglob("*") if p.is_file()}
+            state = dict(
+                trainer_state,
+                step=step,
+                world_size=world_size(),
+                param_groups=[
+                    {k: v for k, v in group.items() if k != "params"}
+                    | {"params": [names_of[id(p)] for p in group["params"]]}
+                    for group in optimizer.param_groups
+                ],
+                files=sorted(files),
+                file_sizes=files,
+            )
+            _write_json_durably(partial / TRAINER_STATE, state)
+            fault_point(f"save_{step}_before_rename", rank)
+            os.replace(partial, final)
+            _fsync_dir(out_dir)
+        except OSError as err:
+            error = err
+    fail_together(error)  # also the barrier: nobody moves on before the checkpoint is published
     return final
+
+
+def first_failure(error: BaseException | None) -> tuple[int, str] | None:
+    """(rank, message) of the lowest rank that failed, the same on every rank; None if none failed."""
+    message = "" if error is None else _first_line(error)
+    messages = [message]
+    if world_size() > 1:
+        messages = [""] * world_size()
+        dist.all_gather_object(messages, message)
+    for rank, text in enumerate(messages):
+        if text:
+            return rank, text
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _write_bytes_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_json_durably(path: Path, value: Any) -> None:
@@ -273,10 +354,15 @@ def is_complete(checkpoint_dir: Path) -> bool:
     if not state_path.is_file():
         return False
     try:
-        files = json.loads(state_path.read_text())["files"]
-    except (json.JSONDecodeError, KeyError):
+        state = json.loads(state_path.read_text())
+        files, sizes = state["files"], state.get("file_sizes", {})
+    except (json.JSONDecodeError, KeyError, TypeError):
         return False
-    return all((checkpoint_dir / f).is_file() for f in files)
+    for name in files:
+        path = checkpoint_dir / name
+        if not path.is_file() or (name in sizes and path.stat().st_size != sizes[name]):
+            return False
+    return True
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
@@ -292,11 +378,26 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return None
 
 
+def resume_checkpoint(resume: bool | str | Path, out_dir: Path) -> Path | None:
+    """The checkpoint a run resumes from: the newest complete one in out_dir ("auto"/true), a given
+    directory, or none (false)."""
+    if resume is False or resume is None:
+        return None
+    if resume in ("auto", True):
+        return latest_checkpoint(out_dir)
+    path = Path(resume)
+    if not path.is_dir():
+        raise LitsftError(
+            f"--resume {path}: no such checkpoint directory; pass an existing step-XXXXXXXX dir or auto"
+        )
+    return path
+
+
 def read_trainer_state(checkpoint_dir: Path) -> dict[str, Any]:
     if not is_complete(checkpoint_dir):
         raise LitsftError(
             f"{checkpoint_dir} is not a complete litsft training checkpoint "
-            f"({TRAINER_STATE} or a file it lists is missing); pass another one or --resume auto"
+            f"({TRAINER_STATE} or a file it lists is missing or truncated); pass another one or --resume auto"
         )
     return json.loads((checkpoint_dir / TRAINER_STATE).read_text())
 
@@ -348,27 +449,52 @@ def load_training_checkpoint(
 
     rank_state = None
     if state["world_size"] == world_size():
-        rank_state = torch.load(checkpoint_dir / f"rank-{global_rank():05d}.pt", weights_only=True)
+        rank_state = load_rank_state(checkpoint_dir / f"rank-{global_rank():05d}.pt")
     return state, rank_state
 
 
 def load_rank_zero_state(checkpoint_dir: Path) -> dict[str, Any]:
-    return torch.load(checkpoint_dir / "rank-00000.pt", weights_only=True)
+    return load_rank_state(checkpoint_dir / "rank-00000.pt")
+
+
+def load_rank_state(path: Path) -> dict[str, Any]:
+    """A rank's RNG and data-loader state. weights_only=True: unpickling a file must never run code."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        refused = re.search(r"GLOBAL (\S+)", str(err))
+        what = f" ({refused.group(1)})" if refused else ""
+        raise LitsftError(
+            f"{path} holds Python objects other than plain data{what} and litsft refuses to unpickle them; "
+            "resume from a checkpoint litsft wrote"
+        ) from None
+    except (RuntimeError, OSError, EOFError) as err:
+        raise LitsftError(f"{path} is damaged ({_first_line(err)}); resume from another checkpoint") from None
 
 
 def rotate_checkpoints(out_dir: Path, keep_last: int | None) -> None:
-    """Delete all but the newest `keep_last` complete checkpoints (called only after a new one is complete)."""
+    """Delete all but the newest `keep_last` complete checkpoints (called only after a new one is complete).
+    Each is renamed first, so a crash mid-delete leaves a hidden directory (removed at the next start),
+    never a half-deleted one under a checkpoint's name."""
     if not keep_last or global_rank() != 0:
         return
     complete = [p for p in sorted(out_dir.glob(f"{STEP_PREFIX}*")) if is_complete(p)]
     for old in complete[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        doomed = old.with_name(f".{old.name}{DELETING_SUFFIX}")
+        try:
+            os.replace(old, doomed)
+        except OSError:
+            continue  # an extra old checkpoint costs space, not correctness
+        fault_point(f"rotate_{old.name}")
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def remove_partial_checkpoints(out_dir: Path) -> None:
+    """Remove what interrupted saves and deletes left behind (rank 0, before training starts)."""
     if global_rank() == 0 and out_dir.is_dir():
-        for partial in out_dir.glob(f".{STEP_PREFIX}*{PARTIAL_SUFFIX}"):
-            shutil.rmtree(partial, ignore_errors=True)
+        for suffix in (PARTIAL_SUFFIX, DELETING_SUFFIX):
+            for leftover in out_dir.glob(f".{STEP_PREFIX}*{suffix}"):
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 # ---- RNG --------------------------------------------------------------------------------------------------

@@ -1,0 +1,35 @@
+"""Fault injection for the crash tests: named points in the engine and checkpoint code where a test can
+crash a run at an exact moment. Inert unless the environment variable LITSFT_FAULT_AT is set; never set it
+outside tests.
+
+    LITSFT_FAULT_AT=<point>[@<rank>][:<action>]
+
+`<point>` is a name passed to `fault_point`, e.g. `after_step_3`, `save_4_shards_written`,
+`save_4_before_rename`, `final_before_rename` (grep for `fault_point(` to see them all). The fault fires
+on global rank `<rank>` (default 0). Actions:
+    kill    (default) SIGKILL the whole process group, like a node dying. The crash harness starts each run
+            in a session of its own, so only the run's processes die.
+    enospc  raise OSError(ENOSPC) there, like a full disk.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+
+FAULT_ENV = "LITSFT_FAULT_AT"
+
+
+def fault_point(name: str, rank: int = 0) -> None:
+    """Crash here if LITSFT_FAULT_AT names this point and this rank; do nothing otherwise."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    target, _, action = spec.partition(":")
+    point, _, target_rank = target.partition("@")
+    if point != name or int(target_rank or 0) != rank:
+        return
+    if action == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"(fault injected at {name})")
+    os.killpg(os.getpgrp(), signal.SIGKILL)

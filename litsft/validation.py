@@ -1,0 +1,127 @@
+"""Checks run before any process is spawned: each failure is one LitsftError naming the value and the fix,
+and nothing in out_dir or the inputs is touched before they pass."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from litsft import checkpoint
+from litsft.errors import LitsftError
+from litsft.processes import check_world_size
+
+if TYPE_CHECKING:
+    from litsft.engine import RunConfig
+
+FINAL_DIR = "final"
+
+
+def check_run(run: RunConfig, recipe_name: str) -> None:
+    """Everything about a run that can be known wrong before launch, cheapest first."""
+    check_positive(run)
+    check_world_size(run.devices, run.num_nodes)
+    check_precision(run.precision)
+    max_length = run.config.max_position_embeddings
+    if run.train.max_seq_length > max_length:
+        raise LitsftError(
+            f"--train.max_seq_length={run.train.max_seq_length} exceeds the model's context length "
+            f"{max_length}; use at most {max_length}"
+        )
+    if run.data is None:
+        raise LitsftError("no data given; pass e.g. --data JSON --data.json_path train.json, or --data Demo")
+    check_tokenizer(run.tokenizer_dir, run.config.vocab_size)
+    check_out_dir(run, recipe_name)
+
+
+def check_positive(run: RunConfig) -> None:
+    values = {
+        "--devices": run.devices,
+        "--num_nodes": run.num_nodes,
+        "--train.global_batch_size": run.train.global_batch_size,
+        "--train.micro_batch_size": run.train.micro_batch_size,
+        "--train.epochs": run.train.epochs,
+        "--train.max_steps": run.train.max_steps,
+        "--train.max_seq_length": run.train.max_seq_length,
+        "--train.save_interval": run.train.save_interval,
+        "--train.keep_last": run.train.keep_last,
+        "--train.log_interval": run.train.log_interval,
+        "--eval.interval": run.eval.interval,
+    }
+    for option, value in values.items():
+        if value is not None and value < 1:
+            raise LitsftError(f"{option}={value} must be at least 1")
+
+
+def check_precision(precision: str) -> None:
+    if not torch.cuda.is_available():
+        if precision == "16-mixed":
+            raise LitsftError(
+                "--precision 16-mixed needs a CUDA GPU (fp16 autocast with loss scaling); on CPU use 32-true "
+                "or bf16-mixed"
+            )
+        return
+    if precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
+        raise LitsftError(
+            f"--precision {precision}: this GPU ({torch.cuda.get_device_name()}) has no bfloat16 support; "
+            "use 16-mixed or 32-true"
+        )
+
+
+def check_tokenizer(tokenizer_dir: Path | None, vocab_size: int) -> None:
+    """Token ids at or past the embedding table's size would index out of range in the first forward."""
+    if tokenizer_dir is None:
+        return
+    from litsft.tokenizer import Tokenizer
+
+    tokens = Tokenizer(tokenizer_dir).vocab_size
+    if tokens > vocab_size:
+        raise LitsftError(
+            f"the tokenizer in {tokenizer_dir} has {tokens} tokens but the model's vocab_size is {vocab_size}: "
+            "ids past the embedding table would crash training; use the tokenizer the model was trained with"
+        )
+
+
+def check_out_dir(run: RunConfig, recipe_name: str) -> None:
+    """A finished run is never overwritten, a fresh start never writes over checkpoints, and a resume
+    checkpoint must come from the same recipe and model."""
+    out_dir = run.out_dir
+    if out_dir.exists() and not out_dir.is_dir():
+        raise LitsftError(f"--out_dir {out_dir} is a file; pass a directory")
+    final = out_dir / FINAL_DIR
+    if final.exists():
+        raise LitsftError(
+            f"{final} exists: this run has finished; pass another --out_dir, or delete {final} to train again"
+        )
+    if run.resume is False and any(out_dir.glob(f"{checkpoint.STEP_PREFIX}*")):
+        raise LitsftError(
+            f"--resume false but {out_dir} holds checkpoints of an earlier run; pass --resume auto to continue "
+            "it, or another --out_dir to start over"
+        )
+    path = checkpoint.resume_checkpoint(run.resume, out_dir)
+    if path is not None:
+        check_resumable(path, run, recipe_name)
+
+
+def check_resumable(path: Path, run: RunConfig, recipe_name: str) -> None:
+    state = checkpoint.read_trainer_state(path)
+    if state.get("recipe") != recipe_name:
+        raise LitsftError(
+            f"{path} was written by {state.get('recipe')}, not {recipe_name}; resume it with "
+            f"`litsft {state.get('recipe')}` or pass another --out_dir"
+        )
+    saved, current = state.get("config", {}), _json_round_trip(asdict(run.config))
+    different = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    if different:
+        key = different[0]
+        raise LitsftError(
+            f"{path} was written for a different model ({key}={saved.get(key)!r}, this run has "
+            f"{current.get(key)!r}); pass the checkpoint_dir it was trained from, or another --out_dir"
+        )
+
+
+def _json_round_trip(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))

@@ -1,0 +1,29 @@
+"""The README's main job, as written: a tiny model trained on the demo data with 2 processes FULL_SHARD."""
+
+from __future__ import annotations
+
+import csv
+import re
+from pathlib import Path
+
+from launch import litsft
+
+METRIC_COLUMNS = {"step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_second",
+                  "tokens_per_second_per_device", "mfu", "peak_rss_mib", "val_loss", "val_perplexity"}  # fmt: skip
+
+
+def test_demo_learns_the_held_out_tasks_and_exports(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    result = litsft(["demo", "--out_dir", str(out)], tmp_path, timeout=600)
+    before, after = (float(x) / 100 for x in re.search(
+        r"Held-out exact match: ([\d.]+)% before training -> ([\d.]+)% after", result.stdout).groups())  # fmt: skip
+    print(f"held-out exact match {before:.0%} -> {after:.0%}")
+    assert before <= 0.05 and after >= 0.6
+
+    rows = list(csv.DictReader((out / "finetune" / "metrics.csv").open()))
+    assert METRIC_COLUMNS <= set(rows[0])
+    losses = [float(r["loss"]) for r in rows if r["loss"]]
+    assert losses[-1] < 0.5 * losses[0]
+    assert any(r["val_loss"] for r in rows)
+    assert (out / "finetune" / "loss.png").stat().st_size > 5000
+    assert (out / "hf" / "config.json").is_file() and (out / "hf" / "model.safetensors").is_file()
