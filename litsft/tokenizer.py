@@ -3,9 +3,9 @@ template. Nothing from the directory is executed: no `AutoTokenizer`, no remote 
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -144,33 +144,14 @@ class Tokenizer:
                 f"{self.checkpoint_dir} has no chat template (no `chat_template` in tokenizer_config.json and "
                 "no chat_template.jinja); use a named prompt style instead, or add a template to the checkpoint"
             )
-        # Like transformers: keys whose value is None are dropped, many templates print "None" otherwise.
-        messages = [
-            {key: value for key, value in message.items() if value is not None} for message in messages
-        ]
-        try:
-            return self._compiled_chat_template.render(
-                messages=messages,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-            )
-        except jinja2.TemplateError as err:
-            raise LitsftError(
-                f"the chat template of {self.checkpoint_dir} failed on this conversation: {err}; "
-                "fix the messages, or use a named prompt style instead of the checkpoint's template"
-            ) from None
-
-    @cached_property
-    def _compiled_chat_template(self) -> jinja2.Template:
-        try:
-            return _chat_template_environment().from_string(self.chat_template)
-        except jinja2.TemplateError as err:
-            raise LitsftError(
-                f"the chat template of {self.checkpoint_dir} does not compile: {err}; "
-                "fix it, or use a named prompt style instead of the checkpoint's template"
-            ) from None
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            self.special_tokens,
+            source=f"the chat template of {self.checkpoint_dir}",
+            fix="use a named prompt style instead of the checkpoint's template",
+        )
 
     def _read_chat_template(self, config: dict[str, Any]) -> str | None:
         # transformers gives chat_template.jinja priority over the copy in tokenizer_config.json.
@@ -226,6 +207,42 @@ class GenerationTag(jinja2.ext.Extension):
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+def render_chat_template(
+    template: str,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool,
+    variables: dict[str, str],
+    source: str,
+    fix: str,
+) -> str:
+    """Render a chat template the way transformers does. `source` names the template and `fix` says what to
+    do instead, for the one-line error a broken template gives."""
+    # Like transformers: keys whose value is None are dropped, many templates print "None" otherwise.
+    messages = [{key: value for key, value in message.items() if value is not None} for message in messages]
+    try:
+        return _compile_chat_template(template).render(
+            messages=messages,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+    except jinja2.TemplateError as err:
+        raise LitsftError(
+            f"{source} failed on this conversation: {err}; fix the messages, or {fix}"
+        ) from None
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_chat_template(template: str) -> jinja2.Template:
+    try:
+        return _chat_template_environment().from_string(template)
+    except jinja2.TemplateError as err:
+        raise LitsftError(
+            f"a chat template does not compile: {err}; fix it or use a named prompt style"
+        ) from None
 
 
 def _chat_template_environment() -> ImmutableSandboxedEnvironment:

@@ -13,11 +13,10 @@ from __future__ import annotations
 from itertools import chain
 from typing import Literal
 
-import jinja2
 import numpy as np
 
 from litsft.errors import LitsftError
-from litsft.tokenizer import Tokenizer, _chat_template_environment
+from litsft.tokenizer import Tokenizer, render_chat_template
 
 Message = dict[str, str]
 """{"role": "system" | "user" | "assistant", "content": str}"""
@@ -87,7 +86,6 @@ class ChatFormat:
         else:
             self.name = prompt_style or "alpaca"
             self.template = PROMPT_STYLES[self.name]
-        self._compiled = _chat_template_environment().from_string(self.template)
         # Templates refer to special tokens by text; fill in those the tokenizer config only names by id.
         self._variables = dict(tokenizer.special_tokens)
         for key, token_id in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id)):
@@ -96,19 +94,14 @@ class ChatFormat:
 
     def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
         """The conversation as text; with add_generation_prompt, ready for the model to write the reply."""
-        try:
-            return self._compiled.render(
-                messages=messages,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self._variables,
-            )
-        except jinja2.TemplateError as err:
-            raise LitsftError(
-                f"the {self.name} chat template failed on a conversation: {err}; fix the messages "
-                "or choose another --data.prompt_style"
-            ) from None
+        return render_chat_template(
+            self.template,
+            messages,
+            add_generation_prompt,
+            self._variables,
+            source=f"the {self.name} chat template",
+            fix="choose another --data.prompt_style",
+        )
 
     def encode_prompt(self, messages: list[Message]) -> list[int]:
         """Token ids of a prompt for generation, as the model saw prompts in training."""
