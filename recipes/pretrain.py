@@ -9,6 +9,7 @@ from litsft.checkpoint import copy_rows, save_consolidated
 from litsft.config import CONFIG_FILENAME, Config
 from litsft.data import DataModule
 from litsft.engine import EvalConfig, LogConfig, Recipe, RunConfig, TrainConfig, launch
+from litsft.errors import LitsftError
 from litsft.model import Transformer, parameter_generator
 from litsft.optimizer import OptimizerConfig
 from litsft.parallel import FSDPConfig, Precision
@@ -16,7 +17,7 @@ from litsft.parallel import FSDPConfig, Precision
 
 def setup(
     model_name: str,
-    tokenizer_dir: Path,
+    tokenizer_dir: Path | None = None,
     out_dir: Path = Path("out/pretrain"),
     data: DataModule | None = None,
     devices: int = 1,
@@ -37,7 +38,7 @@ def setup(
     Args:
         model_name: A named config (`litsft list_models`) or a directory holding a litsft_config.json.
         tokenizer_dir: A directory with tokenizer.json (and tokenizer_config.json); its vocabulary must fit
-            the model's vocab_size.
+            the model's vocab_size. Defaults to model_name when that is a checkpoint directory.
         out_dir: Where checkpoints, metrics and the final model (out_dir/final) are written.
         data: The data module, e.g. `--data TextFiles --data.train_dir corpus/` or `--data LitData --data.path ...`.
         devices: Processes (GPUs) per node.
@@ -55,6 +56,12 @@ def setup(
     arguments = dict(locals())
     is_dir = (Path(model_name) / CONFIG_FILENAME).is_file()
     config = Config.from_checkpoint(model_name) if is_dir else Config.from_name(model_name)
+    if tokenizer_dir is None:
+        if not is_dir:
+            raise LitsftError(
+                f"pretraining {model_name} needs a tokenizer: pass --tokenizer_dir <dir with tokenizer.json>"
+            )
+        tokenizer_dir = Path(model_name)
 
     def initialize(model: Transformer) -> None:
         # Drawn per parameter from its own generator: the same weights on 1 GPU or 64.
