@@ -1,0 +1,90 @@
+"""Per-rank peak memory of loading a checkpoint into a sharded model: FULL_SHARD vs NO_SHARD on 2 ranks.
+
+    python benchmarks/bench_load_memory.py [--hidden 768 --layers 12]
+
+Writes a random litsft checkpoint (default ~110M parameters, fp32), then for each strategy launches 2 processes
+(torchrun, gloo) that build the model on the meta device, shard it and fill it from the checkpoint exactly as
+the engine does (litsft.engine.setup_model), and print each rank's peak RSS growth over the process's RSS
+before the model was built. Prints figures and the ratio; asserts nothing. glibc is told to return freed
+memory (MALLOC_MMAP_THRESHOLD_), otherwise RSS hides most of the difference (../shared/NOTES-cpu-fsdp.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def rank_main(checkpoint_dir: Path, strategy: str, result_file: Path) -> None:
+    import torch.distributed as dist
+
+    from litsft.checkpoint import load_weights
+    from litsft.config import Config
+    from litsft.engine import Recipe, RunConfig, setup_model
+    from litsft.model import Transformer
+    from litsft.parallel import FSDPConfig, build_fabric
+
+    fabric = build_fabric(2, 1, "32-true", FSDPConfig(sharding_strategy=strategy))
+    fabric.launch()
+    config = Config.from_checkpoint(checkpoint_dir)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    recipe = Recipe("bench", Transformer, lambda m: load_weights(m, checkpoint_dir), lambda m, d: None)
+    run = RunConfig(config=config, tokenizer_dir=None, data=None, out_dir=checkpoint_dir)
+    run.fsdp.sharding_strategy = strategy
+    setup_model(fabric, recipe, run)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    results = [None, None]
+    dist.all_gather_object(results, {"rank": fabric.global_rank, "before": before, "peak": peak})
+    if fabric.global_rank == 0:
+        result_file.write_text(json.dumps(results))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--rank_main", nargs=3)
+    args = parser.parse_args()
+    if args.rank_main:
+        return rank_main(Path(args.rank_main[0]), args.rank_main[1], Path(args.rank_main[2]))
+
+    from litsft.config import Config
+    from litsft.model import Transformer
+    from litsft.weight_files import save_checkpoint_files
+
+    work = Path(tempfile.mkdtemp(prefix="litsft-load-memory-"))
+    config = Config.from_name("tiny-llama", vocab_size=32000, hidden_size=args.hidden,
+                             intermediate_size=int(args.hidden * 2.75), num_layers=args.layers,
+                             num_heads=args.hidden // 64, num_kv_heads=args.hidden // 128)  # fmt: skip
+    model = Transformer(config)
+    model.init_weights(0)
+    save_checkpoint_files(model.state_dict().items(), config, work / "checkpoint")
+    size_mib = config.num_parameters * 4 / 2**20
+    del model
+    print(
+        f"model: {config.num_parameters / 1e6:.1f}M parameters, {size_mib:.0f} MiB in fp32; 2 ranks on this CPU"
+    )
+    growth = {}
+    for strategy in ("NO_SHARD", "FULL_SHARD"):
+        result_file = work / f"{strategy}.json"
+        env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        "29731", __file__, "--rank_main", str(work / "checkpoint"), strategy, str(result_file)],
+                       env=env, check=True, capture_output=True)  # fmt: skip
+        ranks = json.loads(result_file.read_text())
+        growth[strategy] = max(r["peak"] - r["before"] for r in ranks)
+        cells = ", ".join(
+            f"rank {r['rank']}: +{r['peak'] - r['before']:.0f} MiB (peak {r['peak']:.0f})" for r in ranks
+        )
+        print(f"{strategy:<11} {cells}")
+    print(f"FULL_SHARD / NO_SHARD peak growth while loading: {growth['FULL_SHARD'] / growth['NO_SHARD']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
