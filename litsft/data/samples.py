@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +80,11 @@ def tokenize_conversations(conversations: list[list[Message]], chat_format: Chat
     """Render and tokenize every conversation (no truncation), in worker processes for large sets."""
     chunks = [conversations[i : i + CHUNK_SIZE] for i in range(0, len(conversations), CHUNK_SIZE)]
     processes = min(len(chunks), os.cpu_count() or 1, MAX_PROCESSES)
-    if processes > 1 and "fork" in multiprocessing.get_all_start_methods():
+    # Forking while other threads run (the training launcher's, the out_dir lock's heartbeat, gloo's) can
+    # deadlock the children on a lock one of those threads held: fork only from a single-threaded process
+    # (`litsft prepare`); inside a run, tokenizers' own thread pool still parallelizes encoding.
+    can_fork = threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods()
+    if processes > 1 and can_fork:
         global _WORK
         # Forked workers inherit the conversations and the compiled template instead of pickling them.
         _WORK = (chunks, chat_format)
