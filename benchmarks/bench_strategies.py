@@ -1,6 +1,7 @@
 """Memory and throughput of each sharding strategy on the demo model at 1, 2 and 4 ranks, on this machine's CPU.
 
 python benchmarks/bench_strategies.py [--steps 8] [--ranks 1 2 4]
+python benchmarks/bench_strategies.py --planner_only    # after a change to litsft/plan.py (seconds)
 
 Each cell is a short `litsft finetune_full` run of demo-llama on `--data Demo` (micro batch 4 x 256 tokens
 per rank, so the global batch grows with the ranks), launched by torchrun as on a cluster; HYBRID_SHARD runs
@@ -68,7 +69,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def training_args(base: Path, out_dir: Path, strategy: str, ranks: int, checkpointing: bool, steps: int) -> list[str]:
+def training_args(
+    base: Path, out_dir: Path, strategy: str, ranks: int, checkpointing: bool, steps: int
+) -> list[str]:
     nodes = 2 if strategy == "HYBRID_SHARD" and ranks > 1 else 1
     return [
         "finetune_full", str(base), "--out_dir", str(out_dir), "--resume", "false",
@@ -97,14 +100,29 @@ def run_cell(
         port = free_port()
         commands = [
             [
-                sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(node),
-                "--nproc_per_node", str(ranks // nodes), "--master_addr", "127.0.0.1", "--master_port", str(port),
-                *me, *args,
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(nodes),
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                str(ranks // nodes),
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                *me,
+                *args,
             ]  # fmt: skip
             for node in range(nodes)
         ]
     started = time.perf_counter()
-    processes = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in commands]
+    processes = [
+        subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for c in commands
+    ]
     outputs = [p.communicate()[0] for p in processes]
     for process, output in zip(processes, outputs):
         if process.returncode != 0:
@@ -115,7 +133,12 @@ def run_cell(
     memory = [json.loads(p.read_text()) for p in sorted(result_dir.glob("rank-*.json"))]
     assert len(memory) == ranks, f"{name}: {len(memory)} of {ranks} ranks reported memory"
     peak_mib = max((m["peak"] - m["baseline"]) / 2**20 for m in memory)
-    cell = {"strategy": strategy, "ranks": ranks, "activation_checkpointing": checkpointing, "cpu_offload": False}
+    cell = {
+        "strategy": strategy,
+        "ranks": ranks,
+        "activation_checkpointing": checkpointing,
+        "cpu_offload": False,
+    }
     cell |= {"peak_memory_mib": round(peak_mib, 1), "tokens_per_second": round(throughput)}
     print(f"{name}: {cell['peak_memory_mib']} MiB, {cell['tokens_per_second']} tokens/s "
           f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
@@ -205,6 +228,15 @@ def update_tutorial(results: dict[str, Any], tutorial: Path = TUTORIAL) -> None:
     tutorial.write_text(text)
 
 
+def update_planner() -> None:
+    """After a change to litsft/plan.py: the planner's rows again, the measurements as they were."""
+    results = json.loads(RESULTS.read_text())
+    results["planner"] = planner_rows()
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    update_tutorial(results)
+    print(render_planned(results))
+
+
 def main(steps: int, ranks: list[int]) -> None:
     from litsft.demo import make_base_checkpoint
 
@@ -239,5 +271,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument(
+        "--planner_only", action="store_true", help="keep the measured cells, recompute the planner's table"
+    )
     arguments = parser.parse_args()
-    main(arguments.steps, arguments.ranks)
+    if arguments.planner_only:
+        update_planner()
+    else:
+        main(arguments.steps, arguments.ranks)

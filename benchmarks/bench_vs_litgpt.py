@@ -109,7 +109,9 @@ def litgpt_useful_tokens(python: Path, checkpoint: Path, data_dir: Path, max_seq
     return int(out.stdout.split()[-1])
 
 
-def litsft_useful_tokens(checkpoint: Path, data_dir: Path, args: argparse.Namespace, packing: bool) -> tuple[int, int]:
+def litsft_useful_tokens(
+    checkpoint: Path, data_dir: Path, args: argparse.Namespace, packing: bool
+) -> tuple[int, int]:
     """(useful tokens, input tokens) of epoch 0: samples of n tokens give n - 1 input positions."""
     from litsft.data import JSON
     from litsft.tokenizer import Tokenizer
@@ -124,7 +126,9 @@ def litsft_useful_tokens(checkpoint: Path, data_dir: Path, args: argparse.Namesp
     return int(sum(lengths[i] for i in used)), int(sum(lengths[i] - 1 for i in used))
 
 
-def time_litsft(method: str, checkpoint: Path, data_dir: Path, args: argparse.Namespace, packing: bool, input_tokens: int) -> float:
+def time_litsft(
+    method: str, checkpoint: Path, data_dir: Path, args: argparse.Namespace, packing: bool, input_tokens: int
+) -> float:
     out_dir = args.work_dir / f"litsft-{method}"
     shutil.rmtree(out_dir, ignore_errors=True)
     run_litsft(
@@ -142,10 +146,14 @@ def time_litsft(method: str, checkpoint: Path, data_dir: Path, args: argparse.Na
     return input_tokens / row["tokens_per_second"]
 
 
-def time_litgpt(python: Path, method: str, checkpoint: Path, data_dir: Path, args: argparse.Namespace) -> float:
+def time_litgpt(
+    python: Path, method: str, checkpoint: Path, data_dir: Path, args: argparse.Namespace
+) -> float:
     out_dir = args.work_dir / f"litgpt-{method}"
     shutil.rmtree(out_dir, ignore_errors=True)
-    lora = ["--lora_key", "true", "--lora_projection", "true", "--lora_mlp", "true"] if method == "lora" else []
+    lora = (
+        ["--lora_key", "true", "--lora_projection", "true", "--lora_mlp", "true"] if method == "lora" else []
+    )
     command = [
         str(python), "-m", "litgpt", f"finetune_{method}", str(checkpoint), "--out_dir", str(out_dir),
         "--data", "JSON", "--data.json_path", str(data_dir), "--data.mask_prompt", "true",

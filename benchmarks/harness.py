@@ -45,11 +45,12 @@ def machine_description() -> str:
     )
 
 
-def make_checkpoint(directory: Path, seed: int = 0, **shape: int) -> Path:
-    """A randomly initialized demo-llama (or `shape` overrides) with the demo tokenizer, as a litsft checkpoint."""
+def make_checkpoint(directory: Path, seed: int = 0, **shape: object) -> Path:
+    """A randomly initialized demo-llama (or `shape` overrides) with the demo tokenizer, as a litsft checkpoint.
+    The vocabulary is the tokenizer's unless `shape` gives a larger one (its extra rows are never looked up)."""
     build_demo_tokenizer(directory)
-    vocab_size = Tokenizer(directory).vocab_size
-    config = Config.from_name("demo-llama", vocab_size=vocab_size, **shape)
+    shape.setdefault("vocab_size", Tokenizer(directory).vocab_size)
+    config = Config.from_name("demo-llama", **shape)
     model = Transformer(config)
     model.init_weights(seed)
     save_checkpoint_files(model.state_dict().items(), config, directory, directory)
@@ -76,7 +77,9 @@ def free_port() -> int:
 
 
 def bench_env(work_dir: Path, threads: int, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")
+    }
     env.update(
         OMP_NUM_THREADS=str(threads),
         MKL_NUM_THREADS=str(threads),
@@ -90,7 +93,9 @@ def bench_env(work_dir: Path, threads: int, extra: dict[str, str] | None = None)
     return env
 
 
-def run_litsft(args: list[str], work_dir: Path, threads: int, extra_env: dict[str, str] | None = None) -> float:
+def run_litsft(
+    args: list[str], work_dir: Path, threads: int, extra_env: dict[str, str] | None = None
+) -> float:
     """Run `python -m litsft ...`; returns its wall time. Raises with the output's tail if it fails."""
     started = time.perf_counter()
     result = subprocess.run(

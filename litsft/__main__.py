@@ -1,11 +1,19 @@
-"""The `litsft` command: one subcommand per entry point, each a plain function whose signature is its CLI."""
+"""The `litsft` command: one subcommand per entry point, each a plain function whose signature is its CLI.
+
+Every error a user can cause ends the same way: one `error: ...` line on stderr, exit status 2, no
+traceback. A training run stopped by SIGTERM/SIGUSR1 exits with status 124 after writing a checkpoint
+(`litsft.engine.PREEMPTED_EXIT_CODE`): relaunch the same command to resume.
+"""
 
 from __future__ import annotations
 
 import importlib
+import re
 import sys
+import time
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from litsft.errors import LitsftError
 
@@ -23,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "list_models": "litsft.config:list_models",
     "demo": "litsft.demo:demo",
 }
+USAGE_ERROR_EXIT_CODE = 2
 
 
 def _load(target: str) -> Callable[..., Any]:
@@ -46,7 +55,7 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from jsonargparse import CLI
+    from jsonargparse import CLI, ArgumentError
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -54,14 +63,76 @@ def main(argv: list[str] | None = None) -> None:
         return
     command, *rest = argv
     if command not in COMMANDS:
-        print(f"error: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
-        raise SystemExit(2)
+        fail(f"unknown command {command!r}; choose one of: {', '.join(COMMANDS)}")
     try:
         function = _load(COMMANDS[command])
-        CLI(function, args=rest, prog=f"litsft {command}", as_positional=True)
-    except LitsftError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module="jsonargparse")
+            # exit_on_error=False: parse errors come back as exceptions, to be printed on one line.
+            # allow_abbrev=False: a misspelled option is an error, not silently expanded.
+            CLI(
+                function,
+                args=rest,
+                prog=f"litsft {command}",
+                as_positional=True,
+                exit_on_error=False,
+                allow_abbrev=False,
+            )
+    except ArgumentError as err:
+        fail(argument_error_line(str(err)))
+    except (LitsftError, OSError) as err:
+        fail(str(err))
+
+
+def fail(message: str) -> NoReturn:
+    from litsft.processes import is_spawned_rank
+
+    if is_spawned_rank():
+        # A rank spawned by Fabric's launcher usually fails with the launcher, which kills it at once and
+        # reports the error itself: waiting first keeps the report to one line. A failure of this rank
+        # alone is still printed.
+        time.sleep(3)
+    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    raise SystemExit(USAGE_ERROR_EXIT_CODE)
+
+
+def argument_error_line(message: str) -> str:
+    """jsonargparse's multi-line parse error as one line naming the option, the value and the choices."""
+    lines = [line.strip().lstrip("- ").strip() for line in message.splitlines() if line.strip()]
+    key = re.match(r'Parser key "([^"]+)":?\s*(.*)', lines[0]) if lines else None
+    if key is None:
+        return " ".join(lines)
+    option, text = f"--{key.group(1)}", "\n".join([key.group(2), *lines[1:]])
+    given = re.search(r"(?:Got|Given) value: (.*)", text)
+    value = given.group(1) if given else None
+    literal = re.search(r"typing\.Literal\[(.*?)\]", text)
+    if literal and value is not None:
+        return f"{option}={value} is not one of {literal.group(1)}"
+    typed = re.search(r"Expected a <class '(int|float|bool)'>", text)
+    if typed and value is not None:
+        return f"{option}={value} is not a valid {typed.group(1)}"
+    subtypes = re.search(r"Subtypes: \[(.*?)\]", text)
+    if subtypes and value is not None:
+        choices = _subclass_names(re.findall(r"<class '([\w.]+)'>", subtypes.group(1)))
+        if choices:
+            return f"{option}={value} is not one of {', '.join(choices)}"
+    first = next((line for line in text.splitlines() if line), "invalid value")
+    return f"{option}: {first}" + (f" (got {value})" if value is not None else "")
+
+
+def _subclass_names(class_paths: list[str]) -> list[str]:
+    """Names of the concrete classes that can fill a parameter typed as one of these classes."""
+    names: list[str] = []
+    for path in class_paths:
+        module_name, _, class_name = path.rpartition(".")
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        stack = list(cls.__subclasses__()) if isinstance(cls, type) else []
+        while stack:
+            sub = stack.pop(0)
+            if not sub.__subclasses__() and sub.__name__ not in names:
+                names.append(sub.__name__)
+            stack.extend(sub.__subclasses__())
+    return names
 
 
 if __name__ == "__main__":

@@ -9,21 +9,28 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import shutil
 import signal
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from lightning.fabric import Fabric
+from safetensors import SafetensorError
 from torch import nn
 
-from litsft import checkpoint
+from litsft import checkpoint, processes
 from litsft.config import Config
 from litsft.errors import LitsftError
+from litsft.faults import fault_point
 from litsft.optimizer import OptimizerConfig, build_optimizer, learning_rate
 from litsft.parallel import FSDPConfig, Precision, build_fabric
+from litsft.run_lock import RunLock
+from litsft.validation import FINAL_DIR, check_run
 
 
 @dataclass
@@ -50,6 +57,11 @@ class TrainConfig:
     """Log metrics every this many optimizer steps."""
     compile: bool = False
     """Compile each transformer block with torch.compile (GPU runs; the first steps are slower)."""
+    deterministic: bool = False
+    """Bit-identical reruns: torch.use_deterministic_algorithms(True), fixed cuBLAS workspace, no cuDNN
+    autotuning. Free on CPU (already deterministic for a fixed --seed, devices and batch sizes); on GPUs
+    some kernels (e.g. the embedding backward) are slower, and an op without a deterministic version
+    stops the run with an error."""
 
 
 @dataclass
@@ -127,20 +139,42 @@ def accumulation_steps(train: TrainConfig, world_size: int) -> int:
 
 
 def launch(recipe: Recipe, run: RunConfig) -> None:
-    """Validate the run, start the processes and train. Every check that can fail fails here, before launch."""
+    """Validate the run, take the out_dir lock, start the processes and train. Every check that can fail
+    fails here, before any process is spawned or anything in out_dir changes.
+
+    Every process of the run passes through here: Fabric's launcher (which becomes rank 0 and spawns the
+    node's other ranks, which run the same command), or each rank that torchrun or srun started."""
+    PreemptionFlag.install()  # first: a SIGTERM during setup must stop the run at a step, not kill it
     run.precision = run.precision or default_precision()
-    accumulation_steps(run.train, run.devices * run.num_nodes)
     max_length = run.config.max_position_embeddings
     run.train.max_seq_length = run.train.max_seq_length or min(max_length, 2048)
-    if run.train.max_seq_length > max_length:
-        raise LitsftError(
-            f"--train.max_seq_length={run.train.max_seq_length} exceeds the model's context length "
-            f"{max_length}; use at most {max_length}"
-        )
-    if run.data is None:
-        raise LitsftError("no data given; pass e.g. --data JSON --data.json_path train.json, or --data Demo")
-    fabric = build_fabric(run.devices, run.num_nodes, run.precision, run.fsdp)
-    fabric.launch(fit, recipe, run)
+    check_run(run, recipe.name)
+    accumulation_steps(run.train, run.devices * run.num_nodes)
+    if run.train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts; ranks inherit it
+    spawned = processes.is_spawned_rank()
+    with RunLock(run.out_dir) if processes.is_first_process() else nullcontext():
+        fabric = build_fabric(run.devices, run.num_nodes, run.precision, run.fsdp)
+        if processes.will_spawn(fabric):
+            os.environ[processes.LAUNCHER_PID_ENV] = str(os.getpid())
+        try:
+            fabric.launch(fit, recipe, run)
+        except SystemExit as stop:
+            if stop.code != PREEMPTED_EXIT_CODE:
+                processes.kill(processes.spawned_processes(fabric))
+                raise
+            if spawned:
+                # The launcher reports the stop; a non-zero exit here would make Fabric's child observer
+                # SIGKILL the launcher before it reports.
+                raise SystemExit(0) from None
+            processes.wait_for(processes.spawned_processes(fabric), timeout_s=60)
+            raise
+        except BaseException:
+            processes.kill(processes.spawned_processes(fabric))
+            raise
+        finally:
+            if os.environ.get(processes.LAUNCHER_PID_ENV) == str(os.getpid()):
+                del os.environ[processes.LAUNCHER_PID_ENV]
 
 
 def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
@@ -148,6 +182,9 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
     from litsft.tokenizer import Tokenizer
 
     out_dir, train = run.out_dir, run.train
+    if train.deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
     fabric.seed_everything(run.seed)
     if fabric.is_global_zero:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -173,11 +210,12 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
     model = setup_model(fabric, recipe, run)
     optimizer = fabric.setup_optimizers(build_optimizer(model, run.optimizer))
     step, epoch = 0, 0
-    resume_from = find_resume_checkpoint(run.resume, out_dir)
+    resume_from = checkpoint.resume_checkpoint(run.resume, out_dir)
     if resume_from is not None:
         step, epoch = resume(
             fabric, resume_from, model.module, optimizer, train_loader, run.seed, recipe.checkpoint_frozen
         )
+        fault_point("resumed", fabric.global_rank)
     else:
         train_loader.set_epoch(0)
 
@@ -213,11 +251,32 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
             total_steps,
             accumulation,
         )
+        fault_point("before_final", fabric.global_rank)
         with metrics.paused():
             validate(fabric, model, val_loader, tokenizer, run, metrics, total_steps)
-            recipe.save_final(model.module, out_dir / "final")
+            save_final(fabric, recipe, model.module, out_dir)
+    fabric.print(f"Saved the final model to {out_dir / FINAL_DIR}")
+
+
+def save_final(fabric: Fabric, recipe: Recipe, model: nn.Module, out_dir: Path) -> None:
+    """Write the final model under a temporary name and publish it with one rename: a final/ directory
+    always holds a complete model, and a relaunch never trains again over it."""
+    final, partial = out_dir / FINAL_DIR, out_dir / f".{FINAL_DIR}.partial"
+    if fabric.is_global_zero and partial.exists():
+        shutil.rmtree(partial)
     fabric.barrier()
-    fabric.print(f"Saved the final model to {out_dir / 'final'}")
+    try:
+        recipe.save_final(model, partial)
+    except (OSError, SafetensorError) as err:
+        raise LitsftError(
+            f"could not write the final model to {final} ({err}); free disk space or fix permissions, then "
+            "relaunch the same command: it resumes from the last checkpoint"
+        ) from None
+    fabric.barrier()
+    fault_point("final_before_rename", fabric.global_rank)
+    if fabric.is_global_zero:
+        os.replace(partial, final)
+    fabric.barrier()
 
 
 def train_loop(
@@ -235,7 +294,7 @@ def train_loop(
     total_steps: int,
     accumulation: int,
 ) -> None:
-    preemption = PreemptionFlag()
+    preemption = PreemptionFlag.install()
     batches = iter(train_loader)
     while step < total_steps:
         micro_batches, epoch, batches = next_micro_batches(batches, train_loader, epoch, accumulation)
@@ -250,6 +309,7 @@ def train_loop(
             fabric, model, optimizer, micro_batches, run.train.max_norm
         )
         step += 1
+        fault_point(f"after_step_{step}", fabric.global_rank)
         metrics.step_done(
             step,
             epoch=epoch,
@@ -332,19 +392,6 @@ def total_optimizer_steps(train: TrainConfig, loader: Any, accumulation: int) ->
             f"{accumulation} one optimizer step needs; lower --train.global_batch_size"
         )
     return steps_per_epoch * train.epochs
-
-
-def find_resume_checkpoint(resume: bool | str | Path, out_dir: Path) -> Path | None:
-    if resume is False or resume is None:
-        return None
-    if resume in ("auto", True):
-        return checkpoint.latest_checkpoint(out_dir)
-    path = Path(resume)
-    if not path.is_dir():
-        raise LitsftError(
-            f"--resume {path}: no such checkpoint directory; pass an existing step-XXXXXXXX dir or auto"
-        )
-    return path
 
 
 # ---- the loop's parts ---------------------------------------------------------------------------------------
@@ -470,7 +517,8 @@ def generate_sample(model: nn.Module, tokenizer: Any, run: RunConfig) -> str | N
 
 # ---- checkpoints and resume ----------------------------------------------------------------------------
 PREEMPTED_EXIT_CODE = 124
-"""Exit status after a SIGTERM/SIGUSR1 stop with a checkpoint written (relaunch to resume)."""
+"""Exit status after a SIGTERM/SIGUSR1 stop with a checkpoint written: relaunch the same command to resume
+(e.g. `scontrol requeue` in a SLURM script when the status is 124)."""
 
 
 def save_checkpoint(
@@ -495,6 +543,7 @@ def save_checkpoint(
     checkpoint.save_training_checkpoint(
         out_dir, step, model, optimizer, trainer_state, rank_state, save_frozen=recipe.checkpoint_frozen
     )
+    fault_point(f"save_{step}_after_rename", fabric.global_rank)
     checkpoint.rotate_checkpoints(out_dir, run.train.keep_last)
     fabric.print(f"Saved checkpoint {out_dir / checkpoint.checkpoint_name(step)}")
 
@@ -530,15 +579,34 @@ def resume(
 
 
 class PreemptionFlag:
-    """Set by SIGTERM or SIGUSR1 (SLURM's warning before the time limit); checked once per step on all ranks."""
+    """Set by SIGTERM or SIGUSR1 (SLURM's warning before the time limit); checked once per step on all ranks.
+
+    The flag is all-reduced (max), so a signal that reaches any one process stops every rank after the same
+    step: `kill <launcher pid>` reaches only Fabric's launcher (rank 0), SLURM signals every task, torchrun
+    forwards SIGTERM to every worker and kills them 30 s later. One flag per process, installed by `launch`
+    before anything slow, so a signal during setup stops the run after its first step instead of killing it.
+    """
+
+    _installed: ClassVar[PreemptionFlag | None] = None
 
     def __init__(self) -> None:
         self._received = False
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handle)
 
+    @classmethod
+    def install(cls) -> PreemptionFlag:
+        if cls._installed is None:
+            cls._installed = cls()
+        return cls._installed
+
     def _handle(self, signum: int, frame: Any) -> None:
         self._received = True
+
+    @property
+    def received(self) -> bool:
+        """Whether this process got the signal (`is_set` tells whether any rank did)."""
+        return self._received
 
     def is_set(self, fabric: Fabric) -> bool:
         flag = torch.tensor(float(self._received), device=fabric.device)

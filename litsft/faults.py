@@ -10,6 +10,7 @@ on global rank `<rank>` (default 0). Actions:
     kill    (default) SIGKILL the whole process group, like a node dying. The crash harness starts each run
             in a session of its own, so only the run's processes die.
     enospc  raise OSError(ENOSPC) there, like a full disk.
+    pause=<file>  create <file>, then wait for a signal (a test sends SIGTERM at that exact moment).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 
 FAULT_ENV = "LITSFT_FAULT_AT"
 
@@ -32,4 +34,12 @@ def fault_point(name: str, rank: int = 0) -> None:
         return
     if action == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"(fault injected at {name})")
+    if action.startswith("pause="):
+        from litsft.engine import PreemptionFlag
+
+        open(action.removeprefix("pause="), "w").close()
+        flag = PreemptionFlag.install()
+        while not flag.received:
+            time.sleep(0.05)
+        return
     os.killpg(os.getpgrp(), signal.SIGKILL)

@@ -62,13 +62,15 @@ class RunLock:
             self._heartbeat = threading.Thread(target=self._beat, name="litsft-lock-heartbeat", daemon=True)
             self._heartbeat.start()
             return
-        raise LitsftError(f"could not take {self.path}: other runs keep taking it; start one run per --out_dir")
+        raise LitsftError(
+            f"could not take {self.path}: other runs keep taking it; start one run per --out_dir"
+        )
 
     def release(self) -> None:
         self._stop.set()
-        holder = read_holder(self.path)
+        holder = read_holder(self.path) or {}
         # Only our own lock: after a long stall another run may have judged ours stale and taken over.
-        if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        if (holder.get("host"), holder.get("pid")) == (socket.gethostname(), os.getpid()):
             self.path.unlink(missing_ok=True)
         self._remove_created_out_dir()
 

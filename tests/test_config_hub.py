@@ -7,14 +7,18 @@ from typing import Any
 
 import pytest
 from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namespace
+from litsft.recipes import finetune_full, finetune_lora, pretrain
 
 from litsft.config import NAMED_CONFIGS
 from litsft.data import JSON, LitData, TextFiles
 from litsft.engine import accumulation_steps
-from litsft.recipes import finetune_full, finetune_lora, pretrain
 
 CONFIG_HUB = Path(__file__).parent.parent / "config_hub"
-RECIPES = {"finetune_full": finetune_full.setup, "finetune_lora": finetune_lora.setup, "pretrain": pretrain.setup}
+RECIPES = {
+    "finetune_full": finetune_full.setup,
+    "finetune_lora": finetune_lora.setup,
+    "pretrain": pretrain.setup,
+}
 
 ONE_DEVICE_FULL = {"devices": 1, "precision": "bf16-mixed", "resume": "auto", "train.epochs": 3}
 # Values each config must hold (dotted keys into the parsed config); the numbers come from the recipes they
@@ -56,10 +60,22 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "train.epochs": 3,
         "train.max_steps": None,
     },
-    "finetune_full/llama-3.2-1b.yaml": {"checkpoint_dir": Path("checkpoints/meta-llama/Llama-3.2-1B"), **ONE_DEVICE_FULL},
-    "finetune_full/llama-3.2-3b.yaml": {"checkpoint_dir": Path("checkpoints/meta-llama/Llama-3.2-3B"), **ONE_DEVICE_FULL},
-    "finetune_full/qwen3-0.6b.yaml": {"checkpoint_dir": Path("checkpoints/Qwen/Qwen3-0.6B"), **ONE_DEVICE_FULL},
-    "finetune_full/qwen3-1.7b.yaml": {"checkpoint_dir": Path("checkpoints/Qwen/Qwen3-1.7B"), **ONE_DEVICE_FULL},
+    "finetune_full/llama-3.2-1b.yaml": {
+        "checkpoint_dir": Path("checkpoints/meta-llama/Llama-3.2-1B"),
+        **ONE_DEVICE_FULL,
+    },
+    "finetune_full/llama-3.2-3b.yaml": {
+        "checkpoint_dir": Path("checkpoints/meta-llama/Llama-3.2-3B"),
+        **ONE_DEVICE_FULL,
+    },
+    "finetune_full/qwen3-0.6b.yaml": {
+        "checkpoint_dir": Path("checkpoints/Qwen/Qwen3-0.6B"),
+        **ONE_DEVICE_FULL,
+    },
+    "finetune_full/qwen3-1.7b.yaml": {
+        "checkpoint_dir": Path("checkpoints/Qwen/Qwen3-1.7B"),
+        **ONE_DEVICE_FULL,
+    },
     "finetune_full/smollm2-1.7b.yaml": {
         "checkpoint_dir": Path("checkpoints/HuggingFaceTB/SmolLM2-1.7B"),
         **ONE_DEVICE_FULL,

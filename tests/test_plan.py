@@ -148,6 +148,22 @@ def test_transients():
     assert estimate_memory(config).transients == LLAMA_2_7B * 2 + logits
 
 
+def test_total_counts_gradients_against_activations():
+    # 7B FULL_SHARD on 8 GPUs, by hand (tutorials/memory_planning.md): weights and AdamW states always,
+    # then the larger of gradients (3.14 GiB) and activations + transients (10.93 + 3.23 GiB).
+    estimate = estimate_memory(Config.from_name("Llama-2-7b-hf"), devices=8)
+    assert estimate.total == (
+        estimate.parameters + estimate.optimizer_states + estimate.activations + estimate.transients
+    )
+    assert round(estimate.total / 2**30, 2) == 23.57
+    # NO_SHARD: the replicated fp32 gradients (25.10 GiB) outweigh the activations.
+    no_shard = estimate_memory(Config.from_name("Llama-2-7b-hf"), devices=8, sharding_strategy="NO_SHARD")
+    assert no_shard.total == (4 + 8 + 4) * LLAMA_2_7B
+    # Gradient accumulation keeps gradients alive through the next forward pass: everything adds up.
+    accumulating = estimate_memory(Config.from_name("Llama-2-7b-hf"), devices=8, accumulation_steps=2)
+    assert accumulating.total == estimate.total + estimate.gradients
+
+
 def test_parse_memory_size():
     assert parse_memory_size("80GB") == 80 * 10**9
     assert parse_memory_size("80GiB") == 80 * 2**30
@@ -163,7 +179,7 @@ def test_plan_prints_breakdown_and_verdict(capsys):
     out = capsys.readouterr().out
     assert "Llama-2-7b-hf (6.74B parameters), full fine-tuning, bf16-mixed" in out
     assert "optimizer states      50.21" in out.splitlines()
-    assert out.strip().endswith("does not fit: 114.57 GiB needed, 67.06 GiB usable of 80GB (90%)")
+    assert out.strip().endswith("does not fit: 100.41 GiB needed, 67.06 GiB usable of 80GB (90%)")
 
 
 def test_plan_reads_a_checkpoint_directory(tmp_path, capsys):

@@ -1,0 +1,93 @@
+"""`litsft plan` against measured peak memory: 2-process finetune_full on this CPU, per sharding strategy.
+
+python benchmarks/bench_plan_vs_measured.py [--steps 3] [--max_seq_length 256]
+
+The model is a ~50M-parameter Llama shape (8 layers, hidden 768, GQA 12/4, MLP 2048; the demo tokenizer's
+449-token vocabulary), so weights, gradients and AdamW state (16 bytes a parameter, 800 MB unsharded)
+dominate the process's own baseline. Each run trains a few steps in 32-true (the CPU default) with
+MALLOC_MMAP_THRESHOLD_=131072, so that large freed buffers go back to the OS and RSS follows what is live
+(../shared/NOTES-cpu-fsdp.md: glibc's default keeps them and hides FULL_SHARD's saving).
+
+Measured = rank 0's peak RSS (metrics.csv's peak_rss_mib, getrusage) minus a baseline: the peak RSS of the
+identical run with a 2-layer, hidden-64 model of the same vocabulary, which holds the interpreter,
+torch, Lightning, gloo, the tokenized data and the loader but almost no model. Planned =
+`estimate_memory(...).total` for the same devices, strategy, precision, micro batch and sequence length.
+Printed: both in MiB and their ratio (plan / measured); the planner's claim is "within 15%".
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from harness import machine_description, make_checkpoint, run_litsft, training_rows, write_mixed_length_data
+
+from litsft.config import Config
+from litsft.plan import estimate_memory
+
+SHAPE = dict(num_layers=8, hidden_size=768, intermediate_size=2048, num_heads=12, num_kv_heads=4, head_dim=64)
+BASELINE_SHAPE = dict(
+    num_layers=2, hidden_size=64, intermediate_size=176, num_heads=4, num_kv_heads=2, head_dim=16
+)
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+
+
+def peak_rss_mib(checkpoint: Path, data: Path, strategy: str, args: argparse.Namespace) -> float:
+    out_dir = args.work_dir / f"run-{checkpoint.name}-{strategy}"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    run_litsft(
+        [
+            "finetune_full", str(checkpoint), "--out_dir", str(out_dir), "--data", "JSON",
+            "--data.json_path", str(data), "--data.prompt_style", "alpaca", "--devices", "2",
+            "--fsdp.sharding_strategy", strategy, "--precision", "32-true", "--train.max_steps", str(args.steps),
+            "--train.max_seq_length", str(args.max_seq_length), "--train.micro_batch_size", "1",
+            "--train.global_batch_size", "2", "--eval.max_batches", "1", "--eval.max_new_tokens", "0",
+            "--resume", "false",
+        ],
+        args.work_dir, threads=1, extra_env={"MALLOC_MMAP_THRESHOLD_": "131072"},
+    )  # fmt: skip
+    return max(row["peak_rss_mib"] for row in training_rows(out_dir))
+
+
+def main(args: argparse.Namespace) -> None:
+    args.work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="litsft-plan-"))
+    os.environ["LITSFT_CACHE_DIR"] = str(args.work_dir / "cache")
+    model = make_checkpoint(args.work_dir / "model", **SHAPE)
+    baseline_model = make_checkpoint(args.work_dir / "baseline", **BASELINE_SHAPE)
+    # Long samples: every packed row is full, so each step holds max_seq_length tokens of activations.
+    data = write_mixed_length_data(args.work_dir / "train.json", 200, max_words=400)
+    config = Config.from_checkpoint(model)
+    print(machine_description())
+    print(
+        f"{config.num_parameters / 1e6:.1f}M parameters, 2 processes, 32-true, micro batch 1 x "
+        f"{args.max_seq_length} tokens, {args.steps} steps, MALLOC_MMAP_THRESHOLD_=131072"
+    )
+    print(
+        f"{'strategy':<15}{'baseline':>10}{'peak RSS':>10}{'measured':>10}{'planned':>10}{'plan/measured':>15}"
+    )
+    for strategy in args.strategies:
+        baseline = peak_rss_mib(baseline_model, data, strategy, args)
+        peak = peak_rss_mib(model, data, strategy, args)
+        measured = peak - baseline
+        planned = estimate_memory(
+            config, devices=2, sharding_strategy=strategy, precision="32-true", micro_batch_size=1,
+            max_seq_length=args.max_seq_length,
+        ).total / 2**20  # fmt: skip
+        print(
+            f"{strategy:<15}{baseline:>10.0f}{peak:>10.0f}{measured:>10.0f}{planned:>10.0f}"
+            f"{planned / measured:>15.2f}",
+            flush=True,
+        )
+    print("MiB (2**20 bytes), rank 0")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--max_seq_length", type=int, default=256)
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--work_dir", default=None, help="default: a new temporary directory")
+    main(parser.parse_args())

@@ -1,0 +1,124 @@
+"""Crash safety of a 2-process FULL_SHARD run: SIGKILL mid-checkpoint, SIGTERM, a full disk. After each, the
+same command finishes with weights bit-identical to an uninterrupted run's. (The ten-moment crash run is
+benchmarks/bench_fault_injection.py; these are three of its moments, chained.)"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import launch
+import pytest
+from crash_harness import crash_and_recover, leftovers, logged_steps, run_litsft, train_args, write_records
+from launch import free_port, max_difference, write_tiny_checkpoint
+
+from litsft.checkpoint import RowReader, is_complete, latest_checkpoint
+from litsft.engine import PREEMPTED_EXIT_CODE
+from litsft.faults import FAULT_ENV
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("faults")
+    write_tiny_checkpoint(root / "base", seed=1)
+    write_records(root / "data.json")
+    run = run_litsft(train_args(root / "base", root / "data.json", root / "reference"), root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return root
+
+
+def args_for(workspace: Path, name: str, *extra: str) -> list[str]:
+    return train_args(workspace / "base", workspace / "data.json", workspace / name, *extra)
+
+
+def assert_same_as_reference(workspace: Path, name: str) -> None:
+    out_dir = workspace / name
+    assert max_difference(workspace / "reference" / "final", out_dir / "final") == 0.0
+    assert logged_steps(out_dir) == list(range(1, 9)), "a step was lost or repeated"
+    assert leftovers(out_dir) == []
+
+
+def test_three_kills_mid_checkpoint_then_relaunch_equals_uninterrupted_run(workspace: Path) -> None:
+    faults = ["save_2_shards_written@1", "save_4_before_rename", "final_before_rename"]
+    runs = crash_and_recover(args_for(workspace, "killed"), workspace, faults)
+    print(f"{len(faults)}/{len(faults)} kills recovered in {sum(r.seconds for r in runs):.0f} s")
+    assert "Resumed from" in runs[-1].stdout + runs[-1].stderr
+    assert_same_as_reference(workspace, "killed")
+    # keep_last 2, applied only after each new checkpoint was complete.
+    assert sorted(p.name for p in (workspace / "killed").glob("step-*")) == ["step-00000006", "step-00000008"]
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_exits_124_then_resumes_without_losing_a_step(
+    workspace: Path,
+) -> None:
+    """The signal reaches only Fabric's launcher (rank 0), as `kill <pid>` does; rank 1 stops with it."""
+    out_dir, marker = workspace / "sigterm", workspace / "reached-step-3"
+    # No periodic checkpoint: the one the stop writes is the only one.
+    args = args_for(workspace, "sigterm", "--train.save_interval", "100")
+    env = dict(
+        launch.test_env(workspace),
+        MASTER_PORT=str(free_port()),
+        **{FAULT_ENV: f"after_step_3:pause={marker}"},
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "litsft", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 240
+    while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), process.communicate()[0][-3000:]
+    signalled = time.monotonic()
+    os.kill(process.pid, signal.SIGTERM)
+    output = process.communicate(timeout=240)[0]
+    grace = time.monotonic() - signalled
+    assert process.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
+    assert grace < 30, f"stopping took {grace:.1f} s, longer than a SLURM/torchrun grace period"
+    assert latest_checkpoint(out_dir) == out_dir / "step-00000003"
+    assert "Stopped by a signal after step 3" in output
+
+    rerun = run_litsft(args, workspace)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "Resumed from" in rerun.stdout + rerun.stderr
+    assert_same_as_reference(workspace, "sigterm")
+
+
+def test_full_disk_during_save_keeps_previous_checkpoint_and_names_the_cause(workspace: Path) -> None:
+    out_dir = workspace / "disk-full"
+    args = args_for(workspace, "disk-full")
+    # Rank 1 finds the disk full while writing step 4: every rank stops with one message.
+    run = run_litsft(args, workspace, fault="save_4_writing@1:enospc")
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+    error_lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert error_lines == [
+        f"error: could not write checkpoint {out_dir / 'step-00000004'} (rank 1: [Errno 28] No space left on "
+        "device: '(fault injected at save_4_writing)'); step-00000002 is intact: free disk space or fix "
+        "permissions, then relaunch the same command to resume"
+    ]
+    assert latest_checkpoint(out_dir) == out_dir / "step-00000002"
+    assert leftovers(out_dir) == []  # the partial step 4 is gone
+
+    # A real write error: a 500 kB file-size limit (shards are about 1 MB) makes the kernel refuse the write.
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (500_000, 500_000))
+
+    run = run_litsft(args, workspace, preexec_fn=limit_file_size)
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr
+    error = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "File too large" in error[0] and "step-00000002 is intact" in error[0], error
+    checkpoint = latest_checkpoint(out_dir)
+    assert checkpoint == out_dir / "step-00000002" and is_complete(checkpoint)
+    reader = RowReader.for_training_checkpoint(checkpoint, "model/")
+    assert reader.read("embed.weight", 0, 4).shape[0] == 4  # loadable, not just present
+    assert leftovers(out_dir) == []

@@ -1,0 +1,144 @@
+"""The reliability parts in isolation: the out_dir lock, checkpoint completeness and rotation, the fault hook,
+one-line CLI errors. (End to end: test_fault_injection.py and test_bad_inputs.py.)"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from litsft.__main__ import argument_error_line
+from litsft.checkpoint import is_complete, latest_checkpoint, remove_partial_checkpoints, rotate_checkpoints
+from litsft.errors import LitsftError
+from litsft.faults import FAULT_ENV, fault_point
+from litsft.run_lock import LOCK_NAME, STALE_AFTER_S, RunLock, process_start_time, read_holder
+
+
+# ---- the out_dir lock ----------------------------------------------------------------------------------
+def test_lock_names_its_holder_and_refuses_a_second_run(tmp_path: Path) -> None:
+    with RunLock(tmp_path / "out"):
+        holder = read_holder(tmp_path / "out" / LOCK_NAME)
+        assert (holder["host"], holder["pid"]) == (socket.gethostname(), os.getpid())
+        with pytest.raises(
+            LitsftError, match=rf"is in use by a running litsft run \(host .*, pid {os.getpid()},"
+        ):
+            RunLock(tmp_path / "out").acquire()
+    assert not (tmp_path / "out").exists(), "a run that wrote nothing leaves no empty out_dir behind"
+
+
+def write_lock(out_dir: Path, **holder: object) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / LOCK_NAME
+    path.write_text(json.dumps({"started": "2026-01-01 00:00:00", **holder}))
+    return path
+
+
+def test_lock_of_a_dead_pid_is_taken_over(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    write_lock(tmp_path, host=socket.gethostname(), pid=dead.pid, start_time=None)
+    with RunLock(tmp_path):
+        assert read_holder(tmp_path / LOCK_NAME)["pid"] == os.getpid()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_lock_of_a_reused_pid_is_taken_over(tmp_path: Path) -> None:
+    """The pid is alive but started after the lock was written: another process, the holder is gone."""
+    write_lock(
+        tmp_path, host=socket.gethostname(), pid=os.getpid(), start_time=process_start_time(os.getpid()) - 1
+    )
+    with RunLock(tmp_path):
+        pass
+
+
+def test_lock_from_another_host_is_stale_only_when_its_heartbeat_stopped(tmp_path: Path) -> None:
+    path = write_lock(tmp_path, host="node-17", pid=1234, start_time=5)
+    with pytest.raises(LitsftError, match="host node-17, pid 1234"):
+        RunLock(tmp_path).acquire()
+    old = time.time() - STALE_AFTER_S - 1
+    os.utime(path, (old, old))
+    with RunLock(tmp_path):
+        assert read_holder(path)["host"] == socket.gethostname()
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------------
+def fake_checkpoint(out_dir: Path, step: int) -> Path:
+    directory = out_dir / f"step-{step:08d}"
+    (directory / "shards").mkdir(parents=True)
+    (directory / "shards" / "rank-00000.safetensors").write_bytes(b"x" * 10)
+    files = {"shards/rank-00000.safetensors": 10}
+    (directory / "trainer_state.json").write_text(json.dumps({"files": list(files), "file_sizes": files}))
+    return directory
+
+
+def test_a_truncated_file_makes_a_checkpoint_incomplete(tmp_path: Path) -> None:
+    complete, newer = fake_checkpoint(tmp_path, 2), fake_checkpoint(tmp_path, 4)
+    (newer / "shards" / "rank-00000.safetensors").write_bytes(b"x" * 9)
+    assert is_complete(complete) and not is_complete(newer)
+    assert latest_checkpoint(tmp_path) == complete
+
+
+def test_rotation_keeps_the_newest_complete_checkpoints_and_counts_no_incomplete_one(tmp_path: Path) -> None:
+    for step in (2, 4, 6, 8):
+        fake_checkpoint(tmp_path, step)
+    (tmp_path / "step-00000010").mkdir()  # being written by no one: incomplete, not counted
+    rotate_checkpoints(tmp_path, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000006", "step-00000008", "step-00000010"]
+
+
+def test_leftovers_of_interrupted_saves_and_deletes_are_removed(tmp_path: Path) -> None:
+    kept = fake_checkpoint(tmp_path, 2)
+    (tmp_path / ".step-00000004.partial" / "shards").mkdir(parents=True)
+    (tmp_path / ".step-00000000.deleting").mkdir()
+    remove_partial_checkpoints(tmp_path)
+    assert list(tmp_path.iterdir()) == [kept]
+
+
+# ---- the fault hook ------------------------------------------------------------------------------------
+def test_fault_hook_is_inert_unless_it_names_this_point_and_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    fault_point("save_4_writing")  # unset: nothing happens
+    monkeypatch.setenv(FAULT_ENV, "save_4_writing@1:enospc")
+    fault_point("save_4_writing", rank=0)  # another rank
+    fault_point("save_2_writing", rank=1)  # another point
+    with pytest.raises(OSError) as err:
+        fault_point("save_4_writing", rank=1)
+    assert err.value.errno == errno.ENOSPC
+
+
+# ---- one-line CLI errors --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("message", "line"),
+    [
+        (
+            "Parser key \"fsdp.sharding_strategy\":\n  Expected a typing.Literal['FULL_SHARD', 'NO_SHARD']. "
+            "Got value: FOO",
+            "--fsdp.sharding_strategy=FOO is not one of 'FULL_SHARD', 'NO_SHARD'",
+        ),
+        (
+            'Parser key "precision":\n  Does not validate against any of the Union subtypes\n  Subtypes: '
+            "[typing.Literal['bf16-mixed', '32-true'], <class 'NoneType'>]\n  Errors:\n    - Expected a "
+            "typing.Literal['bf16-mixed', '32-true']\n    - Expected a <class 'NoneType'>\n  Given value type: "
+            "<class 'str'>\n  Given value: bf17",
+            "--precision=bf17 is not one of 'bf16-mixed', '32-true'",
+        ),
+        (
+            "Parser key \"devices\":\n  Expected a <class 'int'>. Got value: two",
+            "--devices=two is not a valid int",
+        ),
+        (
+            "Parser key \"config\": File does not exist: 'x.yaml'",
+            "--config: File does not exist: 'x.yaml'",
+        ),
+        ("unrecognized arguments: --train.max_step 3", "unrecognized arguments: --train.max_step 3"),
+    ],
+)
+def test_parser_errors_become_one_line(message: str, line: str) -> None:
+    assert argument_error_line(message) == line
