@@ -120,6 +120,16 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     cli_arguments: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def from_arguments(
+        cls, arguments: dict[str, Any], config: Config, tokenizer_dir: Path | None
+    ) -> RunConfig:
+        """A recipe's CLI arguments (its `locals()`) as a RunConfig; the ones RunConfig does not know stay
+        recorded in cli_arguments only."""
+        known = {f.name for f in dataclasses.fields(cls)} - {"config", "tokenizer_dir", "cli_arguments"}
+        chosen = {name: value for name, value in arguments.items() if name in known}
+        return cls(config=config, tokenizer_dir=tokenizer_dir, cli_arguments=arguments, **chosen)
+
 
 def default_precision() -> Precision:
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():

@@ -55,21 +55,4 @@ def setup(
         initialize=lambda model: load_weights(model, checkpoint_dir),
         save_final=lambda model, final_dir: save_consolidated(model, final_dir, config, checkpoint_dir),
     )
-    run = RunConfig(
-        config=config,
-        tokenizer_dir=checkpoint_dir,
-        data=data,
-        out_dir=out_dir,
-        devices=devices,
-        num_nodes=num_nodes,
-        precision=precision,
-        resume=resume,
-        seed=seed,
-        fsdp=fsdp,
-        train=train,
-        eval=eval,
-        optimizer=optimizer,
-        log=log,
-        cli_arguments=arguments,
-    )
-    launch(recipe, run)
+    launch(recipe, RunConfig.from_arguments(arguments, config, tokenizer_dir=checkpoint_dir))

@@ -82,21 +82,4 @@ def setup(
         checkpoint_frozen=False,
         trainable="lora",
     )
-    run = RunConfig(
-        config=config,
-        tokenizer_dir=checkpoint_dir,
-        data=data,
-        out_dir=out_dir,
-        devices=devices,
-        num_nodes=num_nodes,
-        precision=precision,
-        resume=resume,
-        seed=seed,
-        fsdp=fsdp,
-        train=train,
-        eval=eval,
-        optimizer=optimizer,
-        log=log,
-        cli_arguments=arguments,
-    )
-    launch(recipe, run)
+    launch(recipe, RunConfig.from_arguments(arguments, config, tokenizer_dir=checkpoint_dir))

@@ -74,21 +74,4 @@ def setup(
         initialize=initialize,
         save_final=lambda model, final_dir: save_consolidated(model, final_dir, config, tokenizer_dir),
     )
-    run = RunConfig(
-        config=config,
-        tokenizer_dir=tokenizer_dir,
-        data=data,
-        out_dir=out_dir,
-        devices=devices,
-        num_nodes=num_nodes,
-        precision=precision,
-        resume=resume,
-        seed=seed,
-        fsdp=fsdp,
-        train=train,
-        eval=eval,
-        optimizer=optimizer,
-        log=log,
-        cli_arguments=arguments,
-    )
-    launch(recipe, run)
+    launch(recipe, RunConfig.from_arguments(arguments, config, tokenizer_dir=tokenizer_dir))

@@ -97,8 +97,34 @@ def streaming_loader(
     return StreamingLoader(dataloader)
 
 
+class StreamingDataModule(DataModule):
+    """Token datasets in litdata's optimized format, streamed in blocks of max_seq_length + 1 tokens."""
+
+    def split_dir(self, split: str) -> str | None:
+        """The optimized directory (local path or URL) of "train" or "val", or None when there is none."""
+        raise NotImplementedError
+
+    def train_dataloader(
+        self, rank: int, world_size: int, micro_batch_size: int, global_batch_size: int
+    ) -> StreamingLoader:
+        _check_batch_sizes(world_size, micro_batch_size, global_batch_size)
+        return self._loader("train", rank, world_size, micro_batch_size, shuffle=True)
+
+    def val_dataloader(self, rank: int, world_size: int, micro_batch_size: int) -> StreamingLoader | None:
+        return self._loader("val", rank, world_size, micro_batch_size, shuffle=False)
+
+    def _loader(
+        self, split: str, rank: int, world_size: int, micro_batch_size: int, shuffle: bool
+    ) -> StreamingLoader | None:
+        directory = self.split_dir(split)
+        if directory is None:
+            return None
+        return streaming_loader(directory, self.max_seq_length, rank, world_size, micro_batch_size,
+                                self.data_seed, self.num_workers, shuffle)  # fmt: skip
+
+
 @dataclass(kw_only=True)
-class LitData(DataOptions, DataModule):
+class LitData(DataOptions, StreamingDataModule):
     """A token dataset optimized with litdata (`litsft prepare`, or `litdata.optimize` with a
     TokensLoader), local or remote (s3://, gs://, ...), streamed."""
 
@@ -124,40 +150,13 @@ class LitData(DataOptions, DataModule):
             val_dir = None
         return f"{self.path.rstrip('/')}/{train}", val_dir
 
-    def train_dataloader(
-        self, rank: int, world_size: int, micro_batch_size: int, global_batch_size: int
-    ) -> StreamingLoader:
-        _check_batch_sizes(world_size, micro_batch_size, global_batch_size)
-        train, _ = self._split_dirs()
-        return streaming_loader(
-            train,
-            self.max_seq_length,
-            rank,
-            world_size,
-            micro_batch_size,
-            self.data_seed,
-            self.num_workers,
-            True,
-        )
-
-    def val_dataloader(self, rank: int, world_size: int, micro_batch_size: int) -> StreamingLoader | None:
-        _, val = self._split_dirs()
-        if val is None:
-            return None
-        return streaming_loader(
-            val,
-            self.max_seq_length,
-            rank,
-            world_size,
-            micro_batch_size,
-            self.data_seed,
-            self.num_workers,
-            False,
-        )
+    def split_dir(self, split: str) -> str | None:
+        train, val = self._split_dirs()
+        return train if split == "train" else val
 
 
 @dataclass(kw_only=True)
-class TextFiles(DataOptions, DataModule):
+class TextFiles(DataOptions, StreamingDataModule):
     """Plain .txt files for pretraining: each file is a document. Tokenized once into litdata shards
     in the cache directory, then streamed."""
 
@@ -205,36 +204,9 @@ class TextFiles(DataOptions, DataModule):
                     "prepare() on rank 0 first, with a cache_dir that every node can read"
                 )
 
-    def train_dataloader(
-        self, rank: int, world_size: int, micro_batch_size: int, global_batch_size: int
-    ) -> StreamingLoader:
-        _check_batch_sizes(world_size, micro_batch_size, global_batch_size)
-        files = self.splits()["train"]
-        return streaming_loader(
-            str(self.optimized_dir("train", files)),
-            self.max_seq_length,
-            rank,
-            world_size,
-            micro_batch_size,
-            self.data_seed,
-            self.num_workers,
-            True,
-        )
-
-    def val_dataloader(self, rank: int, world_size: int, micro_batch_size: int) -> StreamingLoader | None:
-        files = self.splits().get("val")
-        if files is None:
-            return None
-        return streaming_loader(
-            str(self.optimized_dir("val", files)),
-            self.max_seq_length,
-            rank,
-            world_size,
-            micro_batch_size,
-            self.data_seed,
-            self.num_workers,
-            False,
-        )
+    def split_dir(self, split: str) -> str | None:
+        files = self.splits().get(split)
+        return None if files is None else str(self.optimized_dir(split, files))
 
 
 def _check_batch_sizes(world_size: int, micro_batch_size: int, global_batch_size: int) -> None:
