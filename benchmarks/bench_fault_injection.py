@@ -23,9 +23,8 @@ from crash_harness import (  # noqa: E402
     logged_steps,
     run_litsft,
     train_args,
-    write_records,
 )
-from launch import max_difference, write_tiny_checkpoint  # noqa: E402
+from launch import max_difference, write_records, write_tiny_checkpoint  # noqa: E402
 
 
 def main(points: list[str]) -> int:

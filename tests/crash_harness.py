@@ -8,8 +8,6 @@ starts in a session of its own, so the kill never reaches the test process.
 from __future__ import annotations
 
 import csv
-import json
-import random
 import subprocess
 import sys
 import time
@@ -20,8 +18,6 @@ from pathlib import Path
 from launch import free_port, test_env
 
 from litsft.faults import FAULT_ENV
-
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
 
 # Ten moments, in the order a run reaches them (8 steps, a checkpoint every 2, the newest 2 kept).
 # "@1": on rank 1 (rank 0 by default).
@@ -37,19 +33,6 @@ FAULT_POINTS = [
     "before_final",  # every step done and saved, final/ not yet written
     "final_before_rename",  # final/ written under a temporary name, not yet published
 ]
-
-
-def write_records(path: Path, count: int = 48, seed: int = 0) -> Path:
-    rng = random.Random(seed)
-    records = [
-        {
-            "instruction": " ".join(rng.choices(WORDS, k=rng.randint(2, 12))),
-            "output": " ".join(rng.choices(WORDS, k=rng.randint(1, 10))),
-        }
-        for _ in range(count)
-    ]
-    path.write_text(json.dumps(records))
-    return path
 
 
 def train_args(base: Path, data: Path, out_dir: Path, *extra: str) -> list[str]:

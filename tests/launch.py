@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -109,3 +111,20 @@ def max_difference(dir_a: Path, dir_b: Path) -> float:
 
 def state_dict(directory: Path) -> dict[str, torch.Tensor]:
     return load_checkpoint_state_dict(directory)
+
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
+
+
+def write_records(path: Path, count: int = 48, seed: int = 0) -> Path:
+    """Instruction records of mixed lengths, so packing, masking and token-weighted loss all matter."""
+    rng = random.Random(seed)
+    records = [
+        {
+            "instruction": " ".join(rng.choices(WORDS, k=rng.randint(2, 12))),
+            "output": " ".join(rng.choices(WORDS, k=rng.randint(1, 10))),
+        }
+        for _ in range(count)
+    ]
+    path.write_text(json.dumps(records))
+    return path

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from crash_harness import write_records
-from launch import write_tiny_checkpoint
+from launch import write_records, write_tiny_checkpoint
 from safetensors.torch import save_file
 from tiny_hf import save_tiny_hf, tiny_hf_model
 

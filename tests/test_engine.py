@@ -3,30 +3,13 @@
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
 import pytest
-from launch import litsft, litsft_two_nodes, max_difference, state_dict, write_tiny_checkpoint
+from launch import litsft, litsft_two_nodes, max_difference, state_dict, write_records, write_tiny_checkpoint
 
 from litsft.checkpoint import latest_checkpoint
-
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
-
-
-def write_records(path: Path, count: int, seed: int = 0) -> Path:
-    """Instruction records of mixed lengths, so packing, masking and token-weighted loss all matter."""
-    rng = random.Random(seed)
-    records = [
-        {
-            "instruction": " ".join(rng.choices(WORDS, k=rng.randint(2, 12))),
-            "output": " ".join(rng.choices(WORDS, k=rng.randint(1, 10))),
-        }
-        for _ in range(count)
-    ]
-    path.write_text(json.dumps(records))
-    return path
 
 
 def finetune_args(

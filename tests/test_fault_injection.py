@@ -14,8 +14,8 @@ from pathlib import Path
 
 import launch
 import pytest
-from crash_harness import crash_and_recover, leftovers, logged_steps, run_litsft, train_args, write_records
-from launch import free_port, max_difference, write_tiny_checkpoint
+from crash_harness import crash_and_recover, leftovers, logged_steps, run_litsft, train_args
+from launch import free_port, max_difference, write_records, write_tiny_checkpoint
 
 from litsft.checkpoint import RowReader, is_complete, latest_checkpoint
 from litsft.engine import PREEMPTED_EXIT_CODE

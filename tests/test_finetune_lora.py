@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import litsft, write_tiny_checkpoint
+from launch import litsft, write_records, write_tiny_checkpoint
 from safetensors.torch import load_file
-from test_engine import finetune_args, write_records
+from test_engine import finetune_args
 
 from litsft.generate import load_model
 from litsft.lora import load_lora_checkpoint, merged_state_dict
