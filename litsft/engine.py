@@ -27,6 +27,7 @@ from litsft import checkpoint, processes
 from litsft.config import Config
 from litsft.errors import LitsftError
 from litsft.faults import fault_point
+from litsft.model import loss_positions_of
 from litsft.optimizer import OptimizerConfig, build_optimizer, learning_rate
 from litsft.parallel import FSDPConfig, Precision, build_fabric
 from litsft.run_lock import RunLock
@@ -445,14 +446,9 @@ def train_step(
     scale = fabric.world_size / target_tokens
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        batch = to_device(batch, device)
         with fabric.no_backward_sync(model, enabled=i < len(micro_batches) - 1):
-            loss = model(
-                batch["input_ids"],
-                batch.get("position_ids"),
-                batch.get("document_ids"),
-                labels=batch["labels"],
-            )
+            loss = model(**batch)
             fabric.backward(loss * scale)
         loss_sum += loss.detach()
     grad_norm = clip_gradients(model, max_norm)
@@ -465,6 +461,15 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     loss = fabric.all_reduce(loss_sum, reduce_op="sum") / target_tokens
     return loss, grad_norm, counts[0], counts[1]
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The model's inputs of a CPU micro-batch, on `device`, with the flat indices of the labels that carry a
+    loss: found here on the CPU, so the model can skip the output head elsewhere without waiting for the device."""
+    names = ("input_ids", "position_ids", "document_ids", "labels")
+    inputs = {name: batch[name] for name in names if name in batch}
+    inputs["loss_positions"] = loss_positions_of(batch["labels"])
+    return {name: tensor.to(device, non_blocking=True) for name, tensor in inputs.items()}
 
 
 def _input_token_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -493,11 +498,9 @@ def validate(
     for i, batch in enumerate(val_loader):
         if run.eval.max_batches is not None and i >= run.eval.max_batches:
             break
-        batch = {k: v.to(fabric.device) for k, v in batch.items()}
-        totals[0] += model(
-            batch["input_ids"], batch.get("position_ids"), batch.get("document_ids"), labels=batch["labels"]
-        )
-        totals[1] += (batch["labels"] != -100).sum()
+        batch = to_device(batch, fabric.device)
+        totals[0] += model(**batch)
+        totals[1] += batch["loss_positions"].numel()
     totals = fabric.all_reduce(totals, reduce_op="sum")
     sample = generate_sample(model, tokenizer, run)
     model.train()

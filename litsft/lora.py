@@ -102,12 +102,67 @@ class LoRAConfig:
         return self.alpha / self.rank
 
 
-class ZeroInitLinear(nn.Linear):
-    """lora_B: `reset_parameters()` zeroes it, so Fabric materializing a meta-device model (which calls
-    `reset_parameters()` on every module holding parameters) gives a fresh adapter, not a random one."""
+class LoRAUp(nn.Linear):
+    """lora_B, (out, rank): `reset_parameters()` zeroes it, so Fabric materializing a meta-device model (which
+    calls `reset_parameters()` on every module holding parameters) gives a fresh adapter, not a random one.
+    Its forward is a plain linear layer with a backward pass suited to its rank-wide input (`NarrowInputLinear`)."""
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.weight)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return NarrowInputLinear.apply(h, self.weight)
+
+
+class NarrowInputLinear(torch.autograd.Function):
+    """h @ weight.T for an input h (..., r) only r (the LoRA rank) wide.
+
+    Autograd's linear computes the gradients as grad @ weight (..., r) and grad.T @ h (out, r): products whose
+    output is r columns wide, which BLAS on a CPU runs 3-4x slower than the same products transposed
+    (measured: 0.59 ms against 0.20 ms for 2048 tokens, rank 8, 352 outputs). This backward computes the
+    transposed products and returns transposed views; the values are the same.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, h: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(h, weight)
+        return h @ weight.t()
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        h, weight = ctx.saved_tensors
+        # Under autocast the forward ran in a lower precision than the fp32 weight; the backward uses that one.
+        grad = grad.flatten(0, -2)
+        h_flat = h.flatten(0, -2).to(grad.dtype)
+        grad_h = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_h = (weight.to(grad.dtype).t() @ grad.t()).t().reshape(h.shape).to(h.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = (h_flat.t() @ grad).t().to(weight.dtype)
+        return grad_h, grad_weight
+
+
+class AdapterDropout(nn.Dropout):
+    """nn.Dropout with a cheaper keep-mask on the CPU.
+
+    torch's CPU dropout draws a Bernoulli sample per element (bernoulli_ was 15% of a LoRA step on this
+    project's CPU benchmark). Here each random 64-bit draw gives two 31-bit integers, each compared with
+    p * 2^31: the same dropout, with p exact to 2^-31, at about 3/4 of the cost. On a GPU torch's own kernel
+    is used. The draws come from torch's default generator, so seeding and resuming work as before.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0 or x.device.type != "cpu":
+            return super().forward(x)
+        bits = torch.empty((x.numel() + 1) // 2, dtype=torch.int64).random_()  # uniform in [0, 2^63)
+        halves = bits.view(torch.int32)[: x.numel()].view(x.shape).bitwise_and_(0x7FFFFFFF)  # 31 uniform bits
+        threshold = round(self.p * 2**31)
+        keep_scale = (halves >= threshold).to(x.dtype).mul_(2**31 / (2**31 - threshold))
+        return x * keep_scale
 
 
 class LoRALinear(nn.Module):
@@ -118,15 +173,16 @@ class LoRALinear(nn.Module):
         self.base = base
         factory = dict(device=base.weight.device, dtype=base.weight.dtype)
         self.lora_A = nn.Linear(base.in_features, rank, bias=False, **factory)
-        self.lora_B = ZeroInitLinear(rank, base.out_features, bias=False, **factory)
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.lora_B = LoRAUp(rank, base.out_features, bias=False, **factory)
+        self.dropout = AdapterDropout(dropout) if dropout > 0 else nn.Identity()
         self.scaling = alpha / rank
         if base.weight.device.type != "meta":
             self.reset_lora_parameters()
         self.register_load_state_dict_pre_hook(_load_plain_names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+        # Scaling the rank-wide intermediate costs out_features / rank times less than scaling the output.
+        return self.base(x) + self.lora_B(self.lora_A(self.dropout(x)) * self.scaling)
 
     @torch.no_grad()
     def reset_lora_parameters(self) -> None:

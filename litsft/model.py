@@ -33,10 +33,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32 and cast back before scaling, as the HF implementations do: bit-for-bit
         # parity in bf16 depends on the order.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # F.rms_norm is one fused kernel, and bit-identical to x * rsqrt(mean(x^2) + eps).
+        x_normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * x_normed.to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -144,14 +143,19 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, K, T, D)
         if kv_cache is not None:
             k, v = kv_cache.update(cache_positions, k, v)  # (B, K, S, D)
-        if K != H:  # grouped-query attention: each kv head serves H // K query heads
-            k = k.repeat_interleave(H // K, dim=1)
-            v = v.repeat_interleave(H // K, dim=1)
         dropout = self.config.attention_dropout if self.training else 0.0
         if isinstance(mask, DocumentSegments):
             y = segmented_attention(q, k, v, mask, dropout)  # (B, T, H, D)
             return self.o_proj(y.reshape(B, T, H * D))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None)
+        # Grouped-query attention: each kv head serves H // K query heads. The kernels that take an explicit
+        # mask on a GPU (memory-efficient attention) do not do the grouping themselves.
+        grouped = K != H and mask is None
+        if K != H and not grouped:
+            k = k.repeat_interleave(H // K, dim=1)
+            v = v.repeat_interleave(H // K, dim=1)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, enable_gqa=grouped
+        )
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
 
 
@@ -266,14 +270,16 @@ def document_segments(document_ids: torch.Tensor) -> DocumentSegments:
 def segmented_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: DocumentSegments, dropout: float
 ) -> torch.Tensor:
-    """Causal attention within each document: q (B, H, T, D), k and v (B, H, T, D) -> (B, T, H, D)."""
+    """Causal attention within each document: q (B, H, T, D), k and v (B, K, T, D) -> (B, T, H, D)."""
     B, H, T, D = q.shape
-    q, k, v = (x.transpose(1, 2).reshape(B * T, H, D) for x in (q, k, v))  # (B*T, H, D)
+    K = k.shape[1]
+    q = q.transpose(1, 2).reshape(B * T, H, D)
+    k, v = (x.transpose(1, 2).reshape(B * T, K, D) for x in (k, v))
     outputs = []
     for gather, keep in zip(segments.gather, segments.keep):
         n, L = gather.shape
-        qb, kb, vb = (x[gather].transpose(1, 2) for x in (q, k, v))  # (n, H, L, D)
-        y = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=dropout, is_causal=True)
+        qb, kb, vb = (x[gather].transpose(1, 2) for x in (q, k, v))  # (n, H or K, L, D)
+        y = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=dropout, is_causal=True, enable_gqa=K != H)
         outputs.append(y.transpose(1, 2).reshape(n * L, H, D)[keep])
     return torch.cat(outputs)[segments.order].view(B, T, H, D)
 
@@ -283,16 +289,19 @@ def _chunk_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: torch.Te
     return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
 
 
+def loss_positions_of(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the labels (B, T) that carry a loss (are not -100)."""
+    return (labels.flatten() != -100).nonzero().flatten()
+
+
 def chunked_cross_entropy(
     hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, chunk_size: int = 2048
 ) -> torch.Tensor:
-    """Summed cross-entropy of head(hidden (B, T, C)) against labels (B, T), `chunk_size` tokens at a time.
+    """Summed cross-entropy of head(hidden (N, C)) against labels (N,), `chunk_size` tokens at a time.
 
-    Each chunk's logits are recomputed in the backward pass instead of kept, so the full (B*T, V) fp32
+    Each chunk's logits are recomputed in the backward pass instead of kept, so the full (N, V) fp32
     logits (2 GiB for one 4k sequence with a 128k vocabulary) never exist.
     """
-    hidden = hidden.flatten(0, 1)
-    labels = labels.flatten()
     if hidden.shape[0] <= chunk_size:
         return _chunk_cross_entropy(hidden, head, labels)
     total = hidden.new_zeros((), dtype=torch.float32)
@@ -323,12 +332,22 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        loss_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, V) for tokens (B, T); with `labels` (B, T) instead the summed fp32 cross-entropy over
-        the positions whose label is not -100. See the module docstring for packed batches."""
+        the positions whose label is not -100. `loss_positions`, the flat indices of those labels
+        (`loss_positions_of(labels)`), are best computed where the labels are made, on the CPU: finding them
+        on a GPU makes the host wait. See the module docstring for packed batches."""
         hidden = self.hidden_states(input_ids, position_ids, document_ids)
         if labels is None:
             return self.lm_head(hidden)
+        hidden, labels = hidden.flatten(0, 1), labels.flatten()
+        if loss_positions is None:
+            loss_positions = loss_positions_of(labels)  # waits for a GPU: callers pass them
+        if loss_positions.numel() < labels.numel():
+            # The output head runs on the tokens that carry a loss only: with the prompt masked, that skips
+            # most of its work (and a 128k-vocabulary head is a fifth of a 1B model's).
+            hidden, labels = hidden[loss_positions], labels[loss_positions]
         return chunked_cross_entropy(hidden, self.lm_head, labels)
 
     def tie_weights(self) -> None:

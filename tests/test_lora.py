@@ -16,8 +16,10 @@ from litsft.config import Config
 from litsft.convert import convert_from_hf
 from litsft.errors import LitsftError
 from litsft.lora import (
+    AdapterDropout,
     LoRAConfig,
     LoRALinear,
+    NarrowInputLinear,
     apply_lora,
     export_lora_to_hf,
     export_peft_adapter,
@@ -318,3 +320,33 @@ def test_adapter_that_does_not_fit_the_base_is_rejected(tmp_path):
         "with targets ['v']; the adapter belongs to a different model or LoRA config"
     )
     assert not (tmp_path / "lora").exists()
+
+
+def test_narrow_input_linear_has_the_gradients_of_a_linear_layer():
+    """lora_B's backward computes transposed products; gradients are those of F.linear."""
+    h = torch.randn(2, 7, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(NarrowInputLinear.apply, (h, weight))
+    h32, w32 = h.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    grad = torch.randn(2, 7, 11)
+    NarrowInputLinear.apply(h32, w32).backward(grad)
+    expected = torch.autograd.grad(F.linear(h32, w32), (h32, w32), grad)
+    torch.testing.assert_close(h32.grad, expected[0])
+    torch.testing.assert_close(w32.grad, expected[1])
+
+
+def test_adapter_dropout_drops_p_of_the_inputs_and_keeps_the_mean():
+    dropout = AdapterDropout(0.05).train()
+    x = torch.ones(1000, 1000, requires_grad=True)
+    torch.manual_seed(3)
+    y = dropout(x)
+    kept = y != 0
+    # 1e6 draws: the dropped share's standard deviation is 2.2e-4.
+    assert abs((~kept).float().mean().item() - 0.05) < 1.5e-3
+    assert torch.allclose(y[kept], torch.tensor(1 / 0.95))  # scaled so that E[y] = x
+    y.sum().backward()
+    assert torch.equal(x.grad, y.detach())  # the gradient flows through the kept inputs only, scaled alike
+    torch.manual_seed(3)
+    assert torch.equal(dropout(x), y)  # the default generator decides: seeding reproduces the mask
+    assert not torch.equal(dropout(x), y)
+    assert torch.equal(dropout.eval()(x), x)

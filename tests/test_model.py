@@ -1,11 +1,12 @@
-"""The CPU's per-document attention for packed batches (litsft/model.py) against the boolean-mask path."""
+"""litsft/model.py: the CPU per-document attention for packed batches against the boolean-mask path, the loss
+over labelled positions, RMSNorm."""
 
 from __future__ import annotations
 
 import torch
 
 from litsft.config import Config
-from litsft.model import Transformer, attention_mask, document_segments, rope_cos_sin
+from litsft.model import RMSNorm, Transformer, attention_mask, document_segments, rope_cos_sin
 
 
 def test_segmented_attention_equals_the_mask_path():
@@ -32,3 +33,42 @@ def test_segmented_attention_equals_the_mask_path():
     keep = document_ids >= 0
     torch.testing.assert_close(results["segments"][0][keep], results["mask"][0][keep], atol=1e-5, rtol=0)
     torch.testing.assert_close(results["segments"][1], results["mask"][1], atol=1e-5, rtol=1e-4)
+
+
+def test_loss_runs_the_head_on_labelled_positions_only_and_matches_the_full_logits():
+    """The loss skips the output head where labels are -100; value and gradients are those of the full logits."""
+    torch.manual_seed(0)
+    model = Transformer(Config.from_name("tiny-llama"))
+    input_ids = torch.randint(0, 512, (2, 40))
+    labels = torch.randint(0, 512, (2, 40))
+    labels[0, :25] = -100  # a masked prompt
+    labels[1, 30:] = -100  # padding
+    logits = model(input_ids)
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    expected.backward()
+    expected_grads = [p.grad.clone() for p in model.parameters()]
+    for positions in (None, (labels.flatten() != -100).nonzero().flatten()):
+        model.zero_grad()
+        loss = model(input_ids, labels=labels, loss_positions=positions)
+        loss.backward()
+        torch.testing.assert_close(loss, expected, atol=1e-4, rtol=1e-6)
+        for param, grad in zip(model.parameters(), expected_grads):
+            torch.testing.assert_close(param.grad, grad, atol=1e-6, rtol=1e-4)
+    nothing_to_learn = model(input_ids, labels=torch.full_like(labels, -100))
+    assert nothing_to_learn.item() == 0.0
+
+
+def test_rms_norm_is_the_written_out_formula_bit_for_bit():
+    """The fused F.rms_norm in RMSNorm gives what HF's x * rsqrt(mean(x^2) + eps), cast, times weight gives."""
+    torch.manual_seed(0)
+    norm = RMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 17, 96).to(dtype) * 5
+        x32 = x.float()
+        expected = norm.weight.to(dtype) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(
+            dtype
+        )
+        assert torch.equal(norm.to(dtype)(x), expected)
+        norm.float()
