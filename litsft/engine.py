@@ -622,7 +622,7 @@ class PreemptionFlag:
         return self._received
 
     def is_set(self, fabric: Fabric) -> bool:
+        if fabric.world_size == 1:
+            return self._received  # nothing to agree on: no device round trip
         flag = torch.tensor(float(self._received), device=fabric.device)
-        if fabric.world_size > 1:
-            flag = fabric.all_reduce(flag, reduce_op="max")
-        return bool(flag.item())
+        return bool(fabric.all_reduce(flag, reduce_op="max").item())

@@ -147,6 +147,9 @@ class Attention(nn.Module):
         if isinstance(mask, DocumentSegments):
             y = segmented_attention(q, k, v, mask, dropout)  # (B, T, H, D)
             return self.o_proj(y.reshape(B, T, H * D))
+        if mask is None and q.device.type == "cpu":
+            y = chunked_causal_attention(q, k, v, dropout)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
         # Grouped-query attention: each kv head serves H // K query heads. The kernels that take an explicit
         # mask on a GPU (memory-efficient attention) do not do the grouping themselves.
         grouped = K != H and mask is None
@@ -279,9 +282,40 @@ def segmented_attention(
     for gather, keep in zip(segments.gather, segments.keep):
         n, L = gather.shape
         qb, kb, vb = (x[gather].transpose(1, 2) for x in (q, k, v))  # (n, H or K, L, D)
-        y = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=dropout, is_causal=True, enable_gqa=K != H)
+        y = chunked_causal_attention(qb, kb, vb, dropout)
         outputs.append(y.transpose(1, 2).reshape(n * L, H, D)[keep])
     return torch.cat(outputs)[segments.order].view(B, T, H, D)
+
+
+QUERY_CHUNK = 96
+"""Queries per SDPA call in `chunked_causal_attention` (measured best on the CPU for head_dim 32, 1 thread)."""
+
+
+def chunked_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float
+) -> torch.Tensor:
+    """Causal SDPA of q (n, H, L, D) over k, v (n, K, L, D), a chunk of queries at a time.
+
+    The CPU flash kernel computes every score of an L x L block, masked or not (causal is no faster than
+    full attention there). Queries [a, b) only need keys [0, b): in c chunks that is (c + 1) / 2c of the
+    work, 20-30% less time for L = 256-512 (tests/test_model.py checks the result against one call).
+    """
+    L = q.shape[2]
+    chunks = -(-L // QUERY_CHUNK)
+    grouped = k.shape[1] != q.shape[1]
+    if chunks == 1:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=grouped)
+    bounds = [L * j // chunks for j in range(chunks + 1)]
+    outputs = []
+    for start, end, q_chunk in zip(bounds, bounds[1:], q.split(torch.diff(torch.tensor(bounds)).tolist(), 2)):
+        # The lower-right causal mask: query start + i sees keys up to start + i.
+        mask = torch.ones(end - start, end, dtype=torch.bool, device=q.device).tril(start)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                q_chunk, k[:, :, :end], v[:, :, :end], attn_mask=mask, dropout_p=dropout, enable_gqa=grouped
+            )
+        )
+    return torch.cat(outputs, dim=2)
 
 
 def _chunk_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,21 @@
 """litsft/model.py: the CPU per-document attention for packed batches against the boolean-mask path, the loss
-over labelled positions, RMSNorm."""
+over labelled positions, RMSNorm, chunked causal attention."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from litsft.config import Config
-from litsft.model import RMSNorm, Transformer, attention_mask, document_segments, rope_cos_sin
+from litsft.model import (
+    RMSNorm,
+    Transformer,
+    attention_mask,
+    chunked_causal_attention,
+    document_segments,
+    rope_cos_sin,
+)
 
 
 def test_segmented_attention_equals_the_mask_path():
@@ -72,3 +81,19 @@ def test_rms_norm_is_the_written_out_formula_bit_for_bit():
         )
         assert torch.equal(norm.to(dtype)(x), expected)
         norm.float()
+
+
+@pytest.mark.parametrize("length", [5, 96, 97, 300])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_chunked_causal_attention_equals_one_call(length, kv_heads):
+    torch.manual_seed(0)
+    q = torch.randn(3, 4, length, 16, requires_grad=True)
+    k, v = (torch.randn(3, kv_heads, length, 16, requires_grad=True) for _ in range(2))
+    grad = torch.randn(3, 4, length, 16)
+    chunked = chunked_causal_attention(q, k, v, dropout=0.0)
+    chunked_grads = torch.autograd.grad(chunked, (q, k, v), grad)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != 4)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad)
+    torch.testing.assert_close(chunked, expected, atol=1e-6, rtol=1e-5)
+    for mine, reference in zip(chunked_grads, expected_grads):
+        torch.testing.assert_close(mine, reference, atol=1e-5, rtol=1e-5)
