@@ -6,8 +6,9 @@ C hidden size, V vocab size.
 Packed batches: pass `position_ids` (restarting at 0 for each document) and `document_ids` (the index
 of the document each token belongs to); attention is then causal *within* each document only. On the CPU
 the documents are cut out of their rows and attended to one length bucket at a time (`DocumentSegments`),
-so attention costs the sum of squared document lengths instead of rows x T^2; on a GPU a boolean mask
-keeps the forward free of host syncs.
+so attention costs the sum of squared document lengths instead of rows x T^2, and the loss path drops the
+padding at the ends of rows before the first layer (`without_padding`); on a GPU a boolean mask keeps the
+forward free of host syncs.
 """
 
 from __future__ import annotations
@@ -323,6 +324,26 @@ def _chunk_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: torch.Te
     return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
 
 
+def without_padding(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    document_ids: torch.Tensor,
+    labels: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A packed batch (B, T) as one row (1, N) of its N real tokens, dropping the padding (document id -1)
+    that fills the ends of rows, so that no layer computes it. For the CPU, where attention cuts documents
+    out of rows anyway (`DocumentSegments`). Document ids are made unique across rows, so that the last
+    document of one row and the first of the next stay apart."""
+    B, T = document_ids.shape
+    real = (document_ids >= 0).flatten()
+    if bool(real.all()):
+        return input_ids, position_ids, document_ids, labels
+    if position_ids is None:
+        position_ids = torch.arange(T).expand(B, T)
+    document_ids = document_ids + T * torch.arange(B)[:, None]
+    return tuple(x.flatten()[real][None] for x in (input_ids, position_ids, document_ids, labels))
+
+
 def loss_positions_of(labels: torch.Tensor) -> torch.Tensor:
     """Flat indices of the labels (B, T) that carry a loss (are not -100)."""
     return (labels.flatten() != -100).nonzero().flatten()
@@ -372,6 +393,11 @@ class Transformer(nn.Module):
         the positions whose label is not -100. `loss_positions`, the flat indices of those labels
         (`loss_positions_of(labels)`), are best computed where the labels are made, on the CPU: finding them
         on a GPU makes the host wait. See the module docstring for packed batches."""
+        if labels is not None and document_ids is not None and document_ids.device.type == "cpu":
+            input_ids, position_ids, document_ids, labels = without_padding(
+                input_ids, position_ids, document_ids, labels
+            )
+            loss_positions = None  # the CPU finds them again in the new layout, for free
         hidden = self.hidden_states(input_ids, position_ids, document_ids)
         if labels is None:
             return self.lm_head(hidden)

@@ -97,3 +97,32 @@ def test_chunked_causal_attention_equals_one_call(length, kv_heads):
     torch.testing.assert_close(chunked, expected, atol=1e-6, rtol=1e-5)
     for mine, reference in zip(chunked_grads, expected_grads):
         torch.testing.assert_close(mine, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_loss_without_padding_equals_documents_one_by_one():
+    """The CPU loss drops row padding and joins the rows into one: still no attention across documents, even
+    between a row's last document and the next row's first (both have id 0 here, with only padding between)."""
+    torch.manual_seed(0)
+    model = Transformer(Config.from_name("tiny-llama"))
+    documents = [[20], [10, 15]]  # document lengths per row of 32 tokens
+    input_ids = torch.randint(0, 512, (2, 32))
+    labels = torch.randint(0, 512, (2, 32))
+    labels[:, :3] = -100
+    document_ids = torch.full((2, 32), -1)
+    position_ids = torch.zeros(2, 32, dtype=torch.long)
+    spans = []
+    for row, lengths in enumerate(documents):
+        start = 0
+        for doc, length in enumerate(lengths):
+            document_ids[row, start : start + length] = doc
+            position_ids[row, start : start + length] = torch.arange(length)
+            spans.append((row, start, start + length))
+            start += length
+    labels[document_ids < 0] = -100
+    loss = model(input_ids, position_ids, document_ids, labels=labels)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    expected = sum(model(input_ids[r, a:b][None], labels=labels[r, a:b][None]) for r, a, b in spans)
+    expected_grads = torch.autograd.grad(expected, list(model.parameters()))
+    torch.testing.assert_close(loss, expected, atol=1e-4, rtol=1e-6)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, atol=1e-6, rtol=1e-4)
