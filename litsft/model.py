@@ -336,7 +336,7 @@ def without_padding(
     document of one row and the first of the next stay apart."""
     B, T = document_ids.shape
     real = (document_ids >= 0).flatten()
-    if bool(real.all()):
+    if bool(real.all()) or not bool(real.any()):  # nothing to drop, or an all-padding filler batch
         return input_ids, position_ids, document_ids, labels
     if position_ids is None:
         position_ids = torch.arange(T).expand(B, T)

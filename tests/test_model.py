@@ -126,3 +126,8 @@ def test_packed_loss_without_padding_equals_documents_one_by_one():
     torch.testing.assert_close(loss, expected, atol=1e-4, rtol=1e-6)
     for grad, expected_grad in zip(grads, expected_grads):
         torch.testing.assert_close(grad, expected_grad, atol=1e-6, rtol=1e-4)
+    # A batch of padding only (validation fills ranks up with empty rows) has nothing to learn.
+    nothing = model(
+        input_ids, position_ids, torch.full_like(document_ids, -1), labels=torch.full_like(labels, -100)
+    )
+    assert nothing.item() == 0.0
