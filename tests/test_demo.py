@@ -1,6 +1,7 @@
 """The README's main job: a tiny model trained on the demo data with 2 processes FULL_SHARD.
 
-Run here with 400 of its 800 steps to keep CI short (measured: 0% -> 55% at 400 steps, 0% -> 90% at 800)."""
+Run whole (800 steps, about 2 minutes here): at 400 steps the held-out score sits on the steep part of the
+curve, where the rounding of an exact-math change moved it from 55% to 37%; at 800 it measured 83-90%."""
 
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ METRIC_COLUMNS = {"step", "epoch", "loss", "learning_rate", "grad_norm", "tokens
 
 def test_demo_learns_the_held_out_tasks_and_exports(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    result = litsft(["demo", "--out_dir", str(out), "--max_steps", "400"], tmp_path, timeout=600)
+    result = litsft(["demo", "--out_dir", str(out)], tmp_path, timeout=900)
     before, after = (float(x) / 100 for x in re.search(
         r"Held-out exact match: ([\d.]+)% before training -> ([\d.]+)% after", result.stdout).groups())  # fmt: skip
     print(f"held-out exact match {before:.0%} -> {after:.0%}")
-    assert before <= 0.05 and after >= 0.4
+    assert before <= 0.05 and after >= 0.7
 
     rows = list(csv.DictReader((out / "finetune" / "metrics.csv").open()))
     assert METRIC_COLUMNS <= set(rows[0])
