@@ -306,6 +306,7 @@ def train_loop(
     accumulation: int,
 ) -> None:
     preemption = PreemptionFlag.install()
+    skipped_steps = torch.zeros((), device=fabric.device)
     batches = iter(train_loader)
     while step < total_steps:
         micro_batches, epoch, batches = next_micro_batches(batches, train_loader, epoch, accumulation)
@@ -320,7 +321,13 @@ def train_loop(
             fabric, model, optimizer, micro_batches, run.train.max_norm
         )
         step += 1
+        skipped_steps += ~torch.isfinite(grad_norm)
         fault_point(f"after_step_{step}", fabric.global_rank)
+        log = step % run.train.log_interval == 0 or step == total_steps
+        evaluate = run.eval.interval and step % run.eval.interval == 0 and step < total_steps
+        save = run.train.save_interval and step % run.train.save_interval == 0
+        if log or evaluate:  # steps that wait for the device anyway
+            raise_if_diverged(skipped_steps, step)
         metrics.step_done(
             step,
             epoch=epoch,
@@ -329,13 +336,14 @@ def train_loop(
             grad_norm=grad_norm,
             target_tokens=target_tokens,
             input_tokens=input_tokens,
-            log=step % run.train.log_interval == 0 or step == total_steps,
+            log=log,
         )
         must_stop = preemption.is_set(fabric)
         with metrics.paused():
-            if run.eval.interval and step % run.eval.interval == 0 and step < total_steps:
+            if evaluate:
                 validate(fabric, model, val_loader, tokenizer, run, metrics, step)
-            if (run.train.save_interval and step % run.train.save_interval == 0) or must_stop:
+            if save or must_stop:
+                raise_if_diverged(skipped_steps, step)
                 save_checkpoint(
                     fabric, run.out_dir, step, epoch, model.module, optimizer, train_loader, run, recipe
                 )
@@ -430,7 +438,7 @@ def train_step(
     max_norm: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One optimizer step over the micro-batches of this rank. Returns (mean loss, grad norm, target tokens,
-    non-padding input tokens), all global and still on the device (no host sync here)."""
+    non-padding input tokens), all global and still on the device: nothing here makes the host wait for it."""
     device = fabric.device
     counts = torch.stack(
         [
@@ -452,15 +460,26 @@ def train_step(
             fabric.backward(loss * scale)
         loss_sum += loss.detach()
     grad_norm = clip_gradients(model, max_norm)
-    if not torch.isfinite(grad_norm):
-        raise LitsftError(
-            f"the gradient norm is {grad_norm.item()}: training diverged or the data holds a broken "
-            "sample; lower --optimizer.lr, check the data, or resume from an earlier checkpoint"
-        )
+    # Checked on the device, not read by the host: with `found_inf` set (the flag torch's GradScaler uses),
+    # fused AdamW leaves parameters, moments and step count alone when the norm is inf or NaN. The loop
+    # reports it at its next synchronization (`raise_if_diverged`).
+    # Fabric's wrapper hands step() to the optimizer it wraps, which is where AdamW looks for the flag.
+    getattr(optimizer, "optimizer", optimizer).found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     loss = fabric.all_reduce(loss_sum, reduce_op="sum") / target_tokens
     return loss, grad_norm, counts[0], counts[1]
+
+
+def raise_if_diverged(skipped_steps: torch.Tensor, step: int) -> None:
+    """Stop with one line if any optimizer step so far had an inf or NaN gradient norm (and was skipped)."""
+    skipped = int(skipped_steps.item())
+    if skipped:
+        raise LitsftError(
+            f"the gradient norm was inf or NaN in {skipped} of the first {step} steps (their updates were "
+            "skipped): training diverged or the data holds a broken sample; lower --optimizer.lr, check the "
+            "data, or resume from an earlier checkpoint"
+        )
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -604,6 +623,7 @@ class PreemptionFlag:
 
     def __init__(self) -> None:
         self._received = False
+        self._group: Any = None
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handle)
 
@@ -623,6 +643,13 @@ class PreemptionFlag:
 
     def is_set(self, fabric: Fabric) -> bool:
         if fabric.world_size == 1:
-            return self._received  # nothing to agree on: no device round trip
-        flag = torch.tensor(float(self._received), device=fabric.device)
-        return bool(fabric.all_reduce(flag, reduce_op="max").item())
+            return self._received  # nothing to agree on
+        # A CPU tensor over gloo: the ranks agree without waiting for their GPUs to finish the step.
+        if self._group is None:
+            cpu_backend = torch.distributed.get_backend() == "gloo"
+            self._group = (
+                torch.distributed.group.WORLD if cpu_backend else torch.distributed.new_group(backend="gloo")
+            )
+        flag = torch.tensor(float(self._received))
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())

@@ -90,3 +90,40 @@ def test_interrupted_checkpoint_is_never_resumed(tmp_path: Path) -> None:
     (tmp_path / "step-00000009").mkdir()
     (tmp_path / "step-00000009" / "trainer_state.json").write_text("{truncated")
     assert latest_checkpoint(tmp_path) == complete
+
+
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_a_non_finite_gradient_skips_the_update_without_a_host_sync_and_stops_the_run(poisoned: bool) -> None:
+    """train_step never reads the gradient norm on the host: fused AdamW skips an inf/NaN step on the device
+    (found_inf), and the loop's next synchronization stops the run with one line."""
+    import torch
+    from lightning.fabric import Fabric
+
+    from litsft.config import Config
+    from litsft.engine import raise_if_diverged, train_step
+    from litsft.errors import LitsftError
+    from litsft.model import Transformer
+    from litsft.optimizer import OptimizerConfig, build_optimizer
+
+    torch.manual_seed(0)
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    model = Transformer(Config.from_name("tiny-llama"))
+    model, optimizer = fabric.setup(model, build_optimizer(model, OptimizerConfig(lr=1e-2)))
+    input_ids = torch.randint(0, 512, (2, 16))
+    if poisoned:  # a broken embedding row: NaN activations, NaN gradients
+        with torch.no_grad():
+            model.module.embed.weight[input_ids[0, 0]] = float("nan")
+    before = {name: param.detach().clone() for name, param in model.named_parameters()}
+    batch = {"input_ids": input_ids, "labels": torch.randint(0, 512, (2, 16))}
+    _, grad_norm, _, _ = train_step(fabric, model, optimizer, [batch], max_norm=1.0)
+    assert bool(torch.isfinite(grad_norm)) is not poisoned
+    for name, param in model.named_parameters():
+        unchanged = torch.equal(param.nan_to_num(), before[name].nan_to_num())
+        assert unchanged is poisoned, name
+    steps = [float(state["step"]) for state in optimizer.state.values()]
+    assert steps == [0.0 if poisoned else 1.0] * len(steps)  # a skipped step does not count for Adam
+    if poisoned:
+        with pytest.raises(LitsftError, match="inf or NaN in 1 of the first 1 steps"):
+            raise_if_diverged(~torch.isfinite(grad_norm), step=1)
+    else:
+        raise_if_diverged(~torch.isfinite(grad_norm), step=1)
