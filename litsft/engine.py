@@ -326,7 +326,8 @@ def train_loop(
         log = step % run.train.log_interval == 0 or step == total_steps
         evaluate = run.eval.interval and step % run.eval.interval == 0 and step < total_steps
         save = run.train.save_interval and step % run.train.save_interval == 0
-        if log or evaluate:  # steps that wait for the device anyway
+        must_stop = preemption.is_set(fabric)
+        if log or evaluate or save or must_stop:  # steps that wait for the device anyway
             raise_if_diverged(skipped_steps, step)
         metrics.step_done(
             step,
@@ -338,12 +339,10 @@ def train_loop(
             input_tokens=input_tokens,
             log=log,
         )
-        must_stop = preemption.is_set(fabric)
         with metrics.paused():
             if evaluate:
                 validate(fabric, model, val_loader, tokenizer, run, metrics, step)
             if save or must_stop:
-                raise_if_diverged(skipped_steps, step)
                 save_checkpoint(
                     fabric, run.out_dir, step, epoch, model.module, optimizer, train_loader, run, recipe
                 )

@@ -308,7 +308,8 @@ def chunked_causal_attention(
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=grouped)
     bounds = [L * j // chunks for j in range(chunks + 1)]
     outputs = []
-    for start, end, q_chunk in zip(bounds, bounds[1:], q.split(torch.diff(torch.tensor(bounds)).tolist(), 2)):
+    sizes = [end - start for start, end in zip(bounds, bounds[1:])]
+    for start, end, q_chunk in zip(bounds, bounds[1:], q.split(sizes, dim=2)):
         # The lower-right causal mask: query start + i sees keys up to start + i.
         mask = torch.ones(end - start, end, dtype=torch.bool, device=q.device).tril(start)
         outputs.append(
