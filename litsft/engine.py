@@ -439,12 +439,14 @@ def train_step(
     """One optimizer step over the micro-batches of this rank. Returns (mean loss, grad norm, target tokens,
     non-padding input tokens), all global and still on the device: nothing here makes the host wait for it."""
     device = fabric.device
-    counts = torch.stack(
+    inputs = [to_device(mb, device) for mb in micro_batches]
+    counts = torch.tensor(
         [
-            sum((mb["labels"] != -100).sum() for mb in micro_batches),
-            sum(_input_token_count(mb) for mb in micro_batches),
-        ]
-    ).to(device)
+            sum(batch["loss_positions"].numel() for batch in inputs),
+            sum(int(_input_token_count(mb)) for mb in micro_batches),
+        ],
+        device=device,
+    )
     counts = fabric.all_reduce(counts, reduce_op="sum")
     target_tokens = counts[0].clamp(min=1)
     # Each rank's summed loss is divided by the *global* target-token count, so every token weighs the same
@@ -452,9 +454,8 @@ def train_step(
     # the factor world_size undoes.
     scale = fabric.world_size / target_tokens
     loss_sum = torch.zeros((), device=device)
-    for i, batch in enumerate(micro_batches):
-        batch = to_device(batch, device)
-        with fabric.no_backward_sync(model, enabled=i < len(micro_batches) - 1):
+    for i, batch in enumerate(inputs):
+        with fabric.no_backward_sync(model, enabled=i < len(inputs) - 1):
             loss = model(**batch)
             fabric.backward(loss * scale)
         loss_sum += loss.detach()
