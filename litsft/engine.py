@@ -513,6 +513,9 @@ def validate(
     if val_loader is None:
         return
     model.eval()
+    # From the first batch on every pass: the loader would otherwise go on where the last pass stopped, and
+    # passes would score different batches (or none once it is used up).
+    val_loader.set_epoch(0)
     totals = torch.zeros(2, device=fabric.device)
     for i, batch in enumerate(val_loader):
         if run.eval.max_batches is not None and i >= run.eval.max_batches:

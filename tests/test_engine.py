@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import shutil
 from pathlib import Path
@@ -127,3 +128,57 @@ def test_a_non_finite_gradient_skips_the_update_without_a_host_sync_and_stops_th
             raise_if_diverged(~torch.isfinite(grad_norm), step=1)
     else:
         raise_if_diverged(~torch.isfinite(grad_norm), step=1)
+
+
+def test_every_validation_pass_scores_the_same_batches(tmp_path: Path) -> None:
+    """Passes on unchanged weights give the same val_loss, whether a pass stops at --eval.max_batches or
+    uses up the loader: each pass starts from the first validation batch."""
+    from types import SimpleNamespace
+
+    from lightning.fabric import Fabric
+
+    from litsft.config import Config
+    from litsft.data import JSON
+    from litsft.engine import validate
+    from litsft.model import Transformer
+    from litsft.tokenizer import Tokenizer
+
+    base = write_tiny_checkpoint(tmp_path / "base", seed=1)
+    records = write_records(tmp_path / "data.json", count=40)
+    data = JSON(json_path=records, val_split_fraction=0.25, packing=False, cache_dir=tmp_path / "cache")
+    data.connect(Tokenizer(base), max_seq_length=64, seed=0)
+    data.prepare()
+    data.setup()
+    val_loader = data.val_dataloader(rank=0, world_size=1, micro_batch_size=2)
+    assert len(val_loader) >= 3
+    model = Transformer(Config.from_checkpoint(base))
+    model.init_weights(1)
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    first_scores = []
+    for max_batches in (2, None):
+        scores: list[tuple[float, int]] = []
+
+        def record(step: int, loss: float, tokens: int, sample: str | None, scores=scores) -> None:
+            scores.append((loss, tokens))
+
+        run = SimpleNamespace(eval=SimpleNamespace(max_batches=max_batches, max_new_tokens=0), data=data)
+        for step in range(3):
+            validate(fabric, model, val_loader, None, run, SimpleNamespace(validation_done=record), step)
+        assert len(scores) == 3 and scores[0][1] > 0, (max_batches, scores)
+        assert scores[0] == scores[1] == scores[2], (max_batches, scores)
+        first_scores.append(scores[0])
+    # Two batches and the whole set score different tokens: passes that drifted would show.
+    assert first_scores[0][1] < first_scores[1][1]
+
+
+def test_validation_runs_at_every_interval_and_at_the_end(workspace: Path) -> None:
+    """metrics.csv (and loss.png, drawn from the same rows) holds a validation at each --eval.interval and
+    at the last step, also when the last step is not on an interval."""
+    base, data = workspace / "base", workspace / "data.json"
+    for steps, expected in ((6, [2, 4, 6]), (5, [2, 4, 5])):
+        out = workspace / f"validation-{steps}"
+        extra = ("--eval.interval", "2", "--eval.max_batches", "1")
+        litsft(finetune_args(base, data, out, 2, steps, *extra), workspace)
+        rows = list(csv.DictReader((out / "metrics.csv").open()))
+        assert [int(row["step"]) for row in rows if row["val_loss"]] == expected
+        assert all(float(row["val_tokens"]) > 0 for row in rows if row["val_loss"])
