@@ -582,6 +582,10 @@ class MetricsLogger:
                 self._tensorboard.add_text("val/sample", sample, step)
             if self._wandb is not None:
                 self._wandb.log({"val/sample": sample}, step=step)
+        if self._bar.total is not None and self._bar.n >= self._bar.total:
+            # The last validation: tqdm.write redraws the bar after the message and close() draws it
+            # again, so the finished bar would appear twice; closing it first draws it once.
+            self._bar.close()
         self._bar.write(message)
         return val_perplexity
 

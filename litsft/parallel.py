@@ -16,6 +16,7 @@ One process runs without FSDP.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -81,6 +82,14 @@ def data_parallel_mesh(
     strategy: ShardingStrategy, num_nodes: int, devices: int, device_type: str
 ) -> DeviceMesh:
     world_size = num_nodes * devices
+    if device_type == "cpu":
+        # Fabric materializes the sharded model with each module's reset_parameters(), a random op on
+        # DTensors, and torch warns once per rank that DTensor random ops are incomplete on CPU meshes.
+        # Harmless here: the recipe's initialize() then overwrites every parameter (loaded weights, or
+        # weights drawn from per-parameter seeded generators), so no value from that op survives.
+        warnings.filterwarnings(
+            "ignore", message="DTensor random operators may not have complete support on cpu device mesh"
+        )
     if strategy == "HYBRID_SHARD":
         return init_device_mesh(device_type, (num_nodes, devices), mesh_dim_names=("replicate", "shard"))
     if strategy == "NO_SHARD":

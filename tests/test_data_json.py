@@ -77,7 +77,7 @@ def test_train_and_val_files(tmp_path, tokenizer):
     assert str(error.value) == f"{tmp_path} has both train.json and train.jsonl; keep one of them"
 
 
-def test_truncation_keeps_the_mask_and_drops_samples_without_targets(tmp_path, tokenizer):
+def test_truncation_keeps_the_mask_and_drops_samples_without_targets(tmp_path, tokenizer, capsys):
     long_prompt = {"instruction": "word " * 80, "output": "ok"}
     records = [
         {"instruction": "Hi", "output": "Hello there " * 20},
@@ -85,17 +85,16 @@ def test_truncation_keeps_the_mask_and_drops_samples_without_targets(tmp_path, t
         {"instruction": "a", "output": "b"},
     ]
     (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in records))
-    with pytest.warns(UserWarning) as warned:
-        data = prepared(
-            tokenizer,
-            max_seq_length=48,
-            json_path=tmp_path / "data.jsonl",
-            cache_dir=tmp_path,
-            val_split_fraction=0,
-        )
-    assert str(warned[0].message) == (
-        "dropped 1 of 3 training samples: no assistant token is left within max_seq_length=48; "
-        "raise max_seq_length or shorten the prompts"
+    data = prepared(
+        tokenizer,
+        max_seq_length=48,
+        json_path=tmp_path / "data.jsonl",
+        cache_dir=tmp_path,
+        val_split_fraction=0,
+    )
+    assert capsys.readouterr().out == (
+        "Dropped 1 of 3 training samples: no assistant token is left within max_seq_length=48; "
+        "raise max_seq_length or shorten the prompts\n"
     )
     assert data.val_samples is None and data.val_dataloader(0, 1, 1) is None
     assert data.train_samples.lengths.tolist()[0] == 49  # cut to max_seq_length + 1 tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -182,3 +183,31 @@ def test_validation_runs_at_every_interval_and_at_the_end(workspace: Path) -> No
         rows = list(csv.DictReader((out / "metrics.csv").open()))
         assert [int(row["step"]) for row in rows if row["val_loss"]] == expected
         assert all(float(row["val_tokens"]) > 0 for row in rows if row["val_loss"])
+
+
+def test_a_run_prints_each_notice_once_and_no_python_warnings(workspace: Path) -> None:
+    """Two processes on a CPU mesh, samples dropped by truncation, a validation at the last step: the log
+    holds the dropped-samples notice once as a plain line, the finished progress bar once, and no Python
+    warning (the DTensor CPU-mesh one came once per rank, the notice with its source line)."""
+    import subprocess
+    import sys
+
+    from launch import free_port, test_env
+
+    out = workspace / "quiet"
+    env = test_env(workspace)
+    del env["PYTHONWARNINGS"]  # the run's own warnings filters are what is tested
+    env["MASTER_PORT"] = str(free_port())
+    # max_seq_length 64 leaves some records of the workspace's data without an assistant token.
+    args = finetune_args(workspace / "base", workspace / "data.json", out, 1, 4, "--devices", "2",
+                         "--eval.interval", "2")  # fmt: skip
+    result = subprocess.run([sys.executable, "-m", "litsft", *args], env=env, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = result.stdout + result.stderr
+    assert "Warning" not in log and "warn(" not in log, log
+    assert (
+        len(re.findall(r"^Dropped \d+ of \d+ training samples: no assistant token is left", log, re.M)) == 1
+    )
+    assert result.stderr.count("4/4 [") == 1, result.stderr
+    assert result.stdout.count("step 4: val_loss") == 1

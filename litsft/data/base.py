@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,10 +220,11 @@ class SFTDataModule(DataOptions, DataModule):
         if val is not None:
             val, _ = val.truncate(self.max_seq_length + 1)
         if warn and dropped:
-            warnings.warn(
-                f"dropped {dropped} of {len(train) + dropped} training samples: no assistant token is left "
+            # A notice for the run's log, once (prepare runs on rank 0 only), not a Python warning.
+            print(
+                f"Dropped {dropped} of {len(train) + dropped} training samples: no assistant token is left "
                 f"within max_seq_length={self.max_seq_length}; raise max_seq_length or shorten the prompts",
-                stacklevel=2,
+                flush=True,
             )
         if len(train) == 0:
             raise LitsftError(
