@@ -82,6 +82,19 @@ def main(argv: list[str] | None = None) -> None:
         fail(argument_error_line(str(err)))
     except (LitsftError, OSError) as err:
         fail(str(err))
+    except ValueError as err:
+        # jsonargparse wraps what a data module's __post_init__ raises while it tries each subclass.
+        cause = user_error_behind(err)
+        if cause is None:
+            raise
+        fail(str(cause))
+
+
+def user_error_behind(err: BaseException) -> LitsftError | None:
+    """The LitsftError an exception was raised from, if any."""
+    while err is not None and not isinstance(err, LitsftError):
+        err = err.__cause__ or err.__context__
+    return err
 
 
 def fail(message: str) -> NoReturn:

@@ -25,7 +25,7 @@ from torch import nn
 
 from litsft import checkpoint, processes
 from litsft.config import Config
-from litsft.errors import LitsftError
+from litsft.errors import LitsftError, check_number
 from litsft.faults import fault_point
 from litsft.model import loss_positions_of
 from litsft.optimizer import OptimizerConfig, build_optimizer, learning_rate
@@ -64,6 +64,12 @@ class TrainConfig:
     some kernels (e.g. the embedding backward) are slower, and an op without a deterministic version
     stops the run with an error."""
 
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "micro_batch_size", "epochs", "max_steps", "max_seq_length",
+                     "save_interval", "keep_last", "log_interval"):  # fmt: skip
+            check_number(f"--train.{name}", getattr(self, name), at_least=1)
+        check_number("--train.max_norm", self.max_norm, above=0, fix="pass null to disable clipping")
+
 
 @dataclass
 class EvalConfig:
@@ -75,6 +81,11 @@ class EvalConfig:
     """Micro-batches per validation pass (None: the whole validation set)."""
     max_new_tokens: int = 40
     """Length of the sample generated at each validation."""
+
+    def __post_init__(self) -> None:
+        check_number("--eval.interval", self.interval, at_least=1)
+        check_number("--eval.max_batches", self.max_batches, at_least=1, fix="pass null for the whole set")
+        check_number("--eval.max_new_tokens", self.max_new_tokens, at_least=0, fix="0 generates no sample")
 
 
 @dataclass

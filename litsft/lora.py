@@ -35,7 +35,7 @@ from torch import nn
 
 from litsft.config import Config
 from litsft.convert import hf_name, write_hf_checkpoint
-from litsft.errors import LitsftError
+from litsft.errors import LitsftError, check_number
 from litsft.model import Transformer
 from litsft.weight_files import (
     SAFETENSORS_METADATA,
@@ -87,10 +87,12 @@ class LoRAConfig:
                     f"lora targets {unknown or self.targets} are not valid; choose from {', '.join(LORA_TARGETS)} "
                     "or use 'all-linear'"
                 )
-        if self.rank < 1:
-            raise LitsftError(f"lora rank={self.rank} must be at least 1")
-        if not 0 <= self.dropout < 1:
-            raise LitsftError(f"lora dropout={self.dropout} must be in [0, 1)")
+        check_number("--lora.rank", self.rank, at_least=1, fix="use e.g. 8 or 16")
+        check_number(
+            "--lora.alpha", self.alpha, above=0,
+            fix="the adapters' output is scaled by alpha / rank, so 0 trains nothing; use e.g. 2 x rank",
+        )  # fmt: skip
+        check_number("--lora.dropout", self.dropout, at_least=0, below=1, fix="use e.g. 0.05, or 0 for none")
 
     @property
     def target_list(self) -> list[str]:

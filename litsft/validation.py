@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from litsft import checkpoint
-from litsft.errors import LitsftError
+from litsft.errors import LitsftError, check_number
 from litsft.processes import check_world_size
 
 if TYPE_CHECKING:
@@ -38,22 +38,9 @@ def check_run(run: RunConfig, recipe_name: str) -> None:
 
 
 def check_positive(run: RunConfig) -> None:
-    values = {
-        "--devices": run.devices,
-        "--num_nodes": run.num_nodes,
-        "--train.global_batch_size": run.train.global_batch_size,
-        "--train.micro_batch_size": run.train.micro_batch_size,
-        "--train.epochs": run.train.epochs,
-        "--train.max_steps": run.train.max_steps,
-        "--train.max_seq_length": run.train.max_seq_length,
-        "--train.save_interval": run.train.save_interval,
-        "--train.keep_last": run.train.keep_last,
-        "--train.log_interval": run.train.log_interval,
-        "--eval.interval": run.eval.interval,
-    }
-    for option, value in values.items():
-        if value is not None and value < 1:
-            raise LitsftError(f"{option}={value} must be at least 1")
+    # The train.*, eval.* and optimizer.* options are checked where they are declared (__post_init__).
+    check_number("--devices", run.devices, at_least=1)
+    check_number("--num_nodes", run.num_nodes, at_least=1)
 
 
 def check_precision(precision: str) -> None:

@@ -164,6 +164,72 @@ CASES: dict[str, Case] = {
         "--train.micro_batch_size=0 must be at least 1",
         NO_ENV,
     ),
+    # Hyperparameters that make no sense, refused where they are declared.
+    "lora alpha 0": (
+        lambda ws, t: train(ws, t / "out", "--lora.alpha", "0", command="finetune_lora"),
+        "--lora.alpha=0.0 must be greater than 0; the adapters' output is scaled by alpha / rank",
+        NO_ENV,
+    ),
+    "lora rank 0": (
+        lambda ws, t: train(ws, t / "out", "--lora.rank", "0", command="finetune_lora"),
+        "--lora.rank=0 must be at least 1; use e.g. 8 or 16",
+        NO_ENV,
+    ),
+    "min_lr above lr": (
+        lambda ws, t: train(ws, t / "out", "--optimizer.lr", "1e-4", "--optimizer.min_lr", "1e-3"),
+        "--optimizer.min_lr=0.001 is above --optimizer.lr=0.0001, so the schedule would rise instead of decay",
+        NO_ENV,
+    ),
+    "warmup fraction above 1": (
+        lambda ws, t: train(ws, t / "out", "--optimizer.warmup_fraction", "1.5"),
+        "--optimizer.warmup_fraction=1.5 must be at least 0 and at most 1; it is the share of all steps",
+        NO_ENV,
+    ),
+    "negative warmup fraction": (
+        lambda ws, t: train(ws, t / "out", "--optimizer.warmup_fraction=-0.1"),
+        "--optimizer.warmup_fraction=-0.1 must be at least 0 and at most 1",
+        NO_ENV,
+    ),
+    "lr 0": (
+        lambda ws, t: train(ws, t / "out", "--optimizer.lr", "0"),
+        "--optimizer.lr=0.0 must be greater than 0; use e.g. 2e-5 (full fine-tuning) or 2e-4 (LoRA)",
+        NO_ENV,
+    ),
+    "negative lr": (
+        lambda ws, t: train(ws, t / "out", "--optimizer.lr=-1e-4", command="finetune_lora"),
+        "--optimizer.lr=-0.0001 must be greater than 0",
+        NO_ENV,
+    ),
+    "negative weight decay": (
+        lambda ws, t: train(ws, t / "out", "--optimizer.weight_decay=-0.1"),
+        "--optimizer.weight_decay=-0.1 must be at least 0",
+        NO_ENV,
+    ),
+    "beta of 1": (
+        lambda ws, t: train(ws, t / "out", "--optimizer.betas", "[0.9, 1.0]"),
+        "--optimizer.betas=1.0 must be at least 0 and less than 1",
+        NO_ENV,
+    ),
+    "clipping at 0": (
+        lambda ws, t: train(ws, t / "out", "--train.max_norm", "0"),
+        "--train.max_norm=0.0 must be greater than 0; pass null to disable clipping",
+        NO_ENV,
+    ),
+    "zero eval batches": (
+        lambda ws, t: train(ws, t / "out", "--eval.max_batches", "0"),
+        "--eval.max_batches=0 must be at least 1",
+        NO_ENV,
+    ),
+    "validation share of 1": (
+        lambda ws, t: train(ws, t / "out", "--data.val_split_fraction", "1"),
+        "--data.val_split_fraction=1.0 must be at least 0 and less than 1",
+        NO_ENV,
+    ),
+    "negative loader workers": (
+        lambda ws, t: train(ws, t / "out", "--data.num_workers=-1"),
+        "--data.num_workers=-1 must be at least 0",
+        NO_ENV,
+    ),
     "sequence longer than context": (
         lambda ws, t: train(ws, t / "out", "--train.max_seq_length", "100000"),
         "--train.max_seq_length=100000 exceeds the model's context length",

@@ -27,7 +27,7 @@ import numpy as np
 from litsft.data.chat import ChatFormat, Message, PromptStyle
 from litsft.data.loader import SFTLoader
 from litsft.data.samples import Samples, tokenize_conversations, write_atomically
-from litsft.errors import LitsftError
+from litsft.errors import LitsftError, check_number
 from litsft.tokenizer import Tokenizer
 
 CACHE_FORMAT_VERSION = 1
@@ -97,6 +97,11 @@ class DataOptions:
     cache_dir: Path | None = None
     """Where tokenized data is cached; default $LITSFT_CACHE_DIR or ~/.cache/litsft. User files are never written."""
 
+    def __post_init__(self) -> None:
+        check_number(
+            "--data.num_workers", self.num_workers, at_least=0, fix="0 builds batches in the training process"
+        )
+
 
 @dataclass(kw_only=True)
 class SFTDataModule(DataOptions, DataModule):
@@ -112,6 +117,11 @@ class SFTDataModule(DataOptions, DataModule):
     val_split_fraction: float = 0.05
     """Share of the records held out for validation when there is no separate validation file."""
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_number("--data.val_split_fraction", self.val_split_fraction, at_least=0, below=1,
+                     fix="use e.g. 0.05, or 0 for no validation")  # fmt: skip
+
     def sources(self) -> dict[str, tuple[str, Callable[[], list[list[Message]]]]]:
         """{"train": (identity, read), "val": ...}: a string that changes when the records change, and a
         function reading them. Without "val", val_split_fraction of the training records is held out."""
@@ -119,8 +129,6 @@ class SFTDataModule(DataOptions, DataModule):
 
     def connect(self, tokenizer: Tokenizer, max_seq_length: int, seed: int) -> None:
         super().connect(tokenizer, max_seq_length, seed)
-        if not 0.0 <= self.val_split_fraction < 1.0:
-            raise LitsftError(f"val_split_fraction={self.val_split_fraction} must be in [0, 1)")
         self.chat_format = ChatFormat(tokenizer, self.prompt_style, self.mask_prompt)
         self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
 

@@ -19,7 +19,7 @@ from typing import Literal
 from litsft.data.base import SFTDataModule
 from litsft.data.chat import PROMPT_STYLES, Message
 from litsft.data.records import to_conversation
-from litsft.errors import LitsftError
+from litsft.errors import LitsftError, check_number
 
 GENERATOR_VERSION = 2
 WORDS = (
@@ -197,10 +197,12 @@ class Demo(SFTDataModule):
     add, subtract (two-digit arithmetic, which takes much longer)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.tasks:
             raise LitsftError(f"Demo: --data.tasks is empty; choose from {', '.join(ALL_TASKS)}")
-        if min(self.num_train, self.num_val, self.num_eval) < 0:
-            raise LitsftError("Demo: num_train, num_val and num_eval must not be negative")
+        check_number("--data.num_train", self.num_train, at_least=1)
+        check_number("--data.num_val", self.num_val, at_least=0, fix="0 for no validation")
+        check_number("--data.num_eval", self.num_eval, at_least=0)
 
     def sources(self) -> dict[str, tuple[str, Callable[[], list[list[Message]]]]]:
         identity = (

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from litsft.data.base import DataModule, DataOptions, tokenizer_fingerprint
-from litsft.errors import LitsftError
+from litsft.errors import LitsftError, check_number
 from litsft.tokenizer import Tokenizer
 
 TEXT_EXTENSIONS = (".txt",)
@@ -168,6 +168,14 @@ class TextFiles(DataOptions, StreamingDataModule):
     """Share of the training files held out for validation (at least one, when there are two or more)."""
     tokenize_workers: int | None = None
     """Processes that tokenize the files; None: one per CPU."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_number("--data.val_split_fraction", self.val_split_fraction, at_least=0, below=1,
+                     fix="use e.g. 0.05, or 0 for no validation")  # fmt: skip
+        check_number(
+            "--data.tokenize_workers", self.tokenize_workers, at_least=1, fix="pass null for one per CPU"
+        )
 
     def splits(self) -> dict[str, list[Path]]:
         train = text_files(self.train_data_path)
