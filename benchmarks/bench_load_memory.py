@@ -24,11 +24,12 @@ from pathlib import Path
 def rank_main(checkpoint_dir: Path, strategy: str, result_file: Path) -> None:
     import torch.distributed as dist
 
+    from litsft.args import FSDPConfig, RunConfig
     from litsft.checkpoint import load_weights
     from litsft.config import Config
-    from litsft.engine import Recipe, RunConfig, setup_model
+    from litsft.engine import Recipe, setup_model
     from litsft.model import Transformer
-    from litsft.parallel import FSDPConfig, build_fabric
+    from litsft.parallel import build_fabric
 
     fabric = build_fabric(2, 1, "32-true", FSDPConfig(sharding_strategy=strategy))
     fabric.launch()

@@ -2,7 +2,7 @@
 
 Every error a user can cause ends the same way: one `error: ...` line on stderr, exit status 2, no
 traceback. A training run stopped by SIGTERM/SIGUSR1 exits with status 124 after writing a checkpoint
-(`litsft.engine.PREEMPTED_EXIT_CODE`): relaunch the same command to resume.
+(`litsft.preemption.PREEMPTED_EXIT_CODE`): relaunch the same command to resume.
 """
 
 from __future__ import annotations

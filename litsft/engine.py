@@ -7,16 +7,14 @@ save at the end); `fit` does the rest. The loop says what happens each step; `li
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import shutil
-import signal
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 from lightning.fabric import Fabric
@@ -24,75 +22,16 @@ from safetensors import SafetensorError
 from torch import nn
 
 from litsft import checkpoint, processes
+from litsft.args import RunConfig, TrainConfig, accumulation_steps, describe, with_defaults
 from litsft.config import Config
-from litsft.errors import LitsftError, check_number
+from litsft.errors import LitsftError
 from litsft.faults import fault_point
 from litsft.model import loss_positions_of
-from litsft.optimizer import OptimizerConfig, build_optimizer, learning_rate
-from litsft.parallel import FSDPConfig, Precision, build_fabric
+from litsft.optimizer import build_optimizer, learning_rate
+from litsft.parallel import build_fabric, default_precision
+from litsft.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 from litsft.run_lock import RunLock
 from litsft.validation import FINAL_DIR, check_run
-
-
-@dataclass
-class TrainConfig:
-    """Batch sizes, length of the run and checkpointing."""
-
-    global_batch_size: int = 16
-    """Rows (packed sequences or samples) per optimizer step, over all devices and accumulation steps."""
-    micro_batch_size: int = 4
-    """Rows per device per forward pass; global_batch_size / (micro_batch_size x devices x nodes) is the
-    number of gradient-accumulation steps."""
-    epochs: int = 1
-    max_steps: int | None = None
-    """Stop after this many optimizer steps (overrides epochs; required for streaming data of unknown length)."""
-    max_seq_length: int | None = None
-    """Tokens per row; defaults to the model's context length, capped at 2048."""
-    max_norm: float | None = 1.0
-    """Clip the global gradient norm to this value; None disables clipping (the norm is still logged)."""
-    save_interval: int | None = None
-    """Write a resumable checkpoint every this many optimizer steps."""
-    keep_last: int | None = None
-    """Keep only the newest this-many step checkpoints (older ones are deleted after a new one is complete)."""
-    log_interval: int = 1
-    """Log metrics every this many optimizer steps."""
-    compile: bool = False
-    """Compile each transformer block with torch.compile (GPU runs; the first steps are slower)."""
-    deterministic: bool = False
-    """Bit-identical reruns: torch.use_deterministic_algorithms(True), fixed cuBLAS workspace, no cuDNN
-    autotuning. Free on CPU (already deterministic for a fixed --seed, devices and batch sizes); on GPUs
-    some kernels (e.g. the embedding backward) are slower, and an op without a deterministic version
-    stops the run with an error."""
-
-    def __post_init__(self) -> None:
-        for name in ("global_batch_size", "micro_batch_size", "epochs", "max_steps", "max_seq_length",
-                     "save_interval", "keep_last", "log_interval"):  # fmt: skip
-            check_number(f"--train.{name}", getattr(self, name), at_least=1)
-        check_number("--train.max_norm", self.max_norm, above=0, fix="pass null to disable clipping")
-
-
-@dataclass
-class EvalConfig:
-    """Validation during and after training."""
-
-    interval: int | None = None
-    """Validate every this many optimizer steps (and always at the end)."""
-    max_batches: int | None = 20
-    """Micro-batches per validation pass (None: the whole validation set)."""
-    max_new_tokens: int = 40
-    """Length of the sample generated at each validation."""
-
-    def __post_init__(self) -> None:
-        check_number("--eval.interval", self.interval, at_least=1)
-        check_number("--eval.max_batches", self.max_batches, at_least=1, fix="pass null for the whole set")
-        check_number("--eval.max_new_tokens", self.max_new_tokens, at_least=0, fix="0 generates no sample")
-
-
-@dataclass
-class LogConfig:
-    """Where metrics go."""
-
-    loggers: list[Literal["csv", "tensorboard", "wandb"]] = field(default_factory=lambda: ["csv"])
 
 
 @dataclass
@@ -112,54 +51,6 @@ class Recipe:
     """What is trained; decides the FLOPs per token behind MFU."""
 
 
-@dataclass
-class RunConfig:
-    """Everything `fit` needs besides the recipe; the recipes' CLI arguments, gathered."""
-
-    config: Config
-    tokenizer_dir: Path | None
-    data: Any
-    out_dir: Path
-    devices: int = 1
-    num_nodes: int = 1
-    precision: Precision | None = None
-    resume: bool | Literal["auto"] | Path = "auto"
-    seed: int = 1337
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    cli_arguments: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_arguments(
-        cls, arguments: dict[str, Any], config: Config, tokenizer_dir: Path | None
-    ) -> RunConfig:
-        """A recipe's CLI arguments (its `locals()`) as a RunConfig; the ones RunConfig does not know stay
-        recorded in cli_arguments only."""
-        known = {f.name for f in dataclasses.fields(cls)} - {"config", "tokenizer_dir", "cli_arguments"}
-        chosen = {name: value for name, value in arguments.items() if name in known}
-        return cls(config=config, tokenizer_dir=tokenizer_dir, cli_arguments=arguments, **chosen)
-
-
-def default_precision() -> Precision:
-    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-        return "bf16-mixed"
-    return "32-true"
-
-
-def accumulation_steps(train: TrainConfig, world_size: int) -> int:
-    per_step = train.micro_batch_size * world_size
-    if train.global_batch_size % per_step:
-        raise LitsftError(
-            f"--train.global_batch_size={train.global_batch_size} is not divisible by --train.micro_batch_size="
-            f"{train.micro_batch_size} x {world_size} processes = {per_step}; pick a global batch size that is a "
-            f"multiple of {per_step}"
-        )
-    return train.global_batch_size // per_step
-
-
 def launch(recipe: Recipe, run: RunConfig) -> None:
     """Validate the run, take the out_dir lock, start the processes and train. Every check that can fail
     fails here, before any process is spawned or anything in out_dir changes.
@@ -167,11 +58,9 @@ def launch(recipe: Recipe, run: RunConfig) -> None:
     Every process of the run passes through here: Fabric's launcher (which becomes rank 0 and spawns the
     node's other ranks, which run the same command), or each rank that torchrun or srun started."""
     PreemptionFlag.install()  # first: a SIGTERM during setup must stop the run at a step, not kill it
-    run.precision = run.precision or default_precision()
-    max_length = run.config.max_position_embeddings
-    run.train.max_seq_length = run.train.max_seq_length or min(max_length, 2048)
+    run = with_defaults(run, default_precision())
     check_run(run, recipe.name)
-    accumulation_steps(run.train, run.devices * run.num_nodes)
+    accumulation_steps(run.train, run.world_size)
     if run.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts; ranks inherit it
     spawned = processes.is_spawned_rank()
@@ -362,20 +251,6 @@ def train_loop(
             raise SystemExit(PREEMPTED_EXIT_CODE)
 
 
-def describe(value: Any) -> Any:
-    """A JSON-friendly view of CLI arguments (dataclasses, paths, data modules) for logs and checkpoints."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: describe(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        return {"class": type(value).__name__, **fields}
-    if isinstance(value, dict):
-        return {str(k): describe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [describe(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return str(value)
-
-
 # ---- setup ----------------------------------------------------------------------------------------------
 def setup_model(fabric: Fabric, recipe: Recipe, run: RunConfig) -> nn.Module:
     """Build on the meta device, shard, materialize, then fill: no rank ever holds a full copy it does not need."""
@@ -562,11 +437,6 @@ def generate_sample(model: nn.Module, tokenizer: Any, run: RunConfig) -> str | N
 
 
 # ---- checkpoints and resume ----------------------------------------------------------------------------
-PREEMPTED_EXIT_CODE = 124
-"""Exit status after a SIGTERM/SIGUSR1 stop with a checkpoint written: relaunch the same command to resume
-(e.g. `scontrol requeue` in a SLURM script when the status is 124)."""
-
-
 def save_checkpoint(
     fabric: Fabric,
     out_dir: Path,
@@ -622,48 +492,3 @@ def resume(
     loader.load_state_dict(rank_state["loader"])
     fabric.print(f"Resumed from {path} at step {step}")
     return step, rank_state["epoch"]
-
-
-class PreemptionFlag:
-    """Set by SIGTERM or SIGUSR1 (SLURM's warning before the time limit); checked once per step on all ranks.
-
-    The flag is all-reduced (max), so a signal that reaches any one process stops every rank after the same
-    step: `kill <launcher pid>` reaches only Fabric's launcher (rank 0), SLURM signals every task, torchrun
-    forwards SIGTERM to every worker and kills them 30 s later. One flag per process, installed by `launch`
-    before anything slow, so a signal during setup stops the run after its first step instead of killing it.
-    """
-
-    _installed: ClassVar[PreemptionFlag | None] = None
-
-    def __init__(self) -> None:
-        self._received = False
-        self._group: Any = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    @classmethod
-    def install(cls) -> PreemptionFlag:
-        if cls._installed is None:
-            cls._installed = cls()
-        return cls._installed
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self._received = True
-
-    @property
-    def received(self) -> bool:
-        """Whether this process got the signal (`is_set` tells whether any rank did)."""
-        return self._received
-
-    def is_set(self, fabric: Fabric) -> bool:
-        if fabric.world_size == 1:
-            return self._received  # nothing to agree on
-        # A CPU tensor over gloo: the ranks agree without waiting for their GPUs to finish the step.
-        if self._group is None:
-            cpu_backend = torch.distributed.get_backend() == "gloo"
-            self._group = (
-                torch.distributed.group.WORLD if cpu_backend else torch.distributed.new_group(backend="gloo")
-            )
-        flag = torch.tensor(float(self._received))
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
-        return bool(flag.item())

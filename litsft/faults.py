@@ -35,7 +35,7 @@ def fault_point(name: str, rank: int = 0) -> None:
     if action == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"(fault injected at {name})")
     if action.startswith("pause="):
-        from litsft.engine import PreemptionFlag
+        from litsft.preemption import PreemptionFlag
 
         open(action.removeprefix("pause="), "w").close()
         flag = PreemptionFlag.install()

@@ -17,8 +17,6 @@ One process runs without FSDP.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from lightning.fabric import Fabric
@@ -26,23 +24,15 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from litsft.args import FSDPConfig, Precision, ShardingStrategy
 from litsft.errors import LitsftError
 
-ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
-Precision = Literal["bf16-mixed", "bf16-true", "16-mixed", "32-true"]
 
-
-@dataclass
-class FSDPConfig:
-    """How the model is sharded when more than one process trains it."""
-
-    sharding_strategy: ShardingStrategy = "FULL_SHARD"
-    """FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), HYBRID_SHARD (shard in a node, replicate across
-    nodes) or NO_SHARD (replicate, like DDP)."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in the backward pass: less memory, about 1/3 more compute."""
-    cpu_offload: bool = False
-    """Keep sharded parameters, gradients and optimizer state in CPU memory (GPU runs only)."""
+def default_precision() -> Precision:
+    """bf16-mixed where the GPU supports it, else full precision."""
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16-mixed"
+    return "32-true"
 
 
 def build_fabric(devices: int, num_nodes: int, precision: Precision, fsdp: FSDPConfig) -> Fabric:

@@ -6,16 +6,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from litsft import checkpoint
+from litsft.args import RunConfig
 from litsft.errors import LitsftError, check_number
 from litsft.processes import check_world_size
-
-if TYPE_CHECKING:
-    from litsft.engine import RunConfig
 
 FINAL_DIR = "final"
 

@@ -5,13 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from litsft.args import (
+    EvalConfig,
+    FSDPConfig,
+    LogConfig,
+    OptimizerConfig,
+    Precision,
+    RunConfig,
+    TrainConfig,
+)
 from litsft.checkpoint import load_weights, save_consolidated
 from litsft.config import Config
 from litsft.data import DataModule
-from litsft.engine import EvalConfig, LogConfig, Recipe, RunConfig, TrainConfig, launch
+from litsft.engine import Recipe, launch
 from litsft.model import Transformer
-from litsft.optimizer import OptimizerConfig
-from litsft.parallel import FSDPConfig, Precision
 
 
 def setup(

@@ -6,10 +6,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from litsft.args import (
+    EvalConfig,
+    FSDPConfig,
+    LogConfig,
+    OptimizerConfig,
+    Precision,
+    RunConfig,
+    TrainConfig,
+)
 from litsft.checkpoint import copy_rows, global_rank, load_weights
 from litsft.config import Config
 from litsft.data import DataModule
-from litsft.engine import EvalConfig, LogConfig, Recipe, RunConfig, TrainConfig, launch
+from litsft.engine import Recipe, launch
 from litsft.lora import (
     LoRAConfig,
     apply_lora,
@@ -19,8 +28,6 @@ from litsft.lora import (
     save_lora_checkpoint,
 )
 from litsft.model import Transformer, parameter_generator
-from litsft.optimizer import OptimizerConfig
-from litsft.parallel import FSDPConfig, Precision
 
 
 def setup(

@@ -5,14 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from litsft.args import (
+    EvalConfig,
+    FSDPConfig,
+    LogConfig,
+    OptimizerConfig,
+    Precision,
+    RunConfig,
+    TrainConfig,
+)
 from litsft.checkpoint import copy_rows, save_consolidated
 from litsft.config import CONFIG_FILENAME, Config
 from litsft.data import DataModule
-from litsft.engine import EvalConfig, LogConfig, Recipe, RunConfig, TrainConfig, launch
+from litsft.engine import Recipe, launch
 from litsft.errors import LitsftError
 from litsft.model import Transformer, parameter_generator
-from litsft.optimizer import OptimizerConfig
-from litsft.parallel import FSDPConfig, Precision
 
 
 def setup(

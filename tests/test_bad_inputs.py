@@ -25,9 +25,9 @@ from tiny_hf import save_tiny_hf, tiny_hf_model
 
 from litsft.__main__ import main
 from litsft.config import CONFIG_FILENAME, Config
-from litsft.engine import PreemptionFlag
 from litsft.lora import LoRAConfig, apply_lora, lora_state_dict
 from litsft.model import Transformer
+from litsft.preemption import PreemptionFlag
 from litsft.run_lock import LOCK_NAME, process_start_time
 
 

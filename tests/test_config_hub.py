@@ -9,9 +9,9 @@ import pytest
 from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namespace
 from litsft.recipes import finetune_full, finetune_lora, pretrain
 
+from litsft.args import accumulation_steps
 from litsft.config import NAMED_CONFIGS
 from litsft.data import JSON, LitData, TextFiles
-from litsft.engine import accumulation_steps
 
 CONFIG_HUB = Path(__file__).parent.parent / "config_hub"
 RECIPES = {

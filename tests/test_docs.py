@@ -251,7 +251,7 @@ def test_doc_commands_run(path: Path, tmp_path: Path, demo_checkpoint: Path) -> 
 def test_every_command_is_run_or_marked() -> None:
     """Unmarked commands are the ones test_doc_commands_run runs; none of them may need more than the 2
     processes this machine can run, and every marker says why."""
-    from litsft.engine import PREEMPTED_EXIT_CODE
+    from litsft.preemption import PREEMPTED_EXIT_CODE
 
     assert PREEMPTED_EXIT_CODE == 124  # the exit code the docs and multi_node.slurm rely on
     all_commands = [(p, c) for p in [README, *TUTORIALS] for c in commands(p)]

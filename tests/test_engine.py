@@ -101,11 +101,12 @@ def test_a_non_finite_gradient_skips_the_update_without_a_host_sync_and_stops_th
     import torch
     from lightning.fabric import Fabric
 
+    from litsft.args import OptimizerConfig
     from litsft.config import Config
     from litsft.engine import raise_if_diverged, train_step
     from litsft.errors import LitsftError
     from litsft.model import Transformer
-    from litsft.optimizer import OptimizerConfig, build_optimizer
+    from litsft.optimizer import build_optimizer
 
     torch.manual_seed(0)
     fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")

@@ -18,8 +18,8 @@ from crash_harness import crash_and_recover, leftovers, logged_steps, run_litsft
 from launch import free_port, max_difference, write_records, write_tiny_checkpoint
 
 from litsft.checkpoint import RowReader, is_complete, latest_checkpoint
-from litsft.engine import PREEMPTED_EXIT_CODE
 from litsft.faults import FAULT_ENV
+from litsft.preemption import PREEMPTED_EXIT_CODE
 
 
 @pytest.fixture(scope="module")
