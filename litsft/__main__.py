@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "finetune_full": "litsft.recipes.finetune_full:setup",
     "finetune_lora": "litsft.recipes.finetune_lora:setup",
     "pretrain": "litsft.recipes.pretrain:setup",
+    "download": "litsft.hub:download",
     "convert_from_hf": "litsft.convert:convert_from_hf",
     "convert_to_hf": "litsft.convert:convert_to_hf",
     "merge_lora": "litsft.lora:merge_lora",

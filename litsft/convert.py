@@ -111,14 +111,29 @@ def convert_from_hf(
     """
     hf_dir = Path(hf_dir)
     out_dir = Path(out_dir) if out_dir is not None else Path("checkpoints") / hf_dir.resolve().name
-    config = _read_hf_config(hf_dir)
+    convert_hf_directory(hf_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size)
+    print(f"Saved litsft checkpoint to {out_dir}")
+
+
+def convert_hf_directory(
+    hf_dir: Path,
+    out_dir: Path,
+    name: str | None = None,
+    dtype: DType = "auto",
+    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+    extra_files: dict[str, str] | None = None,
+) -> None:
+    """What `convert_from_hf` does, for callers that know the model's name (a hub id; default: the directory's
+    name) or add files to the checkpoint (where it came from), written before the checkpoint is published."""
+    config = _read_hf_config(hf_dir, name)
     names = _check_hf_tensors(hf_dir, config)  # litsft name -> HF name
     if dtype != "auto":
         config.torch_dtype = dtype
     with atomic_output_dir(out_dir) as tmp_dir:
         tensors = ((names[hf], tensor) for hf, tensor in iter_tensors(hf_dir, names))
         save_checkpoint_files(_cast(tensors, dtype), config, tmp_dir, hf_dir, max_shard_size)
-    print(f"Saved litsft checkpoint to {out_dir}")
+        for file_name, text in (extra_files or {}).items():
+            (tmp_dir / file_name).write_text(text)
 
 
 def convert_to_hf(
@@ -184,7 +199,7 @@ def write_hf_checkpoint(
     write_safetensors(tensors, out_dir, max_shard_size)
 
 
-def _read_hf_config(hf_dir: Path) -> Config:
+def _read_hf_config(hf_dir: Path, name: str | None = None) -> Config:
     path = hf_dir / "config.json"
     if not path.is_file():
         raise LitsftError(
@@ -197,7 +212,7 @@ def _read_hf_config(hf_dir: Path) -> Config:
         raise LitsftError(
             f"{path} is not valid JSON ({err}); restore it from the original checkpoint"
         ) from None
-    return Config.from_hf_config(hf_config, name=hf_dir.resolve().name)
+    return Config.from_hf_config(hf_config, name=name or hf_dir.resolve().name)
 
 
 def _check_hf_tensors(hf_dir: Path, config: Config) -> dict[str, str]:

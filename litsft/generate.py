@@ -16,6 +16,7 @@ from torch import nn
 from litsft.config import Config
 from litsft.errors import LitsftError
 from litsft.model import Transformer
+from litsft.model_source import resolve_checkpoint
 from litsft.tokenizer import Tokenizer
 from litsft.weight_files import load_checkpoint_state_dict
 
@@ -243,7 +244,9 @@ def generate(
     """Generate a completion of a prompt with a litsft checkpoint and print it.
 
     Args:
-        checkpoint_dir: A litsft checkpoint directory (from `litsft convert_from_hf` or a training run).
+        checkpoint_dir: The model: a litsft checkpoint directory (e.g. a training run's out_dir/final), a
+            Hugging Face model directory (converted once, then cached) or a hub id such as
+            meta-llama/Llama-3.2-1B (downloaded and converted into checkpoints/<org>/<name> on first use).
         prompt: The text to continue, or the user message in chat mode.
         max_new_tokens: Generate at most this many tokens; generation also stops at an end-of-turn token.
         temperature: 0 for greedy decoding (deterministic); e.g. 0.7 to sample.
@@ -254,8 +257,8 @@ def generate(
             checkpoint has a template, as fine-tuned chat models do; pass false to complete the raw text.
         dtype: Weights and compute dtype. Default: bfloat16 on a GPU that supports it, else float32.
     """
-    checkpoint_dir = Path(checkpoint_dir)
     _check_sampling(temperature, top_k, top_p)
+    checkpoint_dir = resolve_checkpoint(checkpoint_dir, quiet=True)  # stdout: the completion alone
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dtype is None:
         use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()

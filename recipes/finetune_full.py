@@ -19,6 +19,7 @@ from litsft.config import Config
 from litsft.data import DataModule
 from litsft.engine import Recipe, launch
 from litsft.model import Transformer
+from litsft.model_source import resolve_checkpoint
 
 
 def setup(
@@ -39,7 +40,9 @@ def setup(
     """Fine-tune all weights of a litsft checkpoint on instruction or conversation data.
 
     Args:
-        checkpoint_dir: A litsft checkpoint directory (from `litsft convert_from_hf`).
+        checkpoint_dir: The model: a litsft checkpoint directory, a Hugging Face model directory (converted
+            once, then reused from a cache) or a hub id such as meta-llama/Llama-3.2-1B (downloaded and
+            converted into checkpoints/<org>/<name> on first use).
         out_dir: Where checkpoints, metrics and the final model (out_dir/final) are written.
         data: The data module, e.g. `--data JSON --data.json_path train.json` or `--data Demo`.
         devices: Processes (GPUs) per node.
@@ -55,6 +58,7 @@ def setup(
         log: Metric loggers.
     """
     arguments = dict(locals())
+    checkpoint_dir = resolve_checkpoint(checkpoint_dir)
     config = Config.from_checkpoint(checkpoint_dir)
     recipe = Recipe(
         name="finetune_full",

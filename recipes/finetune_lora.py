@@ -28,6 +28,7 @@ from litsft.lora import (
     save_lora_checkpoint,
 )
 from litsft.model import Transformer, parameter_generator
+from litsft.model_source import resolve_checkpoint
 
 
 def setup(
@@ -49,7 +50,9 @@ def setup(
     """Fine-tune low-rank adapters on top of a frozen litsft checkpoint.
 
     Args:
-        checkpoint_dir: The base litsft checkpoint directory (from `litsft convert_from_hf`).
+        checkpoint_dir: The model: a litsft checkpoint directory, a Hugging Face model directory (converted
+            once, then reused from a cache) or a hub id such as meta-llama/Llama-3.2-1B (downloaded and
+            converted into checkpoints/<org>/<name> on first use).
         out_dir: Where checkpoints, metrics and the final adapter (out_dir/final) are written.
         data: The data module, e.g. `--data JSON --data.json_path train.json` or `--data Demo`.
         devices: Processes (GPUs) per node.
@@ -66,6 +69,7 @@ def setup(
         log: Metric loggers.
     """
     arguments = dict(locals())
+    checkpoint_dir = resolve_checkpoint(checkpoint_dir)
     config = Config.from_checkpoint(checkpoint_dir)
 
     def initialize(model: Transformer) -> None:

@@ -42,12 +42,22 @@ def free_port() -> int:
 
 
 def litsft(
-    args: list[str], tmp_path: Path, timeout: int = 300, check: bool = True
+    args: list[str],
+    tmp_path: Path,
+    timeout: int = 300,
+    check: bool = True,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    env = test_env(tmp_path)
-    env["MASTER_PORT"] = str(free_port())
+    """Run `litsft <args>` with test_env(tmp_path) updated by `env`, in `cwd`."""
+    env = {**test_env(tmp_path), "MASTER_PORT": str(free_port()), **(env or {})}
     result = subprocess.run(
-        [sys.executable, "-m", "litsft", *args], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "litsft", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
     )
     if check and result.returncode != 0:
         raise AssertionError(

@@ -269,7 +269,7 @@ CASES: dict[str, Case] = {
     # Checkpoints.
     "not a checkpoint": (
         lambda ws, t: train(ws, t / "out", base="not-a-checkpoint"),
-        "not-a-checkpoint is not a litsft checkpoint: litsft_config.json is missing",
+        "not-a-checkpoint is neither a litsft checkpoint (litsft_config.json is missing) nor a Hugging Face",
         NO_ENV,
     ),
     "config not json": (
@@ -343,7 +343,7 @@ CASES: dict[str, Case] = {
     # Other commands.
     "generate without checkpoint": (
         lambda ws, t: ["generate", str(ws / "not-a-checkpoint")],
-        "not-a-checkpoint/tokenizer.json is missing",
+        "not-a-checkpoint is neither a litsft checkpoint (litsft_config.json is missing) nor a Hugging Face",
         NO_ENV,
     ),
     "convert into a non-empty dir": (
