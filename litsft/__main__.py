@@ -13,6 +13,8 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from functools import partial
+from importlib.metadata import version
 from typing import Any, NoReturn
 
 from litsft.errors import LitsftError
@@ -43,6 +45,7 @@ def _load(target: str) -> Callable[..., Any]:
 def _usage() -> str:
     lines = [
         "usage: litsft <command> [options]   (litsft <command> --help for a command's options)",
+        "       litsft --version",
         "",
         "commands:",
     ]
@@ -56,31 +59,42 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from jsonargparse import CLI, ArgumentError
+    from jsonargparse import CLI, ArgumentError, set_parsing_settings
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return
+    if argv[0] == "--version":
+        print(f"litsft {version('litsft')}")
+        return
+    # The attribute docstrings of the config dataclasses (train.*, optimizer.*, ...) become --help text.
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
     command, *rest = argv
     if command not in COMMANDS:
         fail(f"unknown command {command!r}; choose one of: {', '.join(COMMANDS)}")
     try:
         function = _load(COMMANDS[command])
+        # exit_on_error=False: parse errors come back as exceptions, to be printed on one line.
+        # allow_abbrev=False: a misspelled option is an error, not silently expanded.
+        cli = partial(
+            CLI,
+            function,
+            prog=f"litsft {command}",
+            as_positional=True,
+            exit_on_error=False,
+            allow_abbrev=False,
+        )
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", module="jsonargparse")
-            # exit_on_error=False: parse errors come back as exceptions, to be printed on one line.
-            # allow_abbrev=False: a misspelled option is an error, not silently expanded.
-            CLI(
-                function,
-                args=rest,
-                prog=f"litsft {command}",
-                as_positional=True,
-                exit_on_error=False,
-                allow_abbrev=False,
-            )
+            cli(args=rest)
     except ArgumentError as err:
-        fail(argument_error_line(str(err)))
+        from jsonargparse import capture_parser
+
+        from litsft.cli_errors import explain_parse_error
+
+        explained = explain_parse_error(lambda: capture_parser(partial(cli, args=[])), rest)
+        fail(explained or argument_error_line(str(err)))
     except (LitsftError, OSError) as err:
         fail(str(err))
     except ValueError as err:

@@ -130,7 +130,35 @@ CASES: dict[str, Case] = {
     ),
     "misspelled option": (
         lambda ws, t: train(ws, t / "out", "--train.max_step", "3"),
-        "unrecognized arguments: --train.max_step 3",
+        "unknown option --train.max_step; did you mean --train.max_steps?",
+        NO_ENV,
+    ),
+    "misspelled data option": (
+        lambda ws, t: train(ws, t / "out", "--data.mask_promt", "false"),
+        "error: unknown option --data.mask_promt of --data JSON; did you mean --data.mask_prompt?",
+        NO_ENV,
+    ),
+    "misspelled data key in a config": (
+        lambda ws, t: train(
+            ws,
+            t / "out",
+            "--config",
+            _config(
+                t,
+                "data:\n  class_path: JSON\n  init_args:\n    json_path: data.json\n    mask_promt: false\n",
+            ),
+        ),
+        "c.yaml: unknown key data.mask_promt of --data JSON; did you mean data.mask_prompt?",
+        NO_ENV,
+    ),  # fmt: skip
+    "misspelled key in a config": (
+        lambda ws, t: train(ws, t / "out", "--config", _config(t, "train:\n  max_step: 3\n")),
+        "c.yaml: unknown key train.max_step; did you mean train.max_steps?",
+        NO_ENV,
+    ),
+    "config that is not YAML": (
+        lambda ws, t: train(ws, t / "out", "--config", _config(t, "train:\n  max_steps: 3\n   epochs: 2\n")),
+        "c.yaml line 3, column 10: mapping values are not allowed here; fix the YAML syntax there",
         NO_ENV,
     ),
     "not an int": (
@@ -352,6 +380,11 @@ CASES: dict[str, Case] = {
         NO_ENV,
     ),
 }
+
+
+def _config(directory: Path, text: str) -> str:
+    (directory / "c.yaml").write_text(text)
+    return str(directory / "c.yaml")
 
 
 def _broken_config(directory: Path) -> Path:

@@ -174,3 +174,18 @@ def test_an_unknown_key_is_rejected(tmp_path: Path) -> None:
     path.write_text("checkpoint_dir: checkpoints/x/y\ntrain:\n  global_batch: 8\n")
     with pytest.raises(ArgumentError, match="global_batch"):
         parse(path)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_no_key_of_a_shipped_config_is_called_unknown(name: str) -> None:
+    """The CLI's diagnosis of a failed parse (litsft/cli_errors.py) knows every key the hub uses, so it
+    never blames a valid key for another problem."""
+    from litsft.cli_errors import explain_parse_error
+
+    def make_parser() -> ArgumentParser:
+        parser = ArgumentParser(exit_on_error=False)
+        parser.add_argument("--config", action=ActionConfigFile)
+        parser.add_function_arguments(RECIPES[name.split("/")[0]], as_positional=True)
+        return parser
+
+    assert explain_parse_error(make_parser, ["--config", str(CONFIG_HUB / name)]) is None

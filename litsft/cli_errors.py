@@ -1,0 +1,185 @@
+"""What the CLI says when jsonargparse refuses a command line whose cause it reports badly: an unknown
+option or config key (named with its close matches, not as jsonargparse's `NestedArg(...)` or union
+errors), and a YAML syntax error in a --config file (named with its file and line).
+
+Only called after parsing failed, so a good command line pays nothing for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+# Keys jsonargparse adds to every parser, and the two spellings of a subclass choice.
+PARSER_KEYS = frozenset({"help", "config", "print_config"})
+SUBCLASS_KEYS = frozenset({"class_path", "init_args", "help"})
+
+
+def explain_parse_error(make_parser: Callable[[], Any], argv: list[str]) -> str | None:
+    """One line for the first unknown option or config key in argv, or the first --config file that is not
+    valid YAML; None when neither explains the failure."""
+    configs = [Path(value) for value in _config_paths(argv)]
+    for path in configs:
+        line = yaml_syntax_error(path)
+        if line is not None:
+            return line
+    options = Options(make_parser(), argv, configs)
+    for source, key in _given_keys(argv, configs):
+        problem = options.unknown(key, prefix="--" if source is None else "")
+        if problem is not None:
+            return problem if source is None else f"{source}: {problem}"
+    return None
+
+
+def yaml_syntax_error(path: Path) -> str | None:
+    import yaml
+
+    try:
+        yaml.safe_load(path.read_text())
+    except OSError:
+        return None  # jsonargparse's own message names a missing file
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        return f"--config {path}{where}: {problem}; fix the YAML syntax there"
+    return None
+
+
+class Options:
+    """The keys a command accepts, from the parser jsonargparse builds for it: its options, and for an
+    option typed by a base class (`--data`), the fields of the subclass chosen (or of all of them)."""
+
+    def __init__(self, parser: Any, argv: list[str], configs: list[Path]) -> None:
+        self.keys = {action.dest for action in parser._actions if action.dest} - {"help"}
+        self.subclasses: dict[str, list[type]] = {}
+        for action in parser._actions:
+            classes = _leaf_subclasses(getattr(action, "_typehint", None))
+            if classes:
+                self.subclasses[action.dest] = classes
+        self.chosen = {group: _chosen_class(group, classes, argv, configs)
+                       for group, classes in self.subclasses.items()}  # fmt: skip
+
+    def unknown(self, key: str, prefix: str = "--") -> str | None:
+        """None when the command accepts `key` (dotted), else the line that says it does not; keys are
+        written with `prefix` ("--" for command-line options, "" for config keys)."""
+        group, _, field = key.partition(".")
+        if group in self.subclasses and field:
+            field = field.removeprefix("init_args.")
+            chosen = self.chosen[group]
+            classes = [chosen] if chosen is not None else self.subclasses[group]
+            fields = sorted({name for cls in classes for name in _init_names(cls)})
+            if field in fields or field in SUBCLASS_KEYS:
+                return None
+            which = f" of --{group} {chosen.__name__}" if chosen is not None else ""
+            listed = (
+                f"--{group}.help {chosen.__name__ if chosen is not None else '<class>'} lists its options"
+            )
+            return _unknown_line(f"{prefix}{group}.", field, fields, which, listed)
+        if key in self.keys or key in PARSER_KEYS or (key.endswith("+") and key[:-1] in self.keys):
+            return None
+        # Close matches among the options of the same group (train.*, ...), or the top-level ones.
+        siblings = [name.removeprefix(f"{group}.") for name in self.keys if name.startswith(f"{group}.")]
+        if field and siblings:
+            return _unknown_line(f"{prefix}{group}.", field, sorted(siblings), "")
+        return _unknown_line(prefix, key, sorted(self.keys), "")
+
+
+def _unknown_line(
+    prefix: str, name: str, known: list[str], which: str, listed: str = "--help lists every option"
+) -> str:
+    close = [f"{prefix}{match}" for match in difflib.get_close_matches(name, known, n=3, cutoff=0.7)]
+    hint = f"did you mean {' or '.join(close)}?" if close else listed
+    kind = "option" if prefix.startswith("--") else "key"
+    return f"unknown {kind} {prefix}{name}{which}; {hint}"
+
+
+def _config_paths(argv: list[str]) -> Iterator[str]:
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            yield argv[i + 1]
+        elif arg.startswith("--config="):
+            yield arg.partition("=")[2]
+
+
+def _given_keys(argv: list[str], configs: list[Path]) -> Iterator[tuple[str | None, str]]:
+    """(where, dotted key) of everything argv sets: "--config <file>" for keys from a config file, None
+    for options on the command line."""
+    import yaml
+
+    config_iter = iter(configs)
+    for arg in argv:
+        if not arg.startswith("--"):
+            continue
+        key = arg[2:].partition("=")[0]
+        if key == "config":
+            path = next(config_iter, None)
+            try:
+                content = yaml.safe_load(path.read_text()) if path is not None else None
+            except (OSError, yaml.YAMLError):
+                continue
+            if isinstance(content, dict):
+                for config_key in _flatten(content):
+                    yield f"--config {path}", config_key
+            continue
+        yield None, key
+
+
+def _flatten(mapping: dict, prefix: str = "") -> Iterator[str]:
+    """Dotted keys of a config; a data-module choice written {class_path, init_args} is kept as one."""
+    for key, value in mapping.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and key != "init_args":
+            yield from _flatten(value, f"{dotted}.")
+        elif isinstance(value, dict):
+            yield from _flatten(value, prefix)
+        else:
+            yield dotted
+
+
+def _leaf_subclasses(typehint: Any) -> list[type]:
+    """The concrete classes that can fill an option typed by a base class (or a Union with one)."""
+    candidates = [typehint, *getattr(typehint, "__args__", ())]
+    leaves: list[type] = []
+    for base in candidates:
+        if not isinstance(base, type) or base is type(None) or not base.__subclasses__():
+            continue
+        stack = list(base.__subclasses__())
+        while stack:
+            sub = stack.pop(0)
+            if not sub.__subclasses__() and sub not in leaves:
+                leaves.append(sub)
+            stack.extend(sub.__subclasses__())
+    return leaves
+
+
+def _chosen_class(group: str, classes: list[type], argv: list[str], configs: list[Path]) -> type | None:
+    """The subclass named by `--group Name` (last one wins), or by `group: Name` / `class_path` in a config."""
+    import yaml
+
+    names: list[str] = []
+    for path in configs:
+        try:
+            content = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        value = content.get(group) if isinstance(content, dict) else None
+        names.append(value.get("class_path", "") if isinstance(value, dict) else value)
+    for i, arg in enumerate(argv):
+        if arg == f"--{group}" and i + 1 < len(argv):
+            names.append(argv[i + 1])
+        elif arg.startswith(f"--{group}="):
+            names.append(arg.partition("=")[2])
+    by_name = {cls.__name__: cls for cls in classes} | {f"{c.__module__}.{c.__name__}": c for c in classes}
+    chosen = [by_name[name] for name in names if isinstance(name, str) and name in by_name]
+    return chosen[-1] if chosen else None
+
+
+def _init_names(cls: type) -> list[str]:
+    if dataclasses.is_dataclass(cls):
+        return [field.name for field in dataclasses.fields(cls) if field.init]
+    return [name for name in inspect.signature(cls).parameters if name not in ("self", "args", "kwargs")]
