@@ -294,6 +294,15 @@ CASES: dict[str, Case] = {
         "broken.json",
         NO_ENV,
     ),
+    "a record the chat template cannot mask": (
+        lambda ws, t: [
+            *train(ws, t / "out", base=str(_dog_template(copy_of(ws, t, "base")))),
+            "--data.json_path",
+            _records_with_a_cat(t),
+        ],
+        "data.jsonl line 3 (record 3): the checkpoint chat template does not show assistant message 1 verbatim",
+        NO_ENV,
+    ),  # fmt: skip
     # Checkpoints.
     "not a checkpoint": (
         lambda ws, t: train(ws, t / "out", base="not-a-checkpoint"),
@@ -380,6 +389,22 @@ CASES: dict[str, Case] = {
         NO_ENV,
     ),
 }
+
+
+def _dog_template(directory: Path) -> Path:
+    """A chat template that marks the last message with its own header and writes "cat" as "dog"."""
+    (directory / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% set head = 'final' if loop.last else m['role'] %}"
+        "{{ '<|im_start|>' + head + '\\n' + m['content'].replace('cat', 'dog') + '<|im_end|>\\n' }}{% endfor %}"
+    )
+    return directory
+
+
+def _records_with_a_cat(directory: Path) -> str:
+    outputs = ["one", "two", "the cat", "four"]
+    lines = [json.dumps({"instruction": f"say {output}", "output": output}) for output in outputs]
+    (directory / "data.jsonl").write_text("\n".join(lines))
+    return str(directory / "data.jsonl")
 
 
 def _config(directory: Path, text: str) -> str:

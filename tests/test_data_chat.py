@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from tiny_tokenizer import write_tiny_tokenizer
 
@@ -134,6 +135,54 @@ def test_template_that_rewrites_history_falls_back_to_search(tmp_path):
     with pytest.raises(LitsftError) as error:
         ChatFormat(tokenizer).tokenize(messages)
     assert str(error.value) == (
-        "the checkpoint chat template does not show assistant message 1 verbatim, so its tokens cannot be "
-        "found for the loss mask; choose a --data.prompt_style such as chatml"
+        "conversation 0: the checkpoint chat template does not show assistant message 1 verbatim, so its "
+        "tokens cannot be found for the loss mask; choose a --data.prompt_style such as chatml"
     )
+
+
+# Qwen3's template in miniature: replies before the last user message lose their reasoning (everything up
+# to </think>), as in https://huggingface.co/Qwen/Qwen3-0.6B/blob/main/tokenizer_config.json.
+REASONING_TEMPLATE = (
+    "{%- set ns = namespace(last_query=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_query = loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}{%- set content = m['content'] -%}"
+    "{%- if m['role'] == 'assistant' and loop.index0 < ns.last_query and '</think>' in content -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+REASONING_CONVERSATION = [
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "<think>\nadd them\n</think>\n\nIt is 5."},
+    {"role": "user", "content": "And the red cat?"},
+    {"role": "assistant", "content": "<think>\nthink of cats\n</think>\n\nThe cat sings today!"},
+]
+
+
+def test_a_template_that_drops_past_reasoning_is_trained_turn_by_turn(tmp_path):
+    write_tiny_tokenizer(tmp_path, chat_template="chatml")
+    tokenizer = Tokenizer(tmp_path)
+    tokenizer.chat_template = REASONING_TEMPLATE
+    chat_format = ChatFormat(tokenizer)
+    whole = chat_format.render(REASONING_CONVERSATION)
+    assert "add them" not in whole and "It is 5." in whole  # the template rewrote the first reply
+
+    tokens, targets, lengths = chat_format.tokenize_many([REASONING_CONVERSATION])
+    assert len(lengths) == 2  # one sample per reply
+    first, second = np.split(np.arange(len(tokens)), [lengths[0]])
+    # Each sample is the conversation up to its reply, as the template renders it when that reply is newest.
+    for sample, upto in ((first, 2), (second, 4)):
+        text = chat_format.render(REASONING_CONVERSATION[:upto])
+        assert tokens[sample].tolist() == tokenizer.encode(text, add_bos=False)
+    assert "".join(pieces(tokenizer, tokens[first][targets[first]])) == (
+        "<think>\nadd them\n</think>\n\nIt is 5.<|im_end|>"
+    )
+    # The second sample shows the first reply without its reasoning and trains only on the second reply.
+    assert "add them" not in tokenizer.decode(tokens[second].tolist(), skip_special_tokens=False)
+    assert "".join(pieces(tokenizer, tokens[second][targets[second]])) == (
+        "<think>\nthink of cats\n</think>\n\nThe cat sings today!<|im_end|>"
+    )
+    # A conversation the template renders incrementally stays one sample.
+    assert len(chat_format.tokenize_many([REASONING_CONVERSATION[:2]])[2]) == 1

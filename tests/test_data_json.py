@@ -154,3 +154,50 @@ def test_too_little_data_for_one_global_batch(tmp_path, tokenizer):
     assert str(error.value) == (
         "there are 3 training samples, fewer than global_batch_size=4; lower global_batch_size or add data"
     )
+
+
+# Marks the last message with its own header (so no render is a prefix of a longer one, turn by turn
+# either) and writes "cat" as "dog": a reply holding "cat" cannot be found for the loss mask.
+UNMASKABLE_TEMPLATE = (
+    "{% for m in messages %}{% set head = 'final' if loop.last else m['role'] %}"
+    "{{ '<|im_start|>' + head + '\\n' + m['content'].replace('cat', 'dog') + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>final\\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_record_the_template_cannot_mask_is_named_by_file_and_line(tmp_path, suffix):
+    write_tiny_tokenizer(tmp_path / "tokenizer")
+    (tmp_path / "tokenizer" / "chat_template.jinja").write_text(UNMASKABLE_TEMPLATE)
+    records = [{"instruction": "a", "output": "one"}, {"instruction": "b", "output": "two"},
+               {"instruction": "c", "output": "the cat"}, {"instruction": "d", "output": "four"}]  # fmt: skip
+    path = tmp_path / f"data{suffix}"
+    if suffix == ".jsonl":
+        path.write_text("\n".join(json.dumps(record) for record in records))
+    else:  # one key per line: the third record starts on line 10
+        path.write_text(json.dumps(records, indent=2))
+    line = 3 if suffix == ".jsonl" else 10
+    with pytest.raises(LitsftError) as error:
+        prepared(Tokenizer(tmp_path / "tokenizer"), json_path=path, cache_dir=tmp_path / "cache")
+    assert str(error.value) == (
+        f"{path} line {line} (record 3): the checkpoint chat template does not show assistant message 1 "
+        "verbatim, so its tokens cannot be found for the loss mask; choose a --data.prompt_style such as chatml"
+    )
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("meta.json"))
+
+
+def test_multi_turn_reasoning_records_train_one_sample_per_reply(tmp_path):
+    from test_data_chat import REASONING_CONVERSATION, REASONING_TEMPLATE
+
+    write_tiny_tokenizer(tmp_path / "tokenizer")
+    (tmp_path / "tokenizer" / "chat_template.jinja").write_text(REASONING_TEMPLATE)
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": REASONING_CONVERSATION}) for _ in range(3)))
+    tokenizer = Tokenizer(tmp_path / "tokenizer")
+    data = prepared(tokenizer, max_seq_length=256, json_path=path, cache_dir=tmp_path / "cache",
+                    val_split_fraction=0)  # fmt: skip
+    assert len(data.train_samples) == 6
+    first_turn, _ = data.chat_format.tokenize(REASONING_CONVERSATION[:2])
+    assert data.train_samples.subset(np.array([0])).tokens.tolist() == first_turn.tolist()
+    batch = next(iter(data.train_dataloader(rank=0, world_size=1, micro_batch_size=1, global_batch_size=1)))
+    assert (batch["labels"] != IGNORE_INDEX).any()

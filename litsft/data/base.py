@@ -30,7 +30,7 @@ from litsft.data.samples import Samples, tokenize_conversations, write_atomicall
 from litsft.errors import LitsftError, check_number
 from litsft.tokenizer import Tokenizer
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2
 """Part of every cache key: bump it when the cached layout or the tokenization rules change."""
 
 

@@ -6,6 +6,11 @@ occupies is what `render(messages[:i + 1])` adds to `render(messages[:i], add_ge
 This works for any template that renders a conversation incrementally (ChatML, Llama 3, Mistral, and
 the named styles below) without knowing its markup. Tokenizing the whole text once, and mapping tokens
 to spans by character offsets, gives the same tokens as tokenizing the text at generation time.
+
+A template that rewrites earlier turns (Qwen3 drops the reasoning of replies before the last user
+message) renders a reply differently once later turns follow it. Such a conversation is trained turn by
+turn: one sample per assistant reply, the conversation up to that reply as the template renders it when
+the reply is the newest, which is what the model sees when it writes that reply.
 """
 
 from __future__ import annotations
@@ -60,6 +65,22 @@ PROMPT_STYLES: dict[str, str] = {
 }
 
 
+class ConversationError(LitsftError):
+    """A conversation that cannot become training tokens; `index` is its position in the list given to
+    `tokenize_many`, so that the caller can name the record it came from."""
+
+    def __init__(self, index: int, problem: str) -> None:
+        super().__init__(index, problem)  # both in args: the error crosses process boundaries pickled
+        self.index, self.problem = index, problem
+
+    def __str__(self) -> str:
+        return f"conversation {self.index}: {self.problem}"
+
+
+Sample = tuple[str, list[tuple[int, int]]]
+"""A text to train on and the character spans [start, end) of it that carry loss."""
+
+
 class ChatFormat:
     """How conversations become text and training tokens for one tokenizer.
 
@@ -110,18 +131,24 @@ class ChatFormat:
 
     def tokenize(self, messages: list[Message]) -> tuple[np.ndarray, np.ndarray]:
         """Token ids (int32) of the whole conversation, and a bool array: True where the token is a
-        loss target (assistant reply and its end-of-turn token; every token with mask_prompt=False)."""
+        loss target (assistant reply and its end-of-turn token; every token with mask_prompt=False).
+        A conversation trained turn by turn gives its samples back to back (`tokenize_many` tells them apart)."""
         tokens, targets, _ = self.tokenize_many([messages])
         return tokens, targets
 
     def tokenize_many(self, conversations: list[list[Message]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`tokenize` for many conversations: (tokens, targets, lengths), concatenated. Tokenizes in one
-        batch call, and finds the target tokens of all conversations with one search."""
+        """The samples of many conversations: (tokens, targets, lengths), concatenated, one length per
+        sample (one sample per conversation, or one per reply for a conversation trained turn by turn).
+        Tokenizes in one batch call, and finds the target tokens of all samples with one search.
+        Raises ConversationError naming the conversation that cannot be rendered or masked."""
         texts, spans = [], []
-        for messages in conversations:
-            text = self.render(messages)
-            texts.append(text)
-            spans.append(self._assistant_spans(messages, text) if self.mask_prompt else [(0, len(text))])
+        for index, messages in enumerate(conversations):
+            try:
+                samples = self.samples(messages)
+            except LitsftError as err:
+                raise ConversationError(index, str(err)) from None
+            texts.extend(text for text, _ in samples)
+            spans.extend(text_spans for _, text_spans in samples)
         encoded = _encode_batch_with_offsets(self.tokenizer, texts)
         lengths = np.fromiter((len(ids) for ids, _ in encoded), dtype=np.int64, count=len(encoded))
         tokens = np.fromiter(
@@ -162,7 +189,20 @@ class ChatFormat:
             return [self.tokenizer.bos_id, *ids]
         return ids
 
-    def _assistant_spans(self, messages: list[Message], text: str) -> list[tuple[int, int]]:
+    def samples(self, messages: list[Message]) -> list[Sample]:
+        """The texts a conversation trains as, each with its loss spans: the whole conversation when the
+        template renders it incrementally, else one sample per reply (turn by turn), else the whole
+        conversation with each reply found by search."""
+        text = self.render(messages)
+        if not self.mask_prompt:
+            return [(text, [(0, len(text))])]
+        spans = self._assistant_spans(messages, text)
+        if spans is not None:
+            return [(text, spans)]
+        return self._turn_by_turn(messages) or [(text, self._searched_spans(messages, text))]
+
+    def _assistant_spans(self, messages: list[Message], text: str) -> list[tuple[int, int]] | None:
+        """Each reply's span in `text`; None when an earlier render is not a prefix of the whole."""
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
@@ -170,11 +210,23 @@ class ChatFormat:
             prompt = self._render_or_empty(messages[:i])
             turn = text if i + 1 == len(messages) else self.render(messages[: i + 1])
             if not (text.startswith(prompt) and text.startswith(turn) and len(prompt) <= len(turn)):
-                return self._searched_spans(messages, text)
-            # The turn's trailing newline follows the end-of-turn token and is not part of the reply.
-            end = len(turn.rstrip())
-            spans.append((len(prompt), max(end, len(prompt))))
+                return None
+            spans.append(_reply_span(prompt, turn))
         return spans
+
+    def _turn_by_turn(self, messages: list[Message]) -> list[Sample] | None:
+        """One sample per reply: the conversation up to it, as rendered when it is the newest turn. None
+        when even that render does not start with the prompt before the reply."""
+        samples = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self._render_or_empty(messages[:i])
+            turn = self.render(messages[: i + 1])
+            if not turn.startswith(prompt):
+                return None
+            samples.append((turn, [_reply_span(prompt, turn)]))
+        return samples
 
     def _render_or_empty(self, messages: list[Message]) -> str:
         # Some templates index messages[0], so a reply that opens the conversation has an empty prompt.
@@ -184,8 +236,9 @@ class ChatFormat:
             return ""
 
     def _searched_spans(self, messages: list[Message], text: str) -> list[tuple[int, int]]:
-        """For templates that rewrite earlier turns (e.g. dropping reasoning from history): find each
-        reply's text in order, and extend it over an end-of-turn token written right after it."""
+        """For templates whose renders are not even prefixes turn by turn (one that marks the last message
+        differently): find each reply's text in order, and extend it over an end-of-turn token written
+        right after it."""
         stop_texts = [self.tokenizer.decode([i], skip_special_tokens=False) for i in self.tokenizer.stop_ids]
         spans, cursor = [], 0
         for i, message in enumerate(messages):
@@ -206,6 +259,12 @@ class ChatFormat:
             spans.append((start, end))
             cursor = end
         return spans
+
+
+def _reply_span(prompt: str, turn: str) -> tuple[int, int]:
+    """The reply's characters: what `turn` adds to `prompt`, without the newline that follows the
+    end-of-turn token (it is not part of the reply)."""
+    return len(prompt), max(len(turn.rstrip()), len(prompt))
 
 
 def _encode_batch_with_offsets(

@@ -20,7 +20,19 @@ ROLES = ("system", "user", "assistant")
 EXTENSIONS = (".json", ".jsonl")
 
 
-def read_conversations(path: Path) -> list[list[Message]]:
+class Conversations(list):
+    """Conversations read from a file, each remembering the line its record starts on."""
+
+    def __init__(self, conversations: list[list[Message]], path: Path, lines: list[int]) -> None:
+        super().__init__(conversations)
+        self.path, self.lines = path, lines
+
+    def where(self, index: int) -> str:
+        """The file and line of conversation `index`, for error messages."""
+        return f"{self.path} line {self.lines[index]} (record {index + 1})"
+
+
+def read_conversations(path: Path) -> Conversations:
     """All records of a .json (a list of records) or .jsonl (one record per line) file, as conversations."""
     path = Path(path)
     if not path.is_file():
@@ -41,7 +53,8 @@ def read_conversations(path: Path) -> list[list[Message]]:
     records = _records_of_jsonl(path, text) if path.suffix == ".jsonl" else _records_of_json(path, text)
     if not records:
         raise LitsftError(f"{path} holds no records; add at least one record")
-    return [to_conversation(record, path, line) for line, record in records]
+    conversations = [to_conversation(record, path, line) for line, record in records]
+    return Conversations(conversations, path, [line for line, _ in records])
 
 
 def to_conversation(record: Any, path: Path | str = "<records>", line: int = 0) -> list[Message]:

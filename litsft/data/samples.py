@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from litsft.data.chat import ChatFormat, Message
+from litsft.data.chat import ChatFormat, ConversationError, Message
+from litsft.errors import LitsftError
 
 
 @dataclass
@@ -77,7 +78,16 @@ class Samples:
 
 
 def tokenize_conversations(conversations: list[list[Message]], chat_format: ChatFormat) -> Samples:
-    """Render and tokenize every conversation (no truncation), in worker processes for large sets."""
+    """Render and tokenize every conversation (no truncation), in worker processes for large sets. A
+    conversation that cannot be masked is named by its record (`Conversations.where`, file and line)."""
+    try:
+        return _tokenize_all(conversations, chat_format)
+    except ConversationError as err:
+        where = getattr(conversations, "where", lambda index: f"record {index + 1}")(err.index)
+        raise LitsftError(f"{where}: {err.problem}") from None
+
+
+def _tokenize_all(conversations: list[list[Message]], chat_format: ChatFormat) -> Samples:
     chunks = [conversations[i : i + CHUNK_SIZE] for i in range(0, len(conversations), CHUNK_SIZE)]
     processes = min(len(chunks), os.cpu_count() or 1, MAX_PROCESSES)
     # Forking while other threads run (the training launcher's, the out_dir lock's heartbeat, gloo's) can
@@ -94,11 +104,13 @@ def tokenize_conversations(conversations: list[list[Message]], chat_format: Chat
         finally:
             _WORK = None
     else:
-        parts = [chat_format.tokenize_many(chunk) for chunk in chunks]
-    offsets = np.zeros(len(conversations) + 1, dtype=np.int64)
+        parts = [_tokenize_chunk_of(chunks, index, chat_format) for index in range(len(chunks))]
     if not parts:
-        return Samples(np.zeros(0, np.int32), np.zeros(0, bool), offsets)
-    np.cumsum(np.concatenate([lengths for _, _, lengths in parts]), out=offsets[1:])
+        return Samples(np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(1, dtype=np.int64))
+    # A conversation trained turn by turn gives several samples: count samples, not conversations.
+    lengths = np.concatenate([lengths for _, _, lengths in parts])
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
     return Samples(
         np.concatenate([tokens for tokens, _, _ in parts]),
         np.concatenate([targets for _, targets, _ in parts]),
@@ -113,7 +125,16 @@ _WORK: tuple[list[list[list[Message]]], ChatFormat] | None = None
 
 def _tokenize_chunk(index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     chunks, chat_format = _WORK
-    return chat_format.tokenize_many(chunks[index])
+    return _tokenize_chunk_of(chunks, index, chat_format)
+
+
+def _tokenize_chunk_of(
+    chunks: list[list[list[Message]]], index: int, chat_format: ChatFormat
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    try:
+        return chat_format.tokenize_many(chunks[index])
+    except ConversationError as err:  # its index within the chunk, made an index into all conversations
+        raise ConversationError(index * CHUNK_SIZE + err.index, err.problem) from None
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
