@@ -31,7 +31,7 @@ def rank_main(checkpoint_dir: Path, strategy: str, result_file: Path) -> None:
     from litsft.model import Transformer
     from litsft.parallel import build_fabric
 
-    fabric = build_fabric(2, 1, "32-true", FSDPConfig(sharding_strategy=strategy))
+    fabric = build_fabric(2, 1, "32-true", FSDPConfig(sharding_strategy=strategy), "cpu")
     fabric.launch()
     config = Config.from_checkpoint(checkpoint_dir)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -18,6 +18,7 @@ from litsft.errors import LitsftError, check_number
 
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
 Precision = Literal["bf16-mixed", "bf16-true", "16-mixed", "32-true"]
+Accelerator = Literal["auto", "cpu", "cuda"]
 
 MAX_DEFAULT_SEQ_LENGTH = 2048
 """--train.max_seq_length when none is given: the model's context length, capped here."""
@@ -149,6 +150,7 @@ class RunConfig:
     out_dir: Path
     devices: int = 1
     num_nodes: int = 1
+    accelerator: Accelerator = "auto"
     precision: Precision | None = None
     resume: bool | Literal["auto"] | Path = "auto"
     seed: int = 1337

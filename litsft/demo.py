@@ -15,8 +15,10 @@ from pathlib import Path
 
 import torch
 
+from litsft.args import Accelerator
 from litsft.config import Config
 from litsft.data import Demo, build_demo_tokenizer
+from litsft.devices import demo_accelerator, gpu_count
 from litsft.errors import LitsftError
 from litsft.generate import generate_batch, load_model
 from litsft.model import Transformer
@@ -27,6 +29,7 @@ from litsft.weight_files import save_checkpoint_files
 def demo(
     out_dir: Path = Path("out/demo"),
     devices: int = 2,
+    accelerator: Accelerator = "auto",
     max_steps: int = 800,
     num_eval: int = 100,
     seed: int = 1337,
@@ -36,11 +39,14 @@ def demo(
     Args:
         out_dir: Where the base model, the training run (out_dir/finetune) and the HF export (out_dir/hf) go.
         devices: Training processes (FULL_SHARD across them); 1 trains without sharding.
+        accelerator: auto trains on the GPUs when the machine has at least --devices of them, otherwise as
+            --devices CPU processes over gloo; cpu or cuda insist on one.
         max_steps: Optimizer steps of 16 packed rows of 128 tokens.
         num_eval: Held-out prompts scored by exact match.
         seed: Seed for initialization and data order.
     """
     started = time.perf_counter()
+    accelerator = demo_accelerator(accelerator, devices, gpu_count())
     if (out_dir / "finetune").exists():
         raise LitsftError(f"{out_dir} already holds a demo run; pass another --out_dir or delete it")
     base = make_base_checkpoint(out_dir / "base", seed)
@@ -52,13 +58,15 @@ def demo(
     command = [
         sys.executable, "-m", "litsft", "finetune_full", str(base), "--out_dir", str(finetune),
         "--data", "Demo", "--data.num_eval", str(num_eval), "--devices", str(devices),
+        "--accelerator", accelerator,
         "--fsdp.sharding_strategy", "FULL_SHARD", "--precision", "32-true", "--seed", str(seed),
         "--train.max_steps", str(max_steps), "--train.global_batch_size", "16", "--train.micro_batch_size", "8",
         "--train.max_seq_length", "128", "--train.log_interval", "20", "--eval.interval", "400",
         "--optimizer.lr", "3e-3", "--optimizer.min_lr", "3e-4", "--optimizer.warmup_steps", "20",
         "--optimizer.weight_decay", "0.01",
     ]  # fmt: skip
-    print("Training:", " ".join(command[2:]), flush=True)
+    unit = ("GPU", "GPUs") if accelerator == "cuda" else ("CPU process", "CPU processes")
+    print(f"Training on {devices} {unit[devices > 1]}:", " ".join(command[2:]), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if subprocess.run(command, env=env).returncode != 0:
         raise LitsftError("the demo's training run failed; its output is above")

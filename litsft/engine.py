@@ -7,6 +7,7 @@ save at the end); `fit` does the rest. The loop says what happens each step; `li
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -24,6 +25,7 @@ from torch import nn
 from litsft import checkpoint, processes
 from litsft.args import RunConfig, TrainConfig, accumulation_steps, describe, with_defaults
 from litsft.config import Config
+from litsft.devices import choose_accelerator, gpu_count
 from litsft.errors import LitsftError
 from litsft.faults import fault_point
 from litsft.model import loss_positions_of
@@ -58,14 +60,15 @@ def launch(recipe: Recipe, run: RunConfig) -> None:
     Every process of the run passes through here: Fabric's launcher (which becomes rank 0 and spawns the
     node's other ranks, which run the same command), or each rank that torchrun or srun started."""
     PreemptionFlag.install()  # first: a SIGTERM during setup must stop the run at a step, not kill it
-    run = with_defaults(run, default_precision())
+    accelerator = choose_accelerator(run.accelerator, gpu_count())
+    run = with_defaults(dataclasses.replace(run, accelerator=accelerator), default_precision(accelerator))
     check_run(run, recipe.name)
     accumulation_steps(run.train, run.world_size)
     if run.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts; ranks inherit it
     spawned = processes.is_spawned_rank()
     with RunLock(run.out_dir) if processes.is_first_process() else nullcontext():
-        fabric = build_fabric(run.devices, run.num_nodes, run.precision, run.fsdp)
+        fabric = build_fabric(run.devices, run.num_nodes, run.precision, run.fsdp, run.accelerator)
         if processes.will_spawn(fabric):
             os.environ[processes.LAUNCHER_PID_ENV] = str(os.getpid())
         try:

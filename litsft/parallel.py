@@ -25,19 +25,22 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from litsft.args import FSDPConfig, Precision, ShardingStrategy
+from litsft.devices import Device
 from litsft.errors import LitsftError
 
 
-def default_precision() -> Precision:
+def default_precision(accelerator: Device) -> Precision:
     """bf16-mixed where the GPU supports it, else full precision."""
-    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+    if accelerator == "cuda" and torch.cuda.is_bf16_supported():
         return "bf16-mixed"
     return "32-true"
 
 
-def build_fabric(devices: int, num_nodes: int, precision: Precision, fsdp: FSDPConfig) -> Fabric:
-    """A Fabric for `devices` x `num_nodes` processes, FSDP2-sharded as `fsdp` says when there is more than one."""
-    accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+def build_fabric(
+    devices: int, num_nodes: int, precision: Precision, fsdp: FSDPConfig, accelerator: Device
+) -> Fabric:
+    """A Fabric for `devices` x `num_nodes` processes on `accelerator` (CPU processes talk over gloo), FSDP2-sharded
+    as `fsdp` says when there is more than one."""
     if fsdp.cpu_offload and accelerator == "cpu":
         raise LitsftError(
             "--fsdp.cpu_offload needs GPUs: on a CPU-only machine everything already lives in CPU memory"

@@ -12,6 +12,7 @@ import torch
 
 from litsft import checkpoint
 from litsft.args import RunConfig
+from litsft.devices import check_devices, gpu_count
 from litsft.errors import LitsftError, check_number
 from litsft.processes import check_world_size
 
@@ -22,7 +23,8 @@ def check_run(run: RunConfig, recipe_name: str) -> None:
     """Everything about a run that can be known wrong before launch, cheapest first."""
     check_positive(run)
     check_world_size(run.devices, run.num_nodes)
-    check_precision(run.precision)
+    check_devices(run.accelerator, run.devices, gpu_count())
+    check_precision(run.precision, run.accelerator)
     max_length = run.config.max_position_embeddings
     if run.train.max_seq_length > max_length:
         raise LitsftError(
@@ -41,8 +43,8 @@ def check_positive(run: RunConfig) -> None:
     check_number("--num_nodes", run.num_nodes, at_least=1)
 
 
-def check_precision(precision: str) -> None:
-    if not torch.cuda.is_available():
+def check_precision(precision: str, accelerator: str) -> None:
+    if accelerator == "cpu":
         if precision == "16-mixed":
             raise LitsftError(
                 "--precision 16-mixed needs a CUDA GPU (fp16 autocast with loss scaling); on CPU use 32-true "

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from litsft.args import (
+    Accelerator,
     EvalConfig,
     FSDPConfig,
     LogConfig,
@@ -37,6 +38,7 @@ def setup(
     data: DataModule | None = None,
     devices: int = 1,
     num_nodes: int = 1,
+    accelerator: Accelerator = "auto",
     precision: Precision | None = None,
     resume: bool | Literal["auto"] | Path = "auto",
     seed: int = 1337,
@@ -57,6 +59,8 @@ def setup(
         data: The data module, e.g. `--data JSON --data.json_path train.json` or `--data Demo`.
         devices: Processes (GPUs) per node.
         num_nodes: Nodes.
+        accelerator: auto (CUDA GPUs when the machine has them, else the CPU), cpu or cuda. On the CPU,
+            --devices N runs N processes over gloo.
         precision: bf16-mixed, bf16-true, 16-mixed or 32-true; default bf16-mixed on GPUs that support it, else 32-true.
         resume: "auto" continues from the newest complete checkpoint in out_dir; a path resumes from that
             checkpoint; false starts over.

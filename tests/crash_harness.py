@@ -37,7 +37,7 @@ FAULT_POINTS = [
 
 def train_args(base: Path, data: Path, out_dir: Path, *extra: str) -> list[str]:
     return [
-        "finetune_full", str(base), "--out_dir", str(out_dir), "--devices", "2",
+        "finetune_full", str(base), "--out_dir", str(out_dir), "--devices", "2", "--accelerator", "cpu",
         "--fsdp.sharding_strategy", "FULL_SHARD", "--precision", "32-true", "--train.deterministic", "true",
         "--data", "JSON", "--data.json_path", str(data), "--data.val_split_fraction", "0.1",
         "--train.global_batch_size", "4", "--train.micro_batch_size", "2", "--train.max_steps", "8",

@@ -81,7 +81,8 @@ def train(
         command, str(ws / base), "--out_dir", str(out_dir), "--data", "JSON",
         "--data.json_path", str(ws / "data.json"), "--data.val_split_fraction", "0.2",
         "--train.global_batch_size", "2", "--train.micro_batch_size", "2", "--train.max_steps", "4",
-        "--train.max_seq_length", "64", "--precision", "32-true", "--eval.max_new_tokens", "0", *extra,
+        "--train.max_seq_length", "64", "--precision", "32-true", "--eval.max_new_tokens", "0",
+        "--accelerator", "cpu", *extra,
     ]  # fmt: skip
 
 

@@ -3,8 +3,10 @@
 Each doc's commands run in order, in one bash session, in a fresh directory of tiny stand-ins: every
 `checkpoints/<org>/<name>` a command names holds a tiny litsft checkpoint of the same family, every
 `hf/<org>/<name>` a tiny Hugging Face checkpoint, `checkpoints/demo` the demo model, `data/*.json(l)` a few
-records. Training commands get SHORT_RUN appended (later options win in jsonargparse). A command that cannot
-run here carries a marker comment (MARKERS) at the end of its line or on the comment line above it.
+records, and every hub id that `litsft download` names is a tiny model of the same family on a local
+stand-in for the Hugging Face Hub (tests/hub_server.py). Training commands get SHORT_RUN appended (later
+options win in jsonargparse). A command that cannot run here carries a marker comment (MARKERS) at the end
+of its line or on the comment line above it.
 The ```python blocks run too, in the same directory, in document order.
 """
 
@@ -18,12 +20,15 @@ import shlex
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import launch
 import pytest
 import yaml
+from hub_server import LocalHub
 from launch import max_difference, write_tiny_checkpoint
 from tiny_hf import save_tiny_hf, tiny_hf_model
 
@@ -36,9 +41,10 @@ TRAINING = re.compile(r"(?:\blitsft|-m litsft) (finetune_full|finetune_lora|pret
 
 
 def short_run(world_size: int = 1, max_steps: bool = True) -> list[str]:
-    """Appended to every training command: 2 steps of 2 rows x 128 tokens per process, no sample generation."""
+    """Appended to every training command: 2 steps of 2 rows x 128 tokens per process, no sample generation,
+    on the CPU (so `--devices 2` runs on a machine with one GPU too)."""
     args = [
-        "--train.max_seq_length", "128", "--train.micro_batch_size", "2",
+        "--accelerator", "cpu", "--train.max_seq_length", "128", "--train.micro_batch_size", "2",
         "--train.global_batch_size", str(2 * world_size), "--eval.max_batches", "1", "--eval.max_new_tokens", "0",
     ]  # fmt: skip
     return args + (["--train.max_steps", "2"] if max_steps else [])
@@ -194,6 +200,7 @@ def make_workspace(root: Path, blocks: list[Block], demo_checkpoint: Path) -> Pa
     write_records(workspace / "data" / "conversations.jsonl", conversations=True)
     text = " ".join(c.text for b in blocks for c in b.commands)
     converted = set(re.findall(r"convert_from_hf \S+ --out_dir (\S+)", text))
+    converted |= {f"checkpoints/{repo_id}" for repo_id in downloaded_repos(blocks)}
     for path in referenced_paths(blocks) - converted:
         if path.startswith("hf/"):
             save_tiny_hf(tiny_hf_model(hf_kind(path)), workspace / path)
@@ -202,10 +209,38 @@ def make_workspace(root: Path, blocks: list[Block], demo_checkpoint: Path) -> Pa
     return workspace
 
 
+def downloaded_repos(blocks: list[Block]) -> list[str]:
+    """The hub ids a doc's commands download."""
+    text = " ".join(c.text for b in blocks if b.language == "bash" for c in b.commands)
+    return sorted(set(re.findall(r"\blitsft download ([\w.-]+/[\w.-]+)", text)))
+
+
+@contextmanager
+def local_hub(blocks: list[Block], root: Path) -> Iterator[dict[str, str]]:
+    """A local stand-in for the Hugging Face Hub serving a tiny model of the right family under each hub id
+    the doc downloads; yields the environment that points huggingface_hub at it."""
+    with LocalHub() as hub:
+        for repo_id in downloaded_repos(blocks):
+            hub.add_repo(repo_id, save_tiny_hf(tiny_hf_model(hf_kind(repo_id)), root / "hub" / repo_id))
+        yield {
+            "HF_ENDPOINT": hub.url,
+            "HF_HOME": str(root / "hf-home"),
+            "HF_HUB_OFFLINE": "0",
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "HF_TOKEN": "",
+        }
+
+
 def run_doc(path: Path, tmp_path: Path, demo_checkpoint: Path) -> str:
     """Run the doc's commands in order in one bash session; return the output. Fails at the first failure."""
     blocks = to_run(path)
     workspace = make_workspace(tmp_path, blocks, demo_checkpoint)
+    with local_hub(blocks, tmp_path) as hub_env:
+        return _run_script(path, blocks, workspace, tmp_path, hub_env)
+
+
+def _run_script(path: Path, blocks: list[Block], workspace: Path, tmp_path: Path, env: dict[str, str]) -> str:
     lines = [f'export PATH={shlex.quote(str(VENV_BIN))}:"$PATH"']
     for block in blocks:
         if block.language == "python":
@@ -222,7 +257,7 @@ def run_doc(path: Path, tmp_path: Path, demo_checkpoint: Path) -> str:
     result = subprocess.run(
         ["bash", str(tmp_path / "commands.sh")],
         cwd=workspace,
-        env=launch.test_env(tmp_path),
+        env={**launch.test_env(tmp_path), **env},
         capture_output=True,
         text=True,
         timeout=600,

@@ -23,7 +23,7 @@ def finetune_args(
         "--train.global_batch_size", "4", "--train.micro_batch_size", str(micro),
         "--train.max_steps", str(steps), "--train.max_seq_length", "64",
         "--optimizer.lr", "1e-3", "--optimizer.weight_decay", "0.1", "--optimizer.warmup_steps", "2",
-        "--precision", "32-true", "--eval.max_new_tokens", "0", *extra,
+        "--precision", "32-true", "--eval.max_new_tokens", "0", "--accelerator", "cpu", *extra,
     ]  # fmt: skip
 
 

@@ -106,7 +106,11 @@ def test_kv_cache_logits_match_full_recompute(checkpoints):
         cached = [model(tokens[:, :5], position_ids=position_ids[:, :5])]  # prefill, then one token at a time
         cached += [model(tokens[:, t : t + 1], position_ids=position_ids[:, t : t + 1]) for t in range(5, 12)]
         model.clear_kv_caches()
-    torch.testing.assert_close(torch.cat(cached, dim=1), expected, atol=1e-5, rtol=0)
+    # float32 rounding grows with the logits (about 11 for the qwen3 model, whose weights are drawn wide) and
+    # differs between CPUs' vector units: measured 9.4e-6 here, on a 2-core machine. A cache bug (a wrong
+    # position or rotation) is off by O(1).
+    atol = 4e-6 * expected.abs().max().item()
+    torch.testing.assert_close(torch.cat(cached, dim=1), expected, atol=atol, rtol=0)
 
 
 def test_top_k_1_is_greedy_and_sampling_is_seeded(checkpoints):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -29,7 +30,10 @@ def test_recipes_ship_in_the_wheel_and_run_from_an_installed_package(tmp_path: P
         "import litsft.recipes.finetune_full as r, litsft.__main__ as m; "
         "print(r.__file__); m.main(['finetune_full', '--help'])"
     )
-    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env={"PYTHONPATH": str(target)},
+    # The environment is kept (a GPU machine's driver and library variables), only the path is replaced.
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env,
                             capture_output=True, text=True, check=True)  # fmt: skip
-    assert result.stdout.splitlines()[0].startswith(str(target))
+    module_file = next(line for line in result.stdout.splitlines() if line.endswith("finetune_full.py"))
+    assert module_file.startswith(str(target)), result.stdout[:2000]
     assert "--fsdp.sharding_strategy" in result.stdout

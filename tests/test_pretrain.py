@@ -25,7 +25,8 @@ def pretrain_args(root: Path, out: str, steps: int, lr: float, *extra: str) -> l
         "pretrain", "tiny-llama", "--tokenizer_dir", str(root / "tokenizer"), "--out_dir", str(root / out),
         "--data", "TextFiles", "--data.train_data_path", str(root / "corpus"), "--train.max_steps", str(steps),
         "--train.global_batch_size", "4", "--train.micro_batch_size", "2", "--train.max_seq_length", "64",
-        "--optimizer.lr", str(lr), "--optimizer.warmup_steps", "0", "--precision", "32-true", *extra,
+        "--optimizer.lr", str(lr), "--optimizer.warmup_steps", "0", "--precision", "32-true",
+        "--accelerator", "cpu", *extra,
     ]  # fmt: skip
 
 
