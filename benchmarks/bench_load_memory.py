@@ -6,7 +6,7 @@ Writes a random litsft checkpoint (default ~110M parameters, fp32), then for eac
 (torchrun, gloo) that build the model on the meta device, shard it and fill it from the checkpoint exactly as
 the engine does (litsft.engine.setup_model), and print each rank's peak RSS growth over the process's RSS
 before the model was built. Prints figures and the ratio; asserts nothing. glibc is told to return freed
-memory (MALLOC_MMAP_THRESHOLD_), otherwise RSS hides most of the difference (../shared/NOTES-cpu-fsdp.md).
+memory (MALLOC_MMAP_THRESHOLD_), otherwise RSS hides most of the difference (tutorials/cpu_distributed.md).
 """
 
 from __future__ import annotations

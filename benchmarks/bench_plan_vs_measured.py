@@ -6,7 +6,7 @@ The model is a ~50M-parameter Llama shape (8 layers, hidden 768, GQA 12/4, MLP 2
 449-token vocabulary), so weights, gradients and AdamW state (16 bytes a parameter, 800 MB unsharded)
 dominate the process's own baseline. Each run trains a few steps in 32-true (the CPU default) with
 MALLOC_MMAP_THRESHOLD_=131072, so that large freed buffers go back to the OS and RSS follows what is live
-(../shared/NOTES-cpu-fsdp.md: glibc's default keeps them and hides FULL_SHARD's saving).
+(tutorials/cpu_distributed.md: glibc's default keeps them and hides FULL_SHARD's saving).
 
 Measured = rank 0's peak RSS (metrics.csv's peak_rss_mib, getrusage) minus a baseline: the peak RSS of the
 identical run with a 2-layer, hidden-64 model of the same vocabulary, which holds the interpreter,

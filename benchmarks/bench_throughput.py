@@ -8,7 +8,7 @@ batch 8 (one process: 2 accumulation steps; two: 1). Figures are medians of the 
 metrics.csv rows after the first 2 steps. The engine reports no MFU on a CPU (no datasheet peak), so MFU
 here is against this CPU's measured fp32 matmul rate with the same threads (a 2048^3 matmul): an upper
 bound the model's small matmuls cannot reach, not a vendor peak. Two processes on a 2-core machine prove the
-distributed path; they do not add compute (../shared/NOTES-cpu-fsdp.md).
+distributed path; they do not add compute (tutorials/cpu_distributed.md).
 """
 
 from __future__ import annotations

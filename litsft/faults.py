@@ -11,6 +11,7 @@ on global rank `<rank>` (default 0). Actions:
             in a session of its own, so only the run's processes die.
     enospc  raise OSError(ENOSPC) there, like a full disk.
     pause=<file>  create <file>, then wait for a signal (a test sends SIGTERM at that exact moment).
+    hold=<file>   create <file>, then hang until the process is killed (a step that never ends).
 """
 
 from __future__ import annotations
@@ -42,4 +43,8 @@ def fault_point(name: str, rank: int = 0) -> None:
         while not flag.received:
             time.sleep(0.05)
         return
+    if action.startswith("hold="):
+        open(action.removeprefix("hold="), "w").close()
+        while True:
+            time.sleep(0.05)
     os.killpg(os.getpgrp(), signal.SIGKILL)

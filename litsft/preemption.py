@@ -1,34 +1,60 @@
-"""Stopping a run cleanly on a signal: SIGTERM or SIGUSR1 (SLURM's warning before the time limit) make every
-rank finish its step, write a checkpoint and exit with PREEMPTED_EXIT_CODE."""
+"""Stopping a run on a signal. SIGTERM, SIGUSR1 (SLURM's warning before the time limit) and Ctrl-C (SIGINT)
+make every rank finish its step, write a checkpoint and exit with PREEMPTED_EXIT_CODE; a second Ctrl-C
+stops every process at once, without one.
+
+Signals are read by a thread from Python's wakeup file descriptor, which the interpreter's C-level handler
+writes even while the main thread is blocked in C++ (a collective waiting for another rank, the
+rendezvous): the flag is set, and a second Ctrl-C acts, without waiting for the main thread.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import threading
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
 PREEMPTED_EXIT_CODE = 124
-"""Exit status after a SIGTERM/SIGUSR1 stop with a checkpoint written: relaunch the same command to resume
-(e.g. `scontrol requeue` in a SLURM script when the status is 124)."""
+"""Exit status after a SIGTERM/SIGUSR1/SIGINT stop with a checkpoint written: relaunch the same command to
+resume (e.g. `scontrol requeue` in a SLURM script when the status is 124)."""
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
+"""Exit status after a second Ctrl-C (the shell's code for a process ended by SIGINT)."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class PreemptionFlag:
-    """Set by SIGTERM or SIGUSR1; checked once per step on all ranks.
+    """Set by SIGTERM, SIGUSR1 or SIGINT; checked once per step on all ranks.
 
     The flag is all-reduced (max), so a signal that reaches any one process stops every rank after the same
     step: `kill <launcher pid>` reaches only Fabric's launcher (rank 0), SLURM signals every task, torchrun
-    forwards SIGTERM to every worker and kills them 30 s later. One flag per process, installed by `launch`
-    before anything slow, so a signal during setup stops the run after its first step instead of killing it.
+    forwards SIGTERM to every worker and kills them 30 s later, a terminal's Ctrl-C reaches every process of
+    the foreground job. One flag per process, installed by `launch` before anything slow, so a signal during
+    setup stops the run after its first step instead of killing it.
     """
 
     _installed: ClassVar[PreemptionFlag | None] = None
 
     def __init__(self) -> None:
         self._received = False
+        self._interrupted = False
         self._group: Any = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        self.report = True
+        """Whether this process prints the notices (one process of a run does)."""
+        self.before_exit: Callable[[], None] = lambda: None
+        """Run before this process ends at once (stop the ranks it spawned, free the out_dir lock)."""
+        self.listeners: list[Callable[[int], None]] = []
+        """Called from the watching thread with each signal's number (the rendezvous watch uses it)."""
+        self._previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+        self._read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
+        self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, name="litsft-signals", daemon=True).start()
 
     @classmethod
     def install(cls) -> PreemptionFlag:
@@ -36,8 +62,51 @@ class PreemptionFlag:
             cls._installed = cls()
         return cls._installed
 
+    @classmethod
+    def uninstall(cls) -> None:
+        """Give the signals back to the handlers they had (for runs inside another program, e.g. tests)."""
+        flag, cls._installed = cls._installed, None
+        if flag is not None:
+            for sig, handler in flag._previous.items():
+                signal.signal(sig, handler)
+            os.close(signal.set_wakeup_fd(flag._previous_wakeup_fd))  # ends the watching thread's read
+
     def _handle(self, signum: int, frame: Any) -> None:
+        self._received = True  # also set by the thread; this handler replaces KeyboardInterrupt
+
+    def _watch(self) -> None:
+        while signals := _read(self._read_fd):
+            for signum in signals:
+                if signum in STOP_SIGNALS:
+                    self._on_signal(signum)
+        os.close(self._read_fd)
+
+    def _on_signal(self, signum: int) -> None:
+        if signum == signal.SIGINT:
+            if self._interrupted:
+                self.exit_at_once(
+                    "Stopped at once by a second Ctrl-C: the steps since the last checkpoint are lost; "
+                    "relaunch the same command to resume from it",
+                    INTERRUPTED_EXIT_CODE,
+                )
+            self._interrupted = True
+            self.say("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: stop at once)")
         self._received = True
+        for listener in self.listeners:
+            listener(signum)
+
+    def say(self, line: str) -> None:
+        if self.report:
+            print(line, file=sys.stderr, flush=True)
+
+    def exit_at_once(self, line: str, code: int) -> None:
+        """End this process now, from any thread, without unwinding (no traceback, no waiting on the main
+        thread): `before_exit` runs, then one line is printed."""
+        try:
+            self.before_exit()
+        finally:
+            self.say(line)
+            os._exit(code)
 
     @property
     def received(self) -> bool:
@@ -57,3 +126,11 @@ class PreemptionFlag:
         flag = torch.tensor(float(self._received))
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
         return bool(flag.item())
+
+
+def _read(fd: int) -> bytes:
+    """The signal numbers written since the last read; empty once the pipe's write end is closed."""
+    try:
+        return os.read(fd, 64)
+    except OSError:
+        return b""

@@ -35,7 +35,8 @@ def is_first_process() -> bool:
 
 
 def check_world_size(devices: int, num_nodes: int) -> None:
-    """torchrun's or SLURM's process count must be --devices x --num_nodes."""
+    """torchrun's or SLURM's process count must be --devices x --num_nodes, and several nodes need one of
+    them (or NODE_RANK set by hand on each node)."""
     from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
     expected = devices * num_nodes
@@ -48,6 +49,12 @@ def check_world_size(devices: int, num_nodes: int) -> None:
                 f"--num_nodes {num_nodes} = {expected}; pass --devices {per_node} --num_nodes "
                 f"{max(world // per_node, 1)}"
             )
+    elif num_nodes > 1 and not SLURMEnvironment.detect() and "NODE_RANK" not in os.environ:
+        raise LitsftError(
+            f"--num_nodes {num_nodes} needs a process started on every node, and nothing started the others: "
+            f"run the command under torchrun (--nnodes {num_nodes} --nproc_per_node {devices}) or srun on "
+            "each node, or set NODE_RANK, MASTER_ADDR and MASTER_PORT on each node yourself"
+        )
     elif not is_spawned_rank() and SLURMEnvironment.detect():
         per_node = int(os.environ.get("SLURM_NTASKS_PER_NODE", devices))
         nodes = int(os.environ.get("SLURM_NNODES", num_nodes))

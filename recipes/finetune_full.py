@@ -18,7 +18,8 @@ from litsft.args import (
 from litsft.checkpoint import load_weights, save_consolidated
 from litsft.config import Config
 from litsft.data import DataModule
-from litsft.engine import Recipe, launch
+from litsft.engine import Recipe
+from litsft.launcher import launch
 from litsft.model import Transformer
 from litsft.model_source import resolve_checkpoint
 

@@ -19,7 +19,8 @@ from litsft.args import (
 from litsft.checkpoint import copy_rows, global_rank, load_weights
 from litsft.config import Config
 from litsft.data import DataModule
-from litsft.engine import Recipe, launch
+from litsft.engine import Recipe
+from litsft.launcher import launch
 from litsft.lora import (
     LoRAConfig,
     apply_lora,

@@ -18,8 +18,9 @@ from litsft.args import (
 from litsft.checkpoint import copy_rows, save_consolidated
 from litsft.config import CONFIG_FILENAME, Config
 from litsft.data import DataModule
-from litsft.engine import Recipe, launch
+from litsft.engine import Recipe
 from litsft.errors import LitsftError
+from litsft.launcher import launch
 from litsft.model import Transformer, parameter_generator
 
 

@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -35,16 +34,13 @@ from litsft.run_lock import LOCK_NAME, process_start_time
 def isolated_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Run the CLI in this process as if fresh: its own cache and cwd, and pytest's signal handlers back
     afterwards (launch installs the preemption handlers)."""
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     monkeypatch.setenv("LITSFT_CACHE_DIR", str(tmp_path / "cache"))
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
     torch.set_num_threads(1)
     yield
-    PreemptionFlag._installed = None
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
+    PreemptionFlag.uninstall()
 
 
 @pytest.fixture(scope="module")
@@ -57,16 +53,13 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "broken.json").write_text('[{"instruction": "a", "output": ')
     (root / "not-a-checkpoint").mkdir()
     (root / "a-file").write_text("not a directory")
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     env = {"LITSFT_CACHE_DIR": str(root / "cache")}
     old_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         main([*train(root, root / "finished"), "--train.max_steps", "2", "--train.save_interval", "2"])
     finally:
-        PreemptionFlag._installed = None
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+        PreemptionFlag.uninstall()
         for k, v in old_env.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     assert (root / "finished" / "final").is_dir() and (root / "finished" / "step-00000002").is_dir()

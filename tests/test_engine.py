@@ -103,10 +103,10 @@ def test_a_non_finite_gradient_skips_the_update_without_a_host_sync_and_stops_th
 
     from litsft.args import OptimizerConfig
     from litsft.config import Config
-    from litsft.engine import raise_if_diverged, train_step
     from litsft.errors import LitsftError
     from litsft.model import Transformer
     from litsft.optimizer import build_optimizer
+    from litsft.step import raise_if_diverged, train_step
 
     torch.manual_seed(0)
     fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
@@ -141,7 +141,7 @@ def test_every_validation_pass_scores_the_same_batches(tmp_path: Path) -> None:
 
     from litsft.config import Config
     from litsft.data import JSON
-    from litsft.engine import validate
+    from litsft.evaluation import validate
     from litsft.model import Transformer
     from litsft.tokenizer import Tokenizer
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import launch
@@ -53,20 +54,19 @@ def test_three_kills_mid_checkpoint_then_relaunch_equals_uninterrupted_run(works
     assert sorted(p.name for p in (workspace / "killed").glob("step-*")) == ["step-00000006", "step-00000008"]
 
 
-def test_sigterm_to_the_launcher_checkpoints_and_exits_124_then_resumes_without_losing_a_step(
-    workspace: Path,
-) -> None:
-    """The signal reaches only Fabric's launcher (rank 0), as `kill <pid>` does; rank 1 stops with it."""
-    out_dir, marker = workspace / "sigterm", workspace / "reached-step-3"
-    # No periodic checkpoint: the one the stop writes is the only one.
-    args = args_for(workspace, "sigterm", "--train.save_interval", "100")
+def start_paused_at_step_3(
+    workspace: Path, name: str, marker: Path, action: str = "pause"
+) -> subprocess.Popen:
+    """A run with no periodic checkpoint (the one a stop writes is the only one), rank 0 held after step 3
+    until a signal reaches it (`pause`) or for ever (`hold`); in a session of its own, as a terminal's
+    foreground job is."""
     env = dict(
         launch.test_env(workspace),
         MASTER_PORT=str(free_port()),
-        **{FAULT_ENV: f"after_step_3:pause={marker}"},
+        **{FAULT_ENV: f"after_step_3:{action}={marker}"},
     )
     process = subprocess.Popen(
-        [sys.executable, "-m", "litsft", *args],
+        [sys.executable, "-m", "litsft", *args_for(workspace, name, "--train.save_interval", "100")],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -77,19 +77,56 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_124_then_resumes_without_
     while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marker.exists(), process.communicate()[0][-3000:]
+    return process
+
+
+@pytest.mark.parametrize(
+    "name, send",
+    [
+        # `kill <pid>`: the signal reaches only Fabric's launcher (rank 0); rank 1 stops with it.
+        ("sigterm", lambda process: os.kill(process.pid, signal.SIGTERM)),
+        # Ctrl-C in a terminal: SIGINT to every process of the foreground job.
+        ("ctrl-c", lambda process: os.killpg(process.pid, signal.SIGINT)),
+    ],
+)
+def test_a_stop_signal_checkpoints_and_exits_124_then_resumes_without_losing_a_step(
+    workspace: Path, name: str, send: Callable[[subprocess.Popen], None]
+) -> None:
+    out_dir, marker = workspace / name, workspace / f"{name}-reached-step-3"
+    process = start_paused_at_step_3(workspace, name, marker)
     signalled = time.monotonic()
-    os.kill(process.pid, signal.SIGTERM)
+    send(process)
     output = process.communicate(timeout=240)[0]
     grace = time.monotonic() - signalled
     assert process.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
     assert grace < 30, f"stopping took {grace:.1f} s, longer than a SLURM/torchrun grace period"
     assert latest_checkpoint(out_dir) == out_dir / "step-00000003"
     assert "Stopped by a signal after step 3" in output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
 
-    rerun = run_litsft(args, workspace)
+    rerun = run_litsft(args_for(workspace, name), workspace)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "Resumed from" in rerun.stdout + rerun.stderr
-    assert_same_as_reference(workspace, "sigterm")
+    assert_same_as_reference(workspace, name)
+
+
+def test_a_second_ctrl_c_stops_every_process_at_once_in_one_line(workspace: Path) -> None:
+    """Two Ctrl-C while rank 0 hangs in a step that never ends and rank 1 waits for it in a collective (where
+    Python's own signal handling cannot run): every process ends at once, no traceback, no checkpoint."""
+    out_dir, marker = workspace / "ctrl-c-twice", workspace / "ctrl-c-twice-reached-step-3"
+    process = start_paused_at_step_3(workspace, "ctrl-c-twice", marker, action="hold")
+    os.killpg(process.pid, signal.SIGINT)
+    time.sleep(0.5)
+    signalled = time.monotonic()
+    os.killpg(process.pid, signal.SIGINT)
+    output = process.communicate(timeout=60)[0]
+    assert time.monotonic() - signalled < 10, output[-3000:]
+    assert process.returncode == 130, output[-3000:]
+    assert "Stopped at once by a second Ctrl-C" in output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    assert latest_checkpoint(out_dir) is None
+    with pytest.raises(ProcessLookupError):  # no rank is left behind in the job's process group
+        os.killpg(process.pid, 0)
 
 
 def test_full_disk_during_save_keeps_previous_checkpoint_and_names_the_cause(workspace: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,11 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+from launch import free_port, test_env, write_records, write_tiny_checkpoint
 
 from litsft.__main__ import argument_error_line
 from litsft.checkpoint import is_complete, latest_checkpoint, remove_partial_checkpoints, rotate_checkpoints
 from litsft.errors import LitsftError
 from litsft.faults import FAULT_ENV, fault_point
+from litsft.rendezvous import TIMEOUT_ENV
 from litsft.run_lock import LOCK_NAME, STALE_AFTER_S, RunLock, process_start_time, read_holder
 
 
@@ -142,3 +145,83 @@ def test_fault_hook_is_inert_unless_it_names_this_point_and_rank(monkeypatch: py
 )
 def test_parser_errors_become_one_line(message: str, line: str) -> None:
     assert argument_error_line(message) == line
+
+
+# ---- several nodes: the rendezvous ends ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_node_inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("two-nodes")
+    write_tiny_checkpoint(root / "base", seed=1)
+    write_records(root / "data.json", count=16)
+    return root
+
+
+def start_node_0(root: Path, out_dir: Path, port: int, **env: str) -> subprocess.Popen:
+    """Node 0 of a --num_nodes 2 run started by hand (as on a cluster without torchrun or SLURM)."""
+    args = [
+        "finetune_full", str(root / "base"), "--out_dir", str(out_dir), "--num_nodes", "2",
+        "--data", "JSON", "--data.json_path", str(root / "data.json"), "--train.max_steps", "1",
+        "--train.global_batch_size", "2", "--train.micro_batch_size", "1", "--train.max_seq_length", "64",
+    ]  # fmt: skip
+    environment = dict(test_env(root), MASTER_PORT=str(port), **env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "litsft", *args],
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def test_several_nodes_without_anything_starting_the_others_are_refused_at_once(
+    two_node_inputs: Path,
+) -> None:
+    out_dir = two_node_inputs / "no-launcher"
+    process = start_node_0(two_node_inputs, out_dir, free_port())
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 2, stderr[-3000:]
+    assert stderr.strip().splitlines() == [stderr.strip()]
+    assert "--num_nodes 2 needs a process started on every node" in stderr and "torchrun" in stderr
+    assert not out_dir.exists()
+
+
+def test_a_node_that_never_joins_ends_the_wait_after_the_timeout_in_one_line(two_node_inputs: Path) -> None:
+    out_dir, port = two_node_inputs / "never-joins", free_port()
+    env = {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", TIMEOUT_ENV: "3"}
+    process = start_node_0(two_node_inputs, out_dir, port, **env)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 2, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1:] == [  # after Fabric's "Initializing distributed" line
+        f"error: gave up after 3 s waiting for the 2 processes of --devices 1 x --num_nodes 2 to join at "
+        f"127.0.0.1:{port} (this is node 0 of 2); start the same command on every node, or set {TIMEOUT_ENV} "
+        "(seconds) to wait longer"
+    ]
+    assert not out_dir.exists()  # the lock was given back and the out_dir it created removed
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_ends_the_wait_for_a_node_at_once(two_node_inputs: Path, sig: signal.Signals) -> None:
+    out_dir, port = two_node_inputs / f"waiting-{sig.name}", free_port()
+    process = start_node_0(two_node_inputs, out_dir, port, NODE_RANK="0", MASTER_ADDR="127.0.0.1")
+    deadline = time.monotonic() + 120
+    while not port_is_open(port) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)  # node 0 serves the rendezvous on MASTER_PORT while it waits
+    assert port_is_open(port), process.communicate()[1][-3000:]
+    signalled = time.monotonic()
+    os.killpg(process.pid, sig)
+    stdout, stderr = process.communicate(timeout=60)
+    assert time.monotonic() - signalled < 10
+    assert process.returncode == 128 + sig, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    assert stderr.strip().splitlines()[-1:] == [
+        f"Stopped by {sig.name} while waiting for the 2 processes of --devices 1 x --num_nodes 2 to join at "
+        f"127.0.0.1:{port} (this is node 0 of 2); nothing was written"
+    ]
+    assert not out_dir.exists()
+
+
+def port_is_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

@@ -1,0 +1,57 @@
+"""Validation during and after training: the held-out loss over the same batches on every pass, and a
+greedy sample of the first held-out prompt when the data module has one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+from litsft.args import RunConfig
+from litsft.step import to_device
+
+
+@torch.no_grad()
+def validate(
+    fabric: Fabric, model: nn.Module, val_loader: Any, tokenizer: Any, run: RunConfig, metrics: Any, step: int
+) -> None:
+    if val_loader is None:
+        return
+    model.eval()
+    # From the first batch on every pass: the loader would otherwise go on where the last pass stopped, and
+    # passes would score different batches (or none once it is used up).
+    val_loader.set_epoch(0)
+    totals = torch.zeros(2, device=fabric.device)
+    for i, batch in enumerate(val_loader):
+        if run.eval.max_batches is not None and i >= run.eval.max_batches:
+            break
+        batch = to_device(batch, fabric.device)
+        totals[0] += model(**batch)
+        totals[1] += batch["loss_positions"].numel()
+    totals = fabric.all_reduce(totals, reduce_op="sum")
+    sample = generate_sample(model, tokenizer, run)
+    model.train()
+    if totals[1] > 0:
+        metrics.validation_done(
+            step, loss=(totals[0] / totals[1]).item(), tokens=int(totals[1].item()), sample=sample
+        )
+
+
+def generate_sample(model: nn.Module, tokenizer: Any, run: RunConfig) -> str | None:
+    """Greedy completion of the first held-out prompt (data modules with `eval_prompts`, e.g. Demo).
+    Every rank generates it: forwards of a sharded model are collective."""
+    if run.eval.max_new_tokens <= 0 or not hasattr(run.data, "eval_prompts"):
+        return None
+    prompts = run.data.eval_prompts()
+    if not prompts:
+        return None
+    from litsft.generate import generate_batch
+
+    messages, _ = prompts[0]
+    prompt_ids = run.data.chat_format.encode_prompt(messages)
+    completion = generate_batch(
+        model, [prompt_ids], max_new_tokens=run.eval.max_new_tokens, stop_ids=tokenizer.stop_ids
+    )[0]
+    return f"{run.data.render_prompt(messages)}{tokenizer.decode(completion)}"

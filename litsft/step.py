@@ -1,0 +1,109 @@
+"""One optimizer step: micro-batches gathered for gradient accumulation, moved to the device, forward and
+backward with the loss weighted by the global target-token count, clipping, and an update that a non-finite
+gradient norm skips on the device. Nothing here makes the host wait for the device."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+from litsft.errors import LitsftError
+from litsft.model import loss_positions_of
+
+
+def next_micro_batches(
+    batches: Iterator, loader: Any, epoch: int, accumulation: int
+) -> tuple[list[dict[str, torch.Tensor]] | None, int, Iterator]:
+    """The next `accumulation` micro-batches, moving to the next epoch when this one cannot fill a step."""
+    for _ in range(2):
+        micro_batches = []
+        for batch in batches:
+            micro_batches.append(batch)
+            if len(micro_batches) == accumulation:
+                return micro_batches, epoch, batches
+        epoch += 1
+        loader.set_epoch(epoch)
+        batches = iter(loader)
+    return None, epoch, batches
+
+
+def train_step(
+    fabric: Fabric,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[dict[str, torch.Tensor]],
+    max_norm: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One optimizer step over the micro-batches of this rank. Returns (mean loss, grad norm, target tokens,
+    non-padding input tokens), all global and still on the device: nothing here makes the host wait for it."""
+    device = fabric.device
+    inputs = [to_device(mb, device) for mb in micro_batches]
+    counts = torch.tensor(
+        [
+            sum(batch["loss_positions"].numel() for batch in inputs),
+            sum(int(_input_token_count(mb)) for mb in micro_batches),
+        ],
+        device=device,
+    )
+    counts = fabric.all_reduce(counts, reduce_op="sum")
+    target_tokens = counts[0].clamp(min=1)
+    # Each rank's summed loss is divided by the *global* target-token count, so every token weighs the same
+    # whatever the packing, micro-batch size or number of ranks. FSDP averages gradients over ranks, which
+    # the factor world_size undoes.
+    scale = fabric.world_size / target_tokens
+    loss_sum = torch.zeros((), device=device)
+    for i, batch in enumerate(inputs):
+        with fabric.no_backward_sync(model, enabled=i < len(inputs) - 1):
+            loss = model(**batch)
+            fabric.backward(loss * scale)
+        loss_sum += loss.detach()
+    grad_norm = clip_gradients(model, max_norm)
+    # Checked on the device, not read by the host: with `found_inf` set (the flag torch's GradScaler uses),
+    # fused AdamW leaves parameters, moments and step count alone when the norm is inf or NaN. The loop
+    # reports it at its next synchronization (`raise_if_diverged`).
+    # Fabric's wrapper hands step() to the optimizer it wraps, which is where AdamW looks for the flag.
+    getattr(optimizer, "optimizer", optimizer).found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss = fabric.all_reduce(loss_sum, reduce_op="sum") / target_tokens
+    return loss, grad_norm, counts[0], counts[1]
+
+
+def raise_if_diverged(skipped_steps: torch.Tensor, step: int) -> None:
+    """Stop with one line if any optimizer step so far had an inf or NaN gradient norm (and was skipped)."""
+    skipped = int(skipped_steps.item())
+    if skipped:
+        raise LitsftError(
+            f"the gradient norm was inf or NaN in {skipped} of the first {step} steps (their updates were "
+            "skipped): training diverged or the data holds a broken sample; lower --optimizer.lr, check the "
+            "data, or resume from an earlier checkpoint"
+        )
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The model's inputs of a CPU micro-batch, on `device`, with the flat indices of the labels that carry a
+    loss: found here on the CPU, so the model can skip the output head elsewhere without waiting for the device."""
+    names = ("input_ids", "position_ids", "document_ids", "labels")
+    inputs = {name: batch[name] for name in names if name in batch}
+    inputs["loss_positions"] = loss_positions_of(batch["labels"])
+    return {name: tensor.to(device, non_blocking=True) for name, tensor in inputs.items()}
+
+
+def _input_token_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    if "document_ids" in batch:
+        return (batch["document_ids"] >= 0).sum()
+    if "attention_mask" in batch:
+        return batch["attention_mask"].sum()
+    return torch.tensor(batch["input_ids"].numel())
+
+
+def clip_gradients(model: nn.Module, max_norm: float | None) -> torch.Tensor:
+    """Global gradient norm over all ranks (clipped to max_norm when given)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else math.inf, foreach=True)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
