@@ -13,8 +13,9 @@ import sys
 import time
 from pathlib import Path
 
+import launch
 import pytest
-from launch import free_port, test_env, write_records, write_tiny_checkpoint
+from launch import free_port, write_records, write_tiny_checkpoint
 
 from litsft.__main__ import argument_error_line
 from litsft.checkpoint import is_complete, latest_checkpoint, remove_partial_checkpoints, rotate_checkpoints
@@ -163,7 +164,7 @@ def start_node_0(root: Path, out_dir: Path, port: int, **env: str) -> subprocess
         "--data", "JSON", "--data.json_path", str(root / "data.json"), "--train.max_steps", "1",
         "--train.global_batch_size", "2", "--train.micro_batch_size", "1", "--train.max_seq_length", "64",
     ]  # fmt: skip
-    environment = dict(test_env(root), MASTER_PORT=str(port), **env)
+    environment = dict(launch.test_env(root), MASTER_PORT=str(port), **env)
     return subprocess.Popen(
         [sys.executable, "-m", "litsft", *args],
         env=environment,
