@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import random
 import re
 import shlex
@@ -100,11 +101,15 @@ def strip_comment(command: str) -> str:
     return re.sub(r"\s+#\s.*$", "", command)
 
 
-def runnable(command: str, world_size: int = 1) -> str:
-    """The command as the test runs it: training shortened, everything else as written."""
+def runnable(command: str, world_size: int | None = None) -> str:
+    """The command as the test runs it: training shortened, everything else as written. The world size is
+    the command's --devices x --num_nodes unless given."""
     command = strip_comment(command)
     if not TRAINING.search(command):
         return command
+    if world_size is None:
+        sizes = [re.search(rf"--{name} (\d+)", command) for name in ("devices", "num_nodes")]
+        world_size = math.prod(int(size.group(1)) for size in sizes if size)
     background = command.endswith("&")
     extra = short_run(world_size, max_steps=not background)  # a backgrounded run is meant to be interrupted
     for name, args in DATA_SHORT_RUN.items():
