@@ -30,6 +30,7 @@ from litsft.errors import LitsftError
 from litsft.evaluation import validate
 from litsft.faults import fault_point
 from litsft.optimizer import build_optimizer, learning_rate
+from litsft.parallel import parallelize
 from litsft.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 from litsft.step import next_micro_batches, raise_if_diverged, train_step
 from litsft.validation import FINAL_DIR
@@ -187,11 +188,8 @@ def setup_model(fabric: Fabric, recipe: Recipe, run: RunConfig) -> nn.Module:
     """Build on the meta device, shard, materialize, then fill: no rank ever holds a full copy it does not need."""
     with torch.device("meta"):
         model = recipe.build_model(run.config)
-    model.activation_checkpointing = run.fsdp.activation_checkpointing
-    if run.train.compile:
-        for block in model.blocks:
-            block.compile()  # in place: parameter names do not change
-    if fabric.world_size == 1:
+    if fabric.world_size == 1:  # with more processes, Fabric's setup_module calls parallelize
+        parallelize(model, None, run.fsdp, run.precision, run.train.compile)
         model.to_empty(device=fabric.device)
         model.tie_weights()
     model = fabric.setup_module(model)

@@ -38,7 +38,9 @@ def launch(recipe: Recipe, run: RunConfig) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts; ranks inherit it
     spawned = processes.is_spawned_rank()
     with RunLock(run.out_dir) if processes.is_first_process() else nullcontext() as lock:
-        fabric = build_fabric(run.devices, run.num_nodes, run.precision, run.fsdp, run.accelerator)
+        fabric = build_fabric(
+            run.devices, run.num_nodes, run.precision, run.fsdp, run.accelerator, run.train.compile
+        )
         if processes.will_spawn(fabric):
             os.environ[processes.LAUNCHER_PID_ENV] = str(os.getpid())
         try:

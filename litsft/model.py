@@ -379,8 +379,6 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.kv_caches: list[KVCache] | None = None
-        self.activation_checkpointing = False
-        """Recompute each block in the backward pass instead of storing its activations."""
 
     def forward(
         self,
@@ -446,10 +444,7 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)
         for i, block in enumerate(self.blocks):
             kv_cache = self.kv_caches[i] if self.kv_caches is not None else None
-            if self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
-            else:
-                x = block(x, cos, sin, mask, kv_cache, cache_positions)
+            x = block(x, cos, sin, mask, kv_cache, cache_positions)
         return self.norm(x)
 
     def setup_kv_caches(self, batch_size: int, max_length: int) -> None:

@@ -1,8 +1,9 @@
-"""How the model is spread over devices: the one place that decides sharding.
+"""How the model is prepared for training on its devices: `parallelize` applies activation checkpointing,
+torch.compile and FSDP2 to it, in that order, and is the one place that decides sharding.
 
 Every sharding strategy is FSDP2 (`fully_shard`) on a device mesh, run through Fabric's
 ModelParallelStrategy. FSDP2 runs unpatched on CPU (gloo) and GPU (NCCL), and its hybrid mode is
-correct where FSDP1's silently drops the cross-replica all-reduce (../shared/NOTES-cpu-fsdp.md):
+correct where FSDP1's silently drops the cross-replica all-reduce (measured: tutorials/cpu_distributed.md):
 
 | strategy      | mesh                          | reshard_after_forward |
 |---------------|-------------------------------|-----------------------|
@@ -11,14 +12,16 @@ correct where FSDP1's silently drops the cross-replica all-reduce (../shared/NOT
 | HYBRID_SHARD  | 2-D (nodes, devices per node) | True: shard in a node, replicate across nodes |
 | NO_SHARD      | 2-D (all ranks, 1)            | replicate everywhere (DDP)                    |
 
-One process runs without FSDP.
+One process runs without FSDP (activation checkpointing and compile still apply).
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
@@ -37,10 +40,16 @@ def default_precision(accelerator: Device) -> Precision:
 
 
 def build_fabric(
-    devices: int, num_nodes: int, precision: Precision, fsdp: FSDPConfig, accelerator: Device
+    devices: int,
+    num_nodes: int,
+    precision: Precision,
+    fsdp: FSDPConfig,
+    accelerator: Device,
+    compile_blocks: bool = False,
 ) -> Fabric:
-    """A Fabric for `devices` x `num_nodes` processes on `accelerator` (CPU processes talk over gloo), FSDP2-sharded
-    as `fsdp` says when there is more than one."""
+    """A Fabric for `devices` x `num_nodes` processes on `accelerator` (CPU processes talk over gloo). With
+    more than one, `fabric.setup_module` runs `parallelize` (FSDP2-sharded as `fsdp` says); one process
+    calls `parallelize(model, None, ...)` itself."""
     if fsdp.cpu_offload and accelerator == "cpu":
         raise LitsftError(
             "--fsdp.cpu_offload needs GPUs: on a CPU-only machine everything already lives in CPU memory"
@@ -49,12 +58,8 @@ def build_fabric(
         return Fabric(accelerator=accelerator, devices=1, num_nodes=1, precision=precision)
 
     def parallelize_for_strategy(model: nn.Module, fabric_mesh: DeviceMesh) -> nn.Module:
-        return parallelize(
-            model,
-            data_parallel_mesh(fsdp.sharding_strategy, num_nodes, devices, accelerator),
-            fsdp,
-            precision,
-        )
+        mesh = data_parallel_mesh(fsdp.sharding_strategy, num_nodes, devices, accelerator)
+        return parallelize(model, mesh, fsdp, precision, compile_blocks)
 
     strategy = ModelParallelStrategy(
         parallelize_fn=parallelize_for_strategy, data_parallel_size=num_nodes, tensor_parallel_size=devices
@@ -90,7 +95,42 @@ def data_parallel_mesh(
     return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, precision: Precision) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    fsdp: FSDPConfig,
+    precision: Precision,
+    compile_blocks: bool = False,
+) -> nn.Module:
+    """Prepare `model` (in place; parameter names do not change) for training: activation checkpointing on
+    each block if asked, then each block compiled if asked, then FSDP2 on `mesh` (None: one process, no
+    FSDP). The order matters: compile sees the recomputation, and FSDP wraps the compiled blocks."""
+    if fsdp.activation_checkpointing:
+        for block in model.blocks:
+            recompute_in_backward(block)
+    if compile_blocks:
+        for block in model.blocks:
+            block.compile()
+    if mesh is not None:
+        fully_shard_blocks(model, mesh, fsdp, precision)
+    return model
+
+
+def recompute_in_backward(block: nn.Module) -> None:
+    """Activation checkpointing: in training, `block` keeps only its inputs and runs its forward again in the
+    backward pass (less memory, about 1/3 more compute). Its forward is replaced on the instance, not
+    wrapped in another module, so parameter names stay those of checkpoints and exports."""
+    forward = block.forward
+
+    def forward_recomputed_in_backward(*args: Any, **kwargs: Any) -> Any:
+        if not block.training:
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    block.forward = forward_recomputed_in_backward
+
+
+def fully_shard_blocks(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, precision: Precision) -> None:
     """Shard each transformer block as its own FSDP unit, then the root (embeddings, final norm, head).
 
     Frozen and trainable parameters (LoRA) never share a unit: a module whose parameters are mixed is
@@ -115,7 +155,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, precision:
         fully_shard(module, reshard_after_forward=reshard, **options)
     # The root's parameters are needed again right at the start of backward; keeping them saves one all-gather.
     fully_shard(model, reshard_after_forward=False, **options)
-    return model
 
 
 def trainable_islands(module: nn.Module, skip: nn.Module | None = None) -> list[nn.Module]:
