@@ -31,7 +31,7 @@ from harness import (
 )
 
 from litsft.config import Config
-from litsft.metrics import flops_per_token
+from litsft.flops import flops_per_token
 
 RUNS = (
     ("full", 1, "NO_SHARD"),

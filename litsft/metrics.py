@@ -1,4 +1,4 @@
-"""Training metrics: FLOPs and MFU, throughput, memory, token-weighted loss, and the loggers.
+"""Training metrics: throughput and MFU, memory, token-weighted loss, and the logger that writes them.
 
 The engine loop says what is measured; this module says how. Nothing here synchronizes the host with
 the device in the hot loop: step values are accumulated as device tensors and read (`.item()`, a clock,
@@ -19,12 +19,7 @@ Use in the engine loop (all ranks call it; only global rank 0 writes):
 from __future__ import annotations
 
 import contextlib
-import csv
-import importlib
-import json
 import math
-import os
-import re
 import resource
 import sys
 import time
@@ -37,10 +32,8 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from litsft.config import Config
-from litsft.errors import LitsftError
-
-LoggerName = Literal["csv", "tensorboard", "wandb"]
-LOGGER_NAMES: tuple[str, ...] = ("csv", "tensorboard", "wandb")
+from litsft.flops import device_peak_flops, flops_per_token, mfu
+from litsft.loggers import CSVWriter, LoggerName, MetricWriter, check_loggers, metric_loggers
 
 # One CSV for the whole run: a row per log step (train columns filled) and a row per validation
 # (val columns filled); blank where a value does not apply or is unknown (MFU on an unknown device).
@@ -61,118 +54,8 @@ CSV_COLUMNS: tuple[str, ...] = (
     "val_tokens",
 )
 TRAIN_METRICS = frozenset(CSV_COLUMNS) - {"step", "val_loss", "val_perplexity", "val_tokens"}
-CSV_FILENAME = "metrics.csv"
 PLOT_FILENAME = "loss.png"
 SAMPLES_FILENAME = "samples.txt"
-
-
-# ---- FLOPs and peak FLOP/s ------------------------------------------------------------------------
-def flops_per_token(config: Config, seq_len: int, trainable: Literal["all", "lora"] = "all") -> float:
-    """Training FLOPs per token for one forward and backward pass (PaLM appendix B, as torchtitan counts).
-
-    N counts the weights of every matmul: the q/k/v/o and MLP projections and lm_head, which runs even
-    when tied to the embedding; the embedding lookup is a gather and costs none. Norms, biases, RoPE and
-    softmax are elementwise and left out. Attention scores and their weighted sum add 4 * L * H * D * T
-    per token in the forward pass, counted over the full `seq_len` T, causal mask or not, so numbers
-    compare with other reports. Pass the length the attention kernel processes: the padded or packed
-    block length (litsft's masked SDPA computes the whole block even for packed documents).
-
-    Args:
-        config: The model's shape.
-        seq_len: Tokens per sequence as the attention kernel sees them.
-        trainable: "all": forward 2N, backward 4N (input and weight gradients) = 6N. "lora": the base
-            weights are frozen, so the backward skips weight gradients: 2N + 2N = 4N; the low-rank
-            adapters add about 6 * rank * (in + out) per adapted matrix, negligible and not counted.
-            Attention has no weights, so its backward costs twice its forward either way.
-    """
-    C, L, H, K, D = (
-        config.hidden_size,
-        config.num_layers,
-        config.num_heads,
-        config.num_kv_heads,
-        config.head_dim,
-    )
-    per_block = C * D * (2 * H + 2 * K) + 3 * C * config.intermediate_size
-    matmul_weights = L * per_block + config.vocab_size * C
-    attention_forward = 4 * L * H * D * seq_len
-    dense = (6 if trainable == "all" else 4) * matmul_weights
-    return float(dense + 3 * attention_forward)
-
-
-# Dense (no 2:4 sparsity) peak tensor-core FLOP/s per GPU, from NVIDIA's datasheets. An entry matches
-# when all its words occur in torch.cuda.get_device_name(); the first match wins, so specific names
-# come first. bf16/fp16 are with fp32 accumulation (what training uses; GeForce cards halve it).
-# A missing "tf32" means the GPU has no TF32 units: fp32 matmuls then run at the "fp32" rate. A missing
-# "bf16" (V100, T4) means bf16 is emulated and no MFU is reported.
-_GPU_PEAK_FLOPS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
-    (("b200",), {"bf16": 2250e12, "fp16": 2250e12, "tf32": 1100e12, "fp32": 75e12}),
-    (("h200", "nvl"), {"bf16": 835e12, "fp16": 835e12, "tf32": 417.5e12, "fp32": 60e12}),
-    (("h200",), {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
-    (("gh200",), {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
-    (("h100", "nvl"), {"bf16": 835e12, "fp16": 835e12, "tf32": 417.5e12, "fp32": 60e12}),
-    (("h100", "pcie"), {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),
-    (("h100", "hbm2e"), {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),  # PCIe
-    (("h100",), {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
-    (("a100",), {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
-    (("a10g",), {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),  # AWS's A10
-    (("a10",), {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
-    (("l40s",), {"bf16": 362.05e12, "fp16": 362.05e12, "tf32": 183e12, "fp32": 91.6e12}),
-    (("l40",), {"bf16": 181.05e12, "fp16": 181.05e12, "tf32": 90.5e12, "fp32": 90.5e12}),
-    (("l4",), {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
-    (("rtx", "4090"), {"bf16": 165.2e12, "fp16": 165.2e12, "tf32": 82.6e12, "fp32": 82.6e12}),
-    (("rtx", "3090"), {"bf16": 71e12, "fp16": 71e12, "tf32": 35.6e12, "fp32": 35.6e12}),
-    (("v100s",), {"fp16": 130e12, "fp32": 16.4e12}),
-    (("v100", "pcie"), {"fp16": 112e12, "fp32": 14e12}),
-    (("v100",), {"fp16": 125e12, "fp32": 15.7e12}),
-    (("t4",), {"fp16": 65e12, "fp32": 8.1e12}),
-)
-
-
-def matmul_precision(precision: str) -> Literal["bf16", "fp16", "tf32", "fp32"] | None:
-    """The number format matmuls run in under a Fabric precision ("bf16-mixed", "16-true", "32-true",
-    ...) or a plain name; None for formats without a peak in the table (fp64, fp8)."""
-    name = str(precision).lower()
-    if name.startswith("bf16"):
-        return "bf16"
-    if name.startswith(("16", "fp16", "float16")):
-        return "fp16"
-    if name == "tf32":
-        return "tf32"
-    if name.startswith(("32", "fp32", "float32")):
-        # torch.set_float32_matmul_precision("high") lets fp32 matmuls run on TF32 tensor cores.
-        return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    return None
-
-
-def gpu_peak_flops(device_name: str, precision: str) -> float | None:
-    """Dense peak FLOP/s of one GPU named as `torch.cuda.get_device_name()` names it, or None if the
-    GPU or the precision is not in the table."""
-    fmt = matmul_precision(precision)
-    words = set(re.split(r"[\s\-_]+", device_name.lower()))
-    for required, peaks in _GPU_PEAK_FLOPS:
-        if set(required) <= words:
-            if fmt == "tf32" and "tf32" not in peaks:
-                fmt = "fp32"
-            return peaks.get(fmt) if fmt else None
-    return None
-
-
-def device_peak_flops(device: torch.device, precision: str, peak_flops: float | None = None) -> float | None:
-    """Peak FLOP/s of one device for MFU, or None when unknown (CPU, an unlisted GPU): MFU is then not
-    reported rather than guessed.
-
-    Args:
-        device: The training device.
-        precision: Fabric's precision setting, e.g. "bf16-mixed".
-        peak_flops: An explicit peak that overrides the table, for GPUs it lacks or a known clock limit.
-    """
-    if peak_flops is not None:
-        if not peak_flops > 0:
-            raise LitsftError(f"peak_flops={peak_flops} must be a positive FLOP/s figure, e.g. 989e12")
-        return float(peak_flops)
-    if device.type != "cuda":
-        return None
-    return gpu_peak_flops(torch.cuda.get_device_name(device), precision)
 
 
 # ---- throughput and memory ------------------------------------------------------------------------
@@ -262,15 +145,6 @@ class Throughput:
         }
 
 
-def mfu(
-    flops_per_token: float, tokens_per_second: float, peak_flops: float | None, world_size: int
-) -> float | None:
-    """Model FLOPs utilization: achieved training FLOP/s over the peak of all devices; None if unknown."""
-    if peak_flops is None:
-        return None
-    return flops_per_token * tokens_per_second / (peak_flops * world_size)
-
-
 def peak_memory(device: torch.device) -> dict[str, float]:
     """Peak memory of this process since it started, in MiB (2**20 bytes).
 
@@ -327,23 +201,10 @@ def perplexity(loss: float) -> float:
 
 
 # ---- loggers ---------------------------------------------------------------------------------------
-def _require(logger: str, package: str) -> None:
-    try:
-        importlib.import_module(package)
-    except ImportError:
-        raise LitsftError(
-            f"loggers includes {logger!r} but the {package} package is not installed; "
-            f"run `pip install {package}` or drop {logger!r} from loggers"
-        ) from None
-
-
 class MetricsLogger:
-    """Writes metrics on the global-zero rank: metrics.csv, optional TensorBoard and W&B, a tqdm progress
-    bar with ETA, samples.txt, and loss.png at `close()`. Other ranks write and show nothing.
-
-    W&B runs in offline mode when WANDB_MODE=offline is set (wandb reads it itself); the project is
-    WANDB_PROJECT, else "litsft".
-    """
+    """Writes metrics on the global-zero rank through the back-ends of `litsft.loggers` (metrics.csv,
+    optional TensorBoard and W&B), a tqdm progress bar with ETA, samples.txt, and loss.png at `close()`.
+    Other ranks write and show nothing."""
 
     def __init__(
         self,
@@ -365,22 +226,14 @@ class MetricsLogger:
                 and appends; 0 starts a fresh metrics.csv.
             run_config: Hyperparameters recorded with the run (W&B config, TensorBoard text).
         """
-        unknown = [name for name in loggers if name not in LOGGER_NAMES]
-        if unknown:
-            raise LitsftError(f"unknown logger {unknown[0]!r}; choose from {', '.join(LOGGER_NAMES)}")
-        # Checked on every rank so that all of them fail together instead of rank 0 alone.
-        if "tensorboard" in loggers:
-            _require("tensorboard", "tensorboard")
-        if "wandb" in loggers:
-            _require("wandb", "wandb")
+        check_loggers(loggers)
         self.out_dir = Path(out_dir)
         self.is_global_zero = is_global_zero
         self.loggers = tuple(dict.fromkeys(loggers))
         self.history: list[dict[str, float | None]] = []
         """Every row logged (and, on resume, kept from metrics.csv): the data behind loss.png."""
         self._closed = False
-        self._tensorboard: Any = None
-        self._wandb: Any = None
+        self._writers: list[MetricWriter] = []
         self._bar: Any = None
         self._throughput: Throughput | None = None
         self._device = torch.device("cpu")
@@ -389,24 +242,11 @@ class MetricsLogger:
         if not is_global_zero:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        if "csv" in self.loggers:
-            self._start_csv(start_step)
-        if "tensorboard" in self.loggers:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
-            if run_config:
-                text = json.dumps(run_config, indent=2, default=str)
-                self._tensorboard.add_text("run_config", f"```\n{text}\n```", start_step)
-        if "wandb" in self.loggers:
-            import wandb
-
-            self._wandb = wandb.init(
-                project=os.environ.get("WANDB_PROJECT", "litsft"),
-                name=self.out_dir.name,
-                dir=str(self.out_dir),
-                config=run_config or {},
-            )
+        self._writers = metric_loggers(self.loggers, self.out_dir, CSV_COLUMNS, start_step, run_config or {})
+        for writer in self._writers:
+            if isinstance(writer, CSVWriter):
+                kept = writer.kept_rows
+                self.history += [{k: float(r[k]) if r.get(k) else None for k in CSV_COLUMNS} for r in kept]
         from tqdm import tqdm
 
         # Outside a terminal (a batch job's log file) redraw rarely: each redraw is a line there.
@@ -418,37 +258,10 @@ class MetricsLogger:
             mininterval=1.0 if sys.stderr.isatty() else 30.0,
         )
 
-    def _start_csv(self, start_step: int) -> None:
-        path = self.out_dir / CSV_FILENAME
-        kept: list[dict[str, str]] = []
-        if start_step > 0 and path.is_file():
-            with path.open(newline="") as f:
-                kept = [
-                    row for row in csv.DictReader(f) if row.get("step") and int(row["step"]) <= start_step
-                ]
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(kept)
-        for row in kept:
-            self.history.append({k: float(row[k]) if row.get(k) else None for k in CSV_COLUMNS})
-
     def _write(self, row: dict[str, float | None], prefix: str) -> None:
         self.history.append(row)
-        step = int(row["step"])  # type: ignore[arg-type]
-        if "csv" in self.loggers:
-            with (self.out_dir / CSV_FILENAME).open("a", newline="") as f:
-                csv_row = {k: "" if v is None else (step if k == "step" else v) for k, v in row.items()}
-                csv.DictWriter(f, fieldnames=CSV_COLUMNS).writerow(csv_row)
-        values = {
-            f"{prefix}/{k.removeprefix('val_')}": v for k, v in row.items() if k != "step" and v is not None
-        }
-        if self._tensorboard is not None:
-            for key, value in values.items():
-                self._tensorboard.add_scalar(key, value, step)
-            self._tensorboard.flush()
-        if self._wandb is not None:
-            self._wandb.log(values, step=step)
+        for writer in self._writers:
+            writer.log(row, prefix)
 
     def set_model(
         self,
@@ -578,10 +391,8 @@ class MetricsLogger:
             message += f"\n{sample}"
             with (self.out_dir / SAMPLES_FILENAME).open("a") as f:
                 f.write(f"## step {step}\n{sample}\n\n")
-            if self._tensorboard is not None:
-                self._tensorboard.add_text("val/sample", sample, step)
-            if self._wandb is not None:
-                self._wandb.log({"val/sample": sample}, step=step)
+            for writer in self._writers:
+                writer.log_text("val/sample", sample, step)
         if self._bar.total is not None and self._bar.n >= self._bar.total:
             # The last validation: tqdm.write redraws the bar after the message and close() draws it
             # again, so the finished bar would appear twice; closing it first draws it once.
@@ -601,10 +412,8 @@ class MetricsLogger:
         self._closed = True
         self._bar.close()
         self._plot()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        for writer in self._writers:
+            writer.close()
 
     def _plot(self) -> None:
         # Figure without pyplot: renders with Agg and leaves the global backend and figures alone.

@@ -32,15 +32,10 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
+from litsft.args import Precision, ShardingStrategy
 from litsft.config import Config, format_count
 from litsft.errors import LitsftError
-
-# The same choices as litsft/parallel.py (a test keeps them equal), written out here so that planning
-# does not import torch and Lightning.
-ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
-Precision = Literal["bf16-mixed", "bf16-true", "16-mixed", "32-true"]
 
 # (bytes of a stored parameter, bytes of a parameter as the matmuls see it). Gradients and AdamW's two
 # states take the stored dtype: FSDP2 reduces gradients in fp32 (reduce_dtype) into the fp32 shards.
@@ -282,18 +277,9 @@ def plan(
     memory = parse_memory_size(device_memory) if device_memory is not None else None
     config = Config.from_checkpoint(model) if Path(model).is_dir() else Config.from_name(model)
     estimate = estimate_memory(
-        config,
-        devices,
-        num_nodes,
-        sharding_strategy,
-        precision,
-        micro_batch_size,
-        max_seq_length,
-        activation_checkpointing,
-        lora,
-        lora_rank,
-        accumulation_steps,
-    )
+        config, devices, num_nodes, sharding_strategy, precision, micro_batch_size, max_seq_length,
+        activation_checkpointing, lora, lora_rank, accumulation_steps,
+    )  # fmt: skip
     world_size = devices * num_nodes
     shard = shard_group_size(devices, num_nodes, sharding_strategy) if world_size > 1 else 1
     method = f"LoRA rank {lora_rank}" if lora else "full fine-tuning"

@@ -12,17 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import litsft.metrics as metrics
 from litsft.config import Config
 from litsft.errors import LitsftError
-from litsft.metrics import (
-    CSV_COLUMNS,
-    MetricsLogger,
-    Throughput,
-    TokenWeightedMean,
-    device_peak_flops,
-    flops_per_token,
-    gpu_peak_flops,
-    matmul_precision,
-    peak_memory,
-)
+from litsft.flops import device_peak_flops, flops_per_token, gpu_peak_flops, matmul_precision
+from litsft.metrics import CSV_COLUMNS, MetricsLogger, Throughput, TokenWeightedMean, peak_memory
 from litsft.model import Transformer
 
 torch.set_num_threads(1)

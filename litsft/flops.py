@@ -1,0 +1,132 @@
+"""FLOP accounting: the training FLOPs of one token, the peak FLOP/s of a device, and MFU.
+
+Pure arithmetic over a `Config` and a device name; `litsft.metrics` uses it for the MFU column, and
+benchmarks use it to compare runs.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import torch
+
+from litsft.config import Config
+from litsft.errors import LitsftError
+
+
+def flops_per_token(config: Config, seq_len: int, trainable: Literal["all", "lora"] = "all") -> float:
+    """Training FLOPs per token for one forward and backward pass (PaLM appendix B, as torchtitan counts).
+
+    N counts the weights of every matmul: the q/k/v/o and MLP projections and lm_head, which runs even
+    when tied to the embedding; the embedding lookup is a gather and costs none. Norms, biases, RoPE and
+    softmax are elementwise and left out. Attention scores and their weighted sum add 4 * L * H * D * T
+    per token in the forward pass, counted over the full `seq_len` T, causal mask or not, so numbers
+    compare with other reports. Pass the length the attention kernel processes: the padded or packed
+    block length (litsft's masked SDPA computes the whole block even for packed documents).
+
+    Args:
+        config: The model's shape.
+        seq_len: Tokens per sequence as the attention kernel sees them.
+        trainable: "all": forward 2N, backward 4N (input and weight gradients) = 6N. "lora": the base
+            weights are frozen, so the backward skips weight gradients: 2N + 2N = 4N; the low-rank
+            adapters add about 6 * rank * (in + out) per adapted matrix, negligible and not counted.
+            Attention has no weights, so its backward costs twice its forward either way.
+    """
+    C, L, H, K, D = (
+        config.hidden_size,
+        config.num_layers,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+    )
+    per_block = C * D * (2 * H + 2 * K) + 3 * C * config.intermediate_size
+    matmul_weights = L * per_block + config.vocab_size * C
+    attention_forward = 4 * L * H * D * seq_len
+    dense = (6 if trainable == "all" else 4) * matmul_weights
+    return float(dense + 3 * attention_forward)
+
+
+# Dense (no 2:4 sparsity) peak tensor-core FLOP/s per GPU, from NVIDIA's datasheets. An entry matches
+# when all its words occur in torch.cuda.get_device_name(); the first match wins, so specific names
+# come first. bf16/fp16 are with fp32 accumulation (what training uses; GeForce cards halve it).
+# A missing "tf32" means the GPU has no TF32 units: fp32 matmuls then run at the "fp32" rate. A missing
+# "bf16" (V100, T4) means bf16 is emulated and no MFU is reported.
+_GPU_PEAK_FLOPS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
+    (("b200",), {"bf16": 2250e12, "fp16": 2250e12, "tf32": 1100e12, "fp32": 75e12}),
+    (("h200", "nvl"), {"bf16": 835e12, "fp16": 835e12, "tf32": 417.5e12, "fp32": 60e12}),
+    (("h200",), {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    (("gh200",), {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    (("h100", "nvl"), {"bf16": 835e12, "fp16": 835e12, "tf32": 417.5e12, "fp32": 60e12}),
+    (("h100", "pcie"), {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),
+    (("h100", "hbm2e"), {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),  # PCIe
+    (("h100",), {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
+    (("a100",), {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    (("a10g",), {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),  # AWS's A10
+    (("a10",), {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
+    (("l40s",), {"bf16": 362.05e12, "fp16": 362.05e12, "tf32": 183e12, "fp32": 91.6e12}),
+    (("l40",), {"bf16": 181.05e12, "fp16": 181.05e12, "tf32": 90.5e12, "fp32": 90.5e12}),
+    (("l4",), {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
+    (("rtx", "4090"), {"bf16": 165.2e12, "fp16": 165.2e12, "tf32": 82.6e12, "fp32": 82.6e12}),
+    (("rtx", "3090"), {"bf16": 71e12, "fp16": 71e12, "tf32": 35.6e12, "fp32": 35.6e12}),
+    (("v100s",), {"fp16": 130e12, "fp32": 16.4e12}),
+    (("v100", "pcie"), {"fp16": 112e12, "fp32": 14e12}),
+    (("v100",), {"fp16": 125e12, "fp32": 15.7e12}),
+    (("t4",), {"fp16": 65e12, "fp32": 8.1e12}),
+)
+
+
+def matmul_precision(precision: str) -> Literal["bf16", "fp16", "tf32", "fp32"] | None:
+    """The number format matmuls run in under a Fabric precision ("bf16-mixed", "16-true", "32-true",
+    ...) or a plain name; None for formats without a peak in the table (fp64, fp8)."""
+    name = str(precision).lower()
+    if name.startswith("bf16"):
+        return "bf16"
+    if name.startswith(("16", "fp16", "float16")):
+        return "fp16"
+    if name == "tf32":
+        return "tf32"
+    if name.startswith(("32", "fp32", "float32")):
+        # torch.set_float32_matmul_precision("high") lets fp32 matmuls run on TF32 tensor cores.
+        return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return None
+
+
+def gpu_peak_flops(device_name: str, precision: str) -> float | None:
+    """Dense peak FLOP/s of one GPU named as `torch.cuda.get_device_name()` names it, or None if the
+    GPU or the precision is not in the table."""
+    fmt = matmul_precision(precision)
+    words = set(re.split(r"[\s\-_]+", device_name.lower()))
+    for required, peaks in _GPU_PEAK_FLOPS:
+        if set(required) <= words:
+            if fmt == "tf32" and "tf32" not in peaks:
+                fmt = "fp32"
+            return peaks.get(fmt) if fmt else None
+    return None
+
+
+def device_peak_flops(device: torch.device, precision: str, peak_flops: float | None = None) -> float | None:
+    """Peak FLOP/s of one device for MFU, or None when unknown (CPU, an unlisted GPU): MFU is then not
+    reported rather than guessed.
+
+    Args:
+        device: The training device.
+        precision: Fabric's precision setting, e.g. "bf16-mixed".
+        peak_flops: An explicit peak that overrides the table, for GPUs it lacks or a known clock limit.
+    """
+    if peak_flops is not None:
+        if not peak_flops > 0:
+            raise LitsftError(f"peak_flops={peak_flops} must be a positive FLOP/s figure, e.g. 989e12")
+        return float(peak_flops)
+    if device.type != "cuda":
+        return None
+    return gpu_peak_flops(torch.cuda.get_device_name(device), precision)
+
+
+def mfu(
+    flops_per_token: float, tokens_per_second: float, peak_flops: float | None, world_size: int
+) -> float | None:
+    """Model FLOPs utilization: achieved training FLOP/s over the peak of all devices; None if unknown."""
+    if peak_flops is None:
+        return None
+    return flops_per_token * tokens_per_second / (peak_flops * world_size)
