@@ -12,7 +12,6 @@ so FSDP2 can put the frozen base and the trainable adapters in separate units:
 
 `model.load_state_dict(plain_litsft_state_dict)` still works: `LoRALinear` renames `weight`/`bias` to
 `base.weight`/`base.bias` while loading and leaves its adapters as they are when the state dict has none.
-Loaders that match keys themselves (torch.distributed.checkpoint) can use `to_lora_names` instead.
 
 A LoRA checkpoint directory (what finetune_lora writes, see `save_lora_checkpoint`):
     lora_config.json      LoRAConfig plus "base_checkpoint": the litsft checkpoint the adapters were trained on
@@ -192,11 +191,6 @@ class LoRALinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
 
-    def merged_weight(self) -> torch.Tensor:
-        """base.weight + B @ A * scaling, differentiable in A and B: for code that multiplies by the weight
-        itself (the chunked cross-entropy over lm_head). Adapter dropout is not applied there."""
-        return self.base.weight + (self.lora_B.weight @ self.lora_A.weight) * self.scaling
-
     def delta_weight(self) -> torch.Tensor:
         """B @ A * scaling (out, in), in fp32."""
         return lora_delta(self.lora_A.weight, self.lora_B.weight, self.scaling)
@@ -222,8 +216,9 @@ def lora_delta(lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> to
 # ---- applying to a model -------------------------------------------------------------------------------
 def apply_lora(model: Transformer, config: LoRAConfig) -> Transformer:
     """Wrap the targeted projections of `model` in LoRALinear (in place) and freeze everything but the
-    adapters. Works on a model on the meta device: after `to_empty()`, call `init_lora_weights(model)` (or
-    let Fabric's materialization call each module's `reset_parameters()`), then load the base weights."""
+    adapters. Works on a model on the meta device: after `to_empty()`, let Fabric's materialization
+    call each module's `reset_parameters()` (or draw the adapters with `initial_adapter_value`), then load the
+    base weights."""
     module_names = {MODULE_OF_TARGET[t] for t in config.target_list}
     for parent in list(model.modules()):
         if isinstance(parent, LoRALinear):
@@ -238,24 +233,6 @@ def apply_lora(model: Transformer, config: LoRAConfig) -> Transformer:
 def mark_only_lora_trainable(model: nn.Module) -> None:
     for name, param in model.named_parameters():
         param.requires_grad = _is_adapter_name(name)
-
-
-@torch.no_grad()
-def init_lora_weights(model: nn.Module) -> None:
-    """Fresh adapters everywhere (A random, B zero), e.g. after materializing a meta-device model."""
-    for module in model.modules():
-        if isinstance(module, LoRALinear):
-            module.reset_lora_parameters()
-
-
-def to_lora_names(state_dict: Mapping[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """Rename a plain litsft state dict to the names of a LoRA model (`q_proj.weight` -> `q_proj.base.weight`)."""
-    wrapped = {name for name, module in model.named_modules() if isinstance(module, LoRALinear)}
-    renamed = {}
-    for key, tensor in state_dict.items():
-        module, _, suffix = key.rpartition(".")
-        renamed[f"{module}.base.{suffix}" if module in wrapped else key] = tensor
-    return renamed
 
 
 def _is_adapter_name(name: str) -> bool:
@@ -278,25 +255,6 @@ def lora_state_dict(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor])
 
 
 # ---- merging -------------------------------------------------------------------------------------------
-@torch.no_grad()
-def merge_lora_weights(model: Transformer) -> Transformer:
-    """Fold every adapter into its base weight and put the plain nn.Linear back (in place); returns `model`.
-    A tied lm_head with an adapter gets a weight of its own: the input embeddings must stay unchanged."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, LoRALinear):
-                continue
-            base = child.base
-            merged = (base.weight.float() + child.delta_weight()).to(base.weight.dtype)
-            if base.weight is model.embed.weight:
-                base.weight = nn.Parameter(merged, requires_grad=False)
-                model.config = replace(model.config, tie_word_embeddings=False)
-            else:
-                base.weight.copy_(merged)
-            setattr(parent, name, base)
-    return model
-
-
 def iter_merged_tensors(
     base_tensors: Iterable[tuple[str, torch.Tensor]],
     adapter_state_dict: Mapping[str, torch.Tensor],
@@ -319,18 +277,6 @@ def iter_merged_tensors(
         yield name, merge(module, tensor) if suffix == "weight" else tensor
         if name == "embed.weight" and tie_word_embeddings and "lm_head.lora_A.weight" in adapter_state_dict:
             yield "lm_head.weight", merge("lm_head", tensor)
-
-
-def merged_state_dict(
-    base_state_dict: Mapping[str, torch.Tensor],
-    adapter_state_dict: Mapping[str, torch.Tensor],
-    lora_config: LoRAConfig,
-) -> dict[str, torch.Tensor]:
-    """A plain litsft state dict with the adapters folded in (base tensors are not modified). A base state
-    dict without `lm_head.weight` is taken to be tied, as litsft checkpoints store it."""
-    tied = "lm_head.weight" not in base_state_dict
-    tensors = ((n, t) for n, t in base_state_dict.items() if not (tied and n == "lm_head.weight"))
-    return dict(iter_merged_tensors(tensors, adapter_state_dict, lora_config, tie_word_embeddings=tied))
 
 
 def merged_config(config: Config, lora_config: LoRAConfig) -> Config:

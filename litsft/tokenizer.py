@@ -117,14 +117,6 @@ class Tokenizer:
         encodings = encode_batch(texts, add_special_tokens=False)
         return [self._add_special(encoding.ids, add_bos, add_eos) for encoding in encodings]
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """Token ids of `text` (no bos or eos added) and each token's (start, end) character span in it.
-
-        A token that holds part of a multi-byte character spans that whole character.
-        """
-        encoding = self._tokenizer.encode(text, add_special_tokens=False)
-        return encoding.ids, [tuple(offset) for offset in encoding.offsets]
-
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

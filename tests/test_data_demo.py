@@ -12,6 +12,17 @@ from litsft.data.loader import collate
 from litsft.tokenizer import Tokenizer
 
 
+def padding_efficiency(loader) -> float:
+    """Fraction of positions in an epoch's batches (all ranks) that hold a sample token, not padding."""
+    used = padded = 0
+    for rank in range(loader.world_size):
+        for rows in loader.micro_batches(None, rank):
+            lengths = [int(loader.positions[row].sum()) for row in rows]
+            used += sum(lengths)
+            padded += len(rows) * (loader.max_seq_length if loader.packing else max([1, *lengths]))
+    return used / padded if padded else 0.0
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     directory = tmp_path_factory.mktemp("demo-tokenizer")
@@ -89,10 +100,10 @@ def test_packing_efficiency_on_the_demo_data(tmp_path, tokenizer):
     data.connect(tokenizer, max_seq_length=256, seed=0)
     data.prepare()
     data.setup()
-    packed = data.train_dataloader(0, 1, 8, 16).padding_efficiency()
+    packed = padding_efficiency(data.train_dataloader(0, 1, 8, 16))
     data.packing = False
     grouped_loader = data.train_dataloader(0, 1, 8, 16)
-    grouped = grouped_loader.padding_efficiency()
+    grouped = padding_efficiency(grouped_loader)
     # Padding to the longest sample of a random batch, without length grouping.
     order = random.Random(0).sample(range(len(data.train_samples)), len(data.train_samples))
     used = padded = 0

@@ -11,9 +11,10 @@ import torch
 from launch import litsft, write_records, write_tiny_checkpoint
 from safetensors.torch import load_file
 from test_engine import finetune_args
+from test_lora import merged_state_dict
 
 from litsft.generate import load_model
-from litsft.lora import load_lora_checkpoint, merged_state_dict
+from litsft.lora import load_lora_checkpoint
 from litsft.model import Transformer
 from litsft.weight_files import load_checkpoint_state_dict
 

@@ -119,15 +119,6 @@ def test_pad_falls_back_to_eos_and_add_bos_to_the_post_processor(tmp_path):
     assert tokenizer.encode("hi")[0] == tokenizer.bos_id == 0
 
 
-def test_encode_with_offsets_covers_the_text(tokenizer_dir):
-    tokenizer = Tokenizer(tokenizer_dir)
-    text = "<|im_start|>user\nHello world, 42 cats!<|im_end|>\n"
-    ids, offsets = tokenizer.encode_with_offsets(text)
-    assert ids == tokenizer.encode(text, add_bos=False)
-    assert "".join(text[start:end] for start, end in offsets) == text
-    assert offsets[0] == (0, len("<|im_start|>"))
-
-
 def test_chat_template_sources(tmp_path):
     write_tiny_tokenizer(tmp_path, chat_template=None)
     tokenizer = Tokenizer(tmp_path)

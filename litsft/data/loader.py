@@ -243,16 +243,6 @@ class SFTLoader:
         self.epoch = epoch
         self.position = 0
 
-    def padding_efficiency(self, epoch: int | None = None) -> float:
-        """Fraction of positions in the epoch's batches (all ranks) that hold a sample token, not padding."""
-        used = padded = 0
-        for rank in range(self.world_size):
-            for rows in self.micro_batches(epoch, rank):
-                lengths = [int(self.positions[row].sum()) for row in rows]
-                used += sum(lengths)
-                padded += len(rows) * (self.max_seq_length if self.packing else max([1, *lengths]))
-        return used / padded if padded else 0.0
-
     def state_dict(self) -> dict[str, int]:
         return {
             "epoch": self.epoch,
