@@ -261,8 +261,10 @@ class Config:
 CONFIG_FILENAME = "litsft_config.json"
 
 # ---- named configs ------------------------------------------------------------------------------
-# Values follow each model's published config.json (huggingface.co/<org>/<name>/blob/main/config.json).
-# tests/test_config.py repeats the key numbers in a table of its own, so a typo here fails a test.
+# Sources: each model's published config.json, https://huggingface.co/<org>/<name>/blob/main/config.json
+# (the org is named above each family), and LitGPT's table of the same models,
+# https://github.com/Lightning-AI/litgpt/blob/main/litgpt/config.py. tests/test_config.py repeats the key
+# numbers in a table of its own, so a typo here fails a test.
 NAMED_CONFIGS: dict[str, Config] = {}
 
 
@@ -322,8 +324,7 @@ _register(
     ),
 )
 
-# Llama 2 (meta-llama/Llama-2-{7,13,70}b-hf; -chat-hf has the same config.json). Shapes checked against
-# LitGPT's litgpt/config.py; fp16 weights.
+# Llama 2: meta-llama/Llama-2-{7,13,70}b-hf and -chat-hf (the same config.json); fp16 weights.
 LLAMA_2 = dict(
     vocab_size=32000,
     max_position_embeddings=4096,
@@ -341,9 +342,9 @@ for size, *shape in (
         _model(f"Llama-2-{size}-hf", *shape, **LLAMA_2), _model(f"Llama-2-{size}-chat-hf", *shape, **LLAMA_2)
     )
 
-# Llama 3, 3.1, 3.2: 128256-token vocab, RoPE theta 500000. Instruct releases stop at <|eot_id|> (128009);
-# 3.1 and 3.2 Instruct list [<|end_of_text|>, <|eom_id|>, <|eot_id|>] (checked: config.json copies found
-# with `find_string`, e.g. NousResearch/Meta-Llama-3.1-8B-Instruct). Shapes checked against LitGPT.
+# Llama 3, 3.1, 3.2 (meta-llama/Meta-Llama-3-8B, Llama-3.1-8B-Instruct, ...): 128256-token vocab, RoPE
+# theta 500000. Instruct releases stop at <|eot_id|> (128009); 3.1 and 3.2 Instruct list
+# [<|end_of_text|>, <|eom_id|>, <|eot_id|>] in config.json's eos_token_id.
 LLAMA_3 = dict(
     vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001
 )
@@ -372,8 +373,8 @@ for size, *shape in (
         f"Llama-3.1-{size}", *shape, **LLAMA_3, max_position_embeddings=131072, rope_scaling=_llama3_rope(8.0)
     )
     _register(base, replace(base, name=f"Llama-3.1-{size}-Instruct", eos_token_id=LLAMA_3_1_INSTRUCT_EOS))
-# Llama 3.2 shares the input embedding with the output head (config.json checked: 1B has head_dim 64,
-# rope factor 32, tie_word_embeddings true).
+# Llama 3.2 shares the input embedding with the output head (meta-llama/Llama-3.2-1B config.json: head_dim
+# 64, rope factor 32, tie_word_embeddings true).
 for size, *shape in (("1B", 16, 2048, 32, 8, 8192), ("3B", 28, 3072, 24, 8, 8192)):
     base = _model(
         f"Llama-3.2-{size}",
@@ -385,8 +386,8 @@ for size, *shape in (("1B", 16, 2048, 32, 8, 8192), ("3B", 28, 3072, 24, 8, 8192
     )
     _register(base, replace(base, name=f"Llama-3.2-{size}-Instruct", eos_token_id=LLAMA_3_1_INSTRUCT_EOS))
 
-# Mistral 7B: v0.1 attends within a 4096-token sliding window (RoPE theta 1e4, 32000 tokens); v0.3 has
-# no window, theta 1e6 and 32768 tokens. Shapes checked against LitGPT.
+# Mistral 7B (mistralai/Mistral-7B-v0.1, -v0.3 and their -Instruct-): v0.1 attends within a 4096-token
+# sliding window (RoPE theta 1e4, 32000 tokens); v0.3 has no window, theta 1e6 and 32768 tokens.
 MISTRAL = dict(
     max_position_embeddings=32768,
     rms_norm_eps=1e-5,
@@ -401,10 +402,10 @@ for version, own in (
     for kind in ("", "Instruct-"):
         _register(_model(f"Mistral-7B-{kind}{version}", 32, 4096, 32, 8, 14336, **MISTRAL, **own))
 
-# Qwen2.5: bias on q/k/v, theta 1e6; 0.5B-3B tie embeddings and have 151936 tokens, 7B+ have 152064.
-# Base models end documents with <|endoftext|> (151643), Instruct turns with <|im_end|> (151645); Instruct
-# config.json says max_position_embeddings 32768 and rms_norm_eps 1e-6 for every size (checked:
-# Qwen2.5-72B-Instruct), base 14B-72B use 1e-5 (LitGPT) and the base context differs per size.
+# Qwen2.5 (Qwen/Qwen2.5-<size> and -Instruct): bias on q/k/v, theta 1e6; 0.5B-3B tie embeddings and have
+# 151936 tokens, 7B+ have 152064. Base models end documents with <|endoftext|> (151643), Instruct turns with
+# <|im_end|> (151645); Instruct config.json says max_position_embeddings 32768 and rms_norm_eps 1e-6 for
+# every size, base 14B-72B use 1e-5 and the base context differs per size.
 QWEN2_5 = dict(
     rope_theta=1000000.0,
     qkv_bias=True,
@@ -414,7 +415,7 @@ QWEN2_5 = dict(
 )
 QWEN2_5_INSTRUCT = dict(eos_token_id=151645, max_position_embeddings=32768, rms_norm_eps=1e-6)
 for size, *shape, vocab, tied, context, eps in (
-    ("0.5B", 24, 896, 14, 2, 4864, 151936, True, 32768, 1e-6),  # checked: Qwen2.5-0.5B config.json
+    ("0.5B", 24, 896, 14, 2, 4864, 151936, True, 32768, 1e-6),
     ("1.5B", 28, 1536, 12, 2, 8960, 151936, True, 131072, 1e-6),
     ("3B", 36, 2048, 16, 2, 11008, 151936, True, 32768, 1e-6),
     ("7B", 28, 3584, 28, 4, 18944, 152064, False, 131072, 1e-6),
@@ -428,10 +429,9 @@ for size, *shape, vocab, tied, context, eps in (
     base = _model(f"Qwen2.5-{size}", *shape, **QWEN2_5, **sized)
     _register(base, replace(base, name=f"Qwen2.5-{size}-Instruct", **QWEN2_5_INSTRUCT))
 
-# Qwen3: RMSNorm on queries and keys, head_dim 128 whatever the width, 151936 tokens, theta 1e6; 0.6B-4B
-# tie embeddings. "Qwen3-8B" is the post-trained (thinking) release, "-Base" the pretrained one (no 32B
-# base was published). Checked: LitGPT, and Qwen3-8B/14B config.json copies (max_position_embeddings 40960).
-# Not found in the searchable sources, so from memory: the Base models' 32768 context and eos 151643.
+# Qwen3 (Qwen/Qwen3-<size>, the post-trained releases): RMSNorm on queries and keys, head_dim 128 whatever
+# the width, 151936 tokens, theta 1e6, max_position_embeddings 40960; 0.6B-4B tie embeddings. The
+# pretrained "-Base" releases differ in context length and eos; convert their config.json instead.
 QWEN3 = dict(
     vocab_size=151936,
     head_dim=128,
@@ -451,17 +451,10 @@ for size, *shape, tied in (
     ("14B", 40, 5120, 40, 8, 17408, False),
     ("32B", 64, 5120, 64, 8, 25600, False),
 ):
-    post_trained = _model(f"Qwen3-{size}", *shape, **QWEN3, tie_word_embeddings=tied)
-    _register(post_trained)
-    if size != "32B":
-        _register(
-            replace(
-                post_trained, name=f"Qwen3-{size}-Base", eos_token_id=151643, max_position_embeddings=32768
-            )
-        )
+    _register(_model(f"Qwen3-{size}", *shape, **QWEN3, tie_word_embeddings=tied))
 
-# SmolLM2 (HuggingFaceTB): Llama architecture, tied embeddings, 49152 tokens. Base models use token 0 as
-# bos and eos, Instruct 1 and 2 (from memory). Checked: SmolLM2-135M config.json, LitGPT for 360M and 1.7B.
+# SmolLM2 (HuggingFaceTB/SmolLM2-<size>, the base models): Llama architecture, tied embeddings, 49152
+# tokens, token 0 as bos and eos. The -Instruct releases use other token ids; convert their config.json.
 SMOLLM2 = dict(
     vocab_size=49152,
     max_position_embeddings=8192,
@@ -475,11 +468,10 @@ for size, *shape, theta in (
     ("360M", 32, 960, 15, 5, 2560, 100000.0),
     ("1.7B", 24, 2048, 32, 32, 8192, 130000.0),
 ):
-    base = _model(f"SmolLM2-{size}", *shape, **SMOLLM2, rope_theta=theta)
-    _register(base, replace(base, name=f"SmolLM2-{size}-Instruct", bos_token_id=1, eos_token_id=2))
+    _register(_model(f"SmolLM2-{size}", *shape, **SMOLLM2, rope_theta=theta))
 
 # TinyLlama 1.1B: "TinyLlama-1.1B" is TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T (fp32 weights),
-# the chat model is TinyLlama-1.1B-Chat-v1.0. Shape checked against LitGPT.
+# the chat model TinyLlama/TinyLlama-1.1B-Chat-v1.0.
 TINY_LLAMA = dict(
     vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2
 )
