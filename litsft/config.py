@@ -20,6 +20,41 @@ MODEL_TYPE_OF_ARCHITECTURE: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+HF_KEYS_READ = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "attention_bias",
+        "attention_dropout",
+        "sliding_window",
+        "use_sliding_window",
+        "bos_token_id",
+        "eos_token_id",
+        "torch_dtype",
+        "dtype",
+        "mlp_bias",
+        "transformers_version",
+        "_name_or_path",
+        "use_cache",
+        "hidden_act",
+        "pretraining_tp",
+        "initializer_range",
+    }
+)
+"""config.json keys `Config.from_hf_config` reads or deliberately drops; the others are kept in hf_extra."""
 
 
 @dataclass
@@ -158,38 +193,6 @@ class Config:
                 rope_scaling = None
         is_qwen2 = arch == "Qwen2ForCausalLM"
         use_sliding = hf_config.get("use_sliding_window", arch == "MistralForCausalLM")
-        consumed = {
-            "architectures",
-            "model_type",
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-            "rope_theta",
-            "rope_scaling",
-            "rope_parameters",
-            "rms_norm_eps",
-            "tie_word_embeddings",
-            "attention_bias",
-            "attention_dropout",
-            "sliding_window",
-            "use_sliding_window",
-            "bos_token_id",
-            "eos_token_id",
-            "torch_dtype",
-            "dtype",
-            "mlp_bias",
-            "transformers_version",
-            "_name_or_path",
-            "use_cache",
-            "hidden_act",
-            "pretraining_tp",
-            "initializer_range",
-        }
         if hf_config.get("hidden_act", "silu") != "silu":
             raise LitsftError(
                 f"hidden_act={hf_config['hidden_act']!r} is not supported; litsft's MLP is SwiGLU (silu)"
@@ -217,7 +220,7 @@ class Config:
             bos_token_id=hf_config.get("bos_token_id"),
             eos_token_id=hf_config.get("eos_token_id"),
             torch_dtype=str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"),
-            hf_extra={k: v for k, v in hf_config.items() if k not in consumed},
+            hf_extra={k: v for k, v in hf_config.items() if k not in HF_KEYS_READ},
         )
 
     def to_hf_config(self) -> dict[str, Any]:
