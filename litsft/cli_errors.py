@@ -14,19 +14,31 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-# Keys jsonargparse adds to every parser, and the two spellings of a subclass choice.
+# Keys jsonargparse adds to every parser, and the keys under a subclass option that are not its fields.
 PARSER_KEYS = frozenset({"help", "config", "print_config"})
 SUBCLASS_KEYS = frozenset({"class_path", "init_args", "help"})
 
+Config = tuple[Path, Any]
+"""A --config file and its parsed content."""
+
 
 def explain_parse_error(make_parser: Callable[[], Any], argv: list[str]) -> str | None:
-    """One line for the first unknown option or config key in argv, or the first --config file that is not
-    valid YAML; None when neither explains the failure."""
-    configs = [Path(value) for value in _config_paths(argv)]
-    for path in configs:
-        line = yaml_syntax_error(path)
-        if line is not None:
-            return line
+    """One line for the first --config file that is not valid YAML, or the first unknown option or config
+    key in argv; None when neither explains the failure."""
+    import yaml
+
+    configs: list[Config] = []
+    for value in _config_paths(argv):
+        path = Path(value)
+        try:
+            configs.append((path, yaml.safe_load(path.read_text())))
+        except OSError:
+            continue  # a missing file (jsonargparse's own message names it) or an inline YAML string
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            return f"--config {path}{where}: {problem}; fix the YAML syntax there"
     options = Options(make_parser(), argv, configs)
     for source, key in _given_keys(argv, configs):
         problem = options.unknown(key, prefix="--" if source is None else "")
@@ -35,26 +47,11 @@ def explain_parse_error(make_parser: Callable[[], Any], argv: list[str]) -> str 
     return None
 
 
-def yaml_syntax_error(path: Path) -> str | None:
-    import yaml
-
-    try:
-        yaml.safe_load(path.read_text())
-    except OSError:
-        return None  # jsonargparse's own message names a missing file
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        return f"--config {path}{where}: {problem}; fix the YAML syntax there"
-    return None
-
-
 class Options:
     """The keys a command accepts, from the parser jsonargparse builds for it: its options, and for an
     option typed by a base class (`--data`), the fields of the subclass chosen (or of all of them)."""
 
-    def __init__(self, parser: Any, argv: list[str], configs: list[Path]) -> None:
+    def __init__(self, parser: Any, argv: list[str], configs: list[Config]) -> None:
         self.keys = {action.dest for action in parser._actions if action.dest} - {"help"}
         self.subclasses: dict[str, list[type]] = {}
         for action in parser._actions:
@@ -106,27 +103,21 @@ def _config_paths(argv: list[str]) -> Iterator[str]:
             yield arg.partition("=")[2]
 
 
-def _given_keys(argv: list[str], configs: list[Path]) -> Iterator[tuple[str | None, str]]:
+def _given_keys(argv: list[str], configs: list[Config]) -> Iterator[tuple[str | None, str]]:
     """(where, dotted key) of everything argv sets: "--config <file>" for keys from a config file, None
     for options on the command line."""
-    import yaml
-
-    config_iter = iter(configs)
-    for arg in argv:
+    contents = {str(path): content for path, content in configs}
+    for i, arg in enumerate(argv):
         if not arg.startswith("--"):
             continue
-        key = arg[2:].partition("=")[0]
-        if key == "config":
-            path = next(config_iter, None)
-            try:
-                content = yaml.safe_load(path.read_text()) if path is not None else None
-            except (OSError, yaml.YAMLError):
-                continue
-            if isinstance(content, dict):
-                for config_key in _flatten(content):
-                    yield f"--config {path}", config_key
+        key, _, value = arg[2:].partition("=")
+        if key != "config":
+            yield None, key
             continue
-        yield None, key
+        path = value or (argv[i + 1] if i + 1 < len(argv) else "")
+        if isinstance(contents.get(path), dict):
+            for config_key in _flatten(contents[path]):
+                yield f"--config {path}", config_key
 
 
 def _flatten(mapping: dict, prefix: str = "") -> Iterator[str]:
@@ -157,25 +148,21 @@ def _leaf_subclasses(typehint: Any) -> list[type]:
     return leaves
 
 
-def _chosen_class(group: str, classes: list[type], argv: list[str], configs: list[Path]) -> type | None:
+def _chosen_class(group: str, classes: list[type], argv: list[str], configs: list[Config]) -> type | None:
     """The subclass named by `--group Name` (last one wins), or by `group: Name` / `class_path` in a config."""
-    import yaml
-
-    names: list[str] = []
-    for path in configs:
-        try:
-            content = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError):
-            continue
+    names: list[Any] = []
+    for _, content in configs:
         value = content.get(group) if isinstance(content, dict) else None
-        names.append(value.get("class_path", "") if isinstance(value, dict) else value)
+        names.append(value.get("class_path") if isinstance(value, dict) else value)
     for i, arg in enumerate(argv):
         if arg == f"--{group}" and i + 1 < len(argv):
             names.append(argv[i + 1])
         elif arg.startswith(f"--{group}="):
             names.append(arg.partition("=")[2])
-    by_name = {cls.__name__: cls for cls in classes} | {f"{c.__module__}.{c.__name__}": c for c in classes}
-    chosen = [by_name[name] for name in names if isinstance(name, str) and name in by_name]
+    # "JSON", "litsft.data.JSON" (as --print_config writes it) or the defining module's path.
+    by_name = {cls.__name__: cls for cls in classes}
+    chosen = [by_name[name.rpartition(".")[2]] for name in names
+              if isinstance(name, str) and name.rpartition(".")[2] in by_name]  # fmt: skip
     return chosen[-1] if chosen else None
 
 
