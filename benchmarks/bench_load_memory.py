@@ -25,17 +25,17 @@ def rank_main(checkpoint_dir: Path, strategy: str, result_file: Path) -> None:
     import torch.distributed as dist
 
     from litsft.args import FSDPConfig, RunConfig
-    from litsft.checkpoint import load_weights
     from litsft.config import Config
     from litsft.engine import Recipe, setup_model
     from litsft.model import Transformer
     from litsft.parallel import build_fabric
+    from litsft.storage.model_folder import load_model_weights
 
     fabric = build_fabric(2, 1, "32-true", FSDPConfig(sharding_strategy=strategy), "cpu")
     fabric.launch()
     config = Config.from_checkpoint(checkpoint_dir)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    recipe = Recipe("bench", Transformer, lambda m: load_weights(m, checkpoint_dir), lambda m, d: None)
+    recipe = Recipe("bench", Transformer, lambda m: load_model_weights(m, checkpoint_dir), lambda m, d: None)
     run = RunConfig(config=config, tokenizer_dir=None, data=None, out_dir=checkpoint_dir)
     run.fsdp.sharding_strategy = strategy
     setup_model(fabric, recipe, run)
@@ -57,7 +57,7 @@ def main() -> None:
 
     from litsft.config import Config
     from litsft.model import Transformer
-    from litsft.weight_files import save_checkpoint_files
+    from litsft.storage.model_folder import save_model_folder
 
     work = Path(tempfile.mkdtemp(prefix="litsft-load-memory-"))
     config = Config.from_name("tiny-llama", vocab_size=32000, hidden_size=args.hidden,
@@ -65,7 +65,7 @@ def main() -> None:
                              num_heads=args.hidden // 64, num_kv_heads=args.hidden // 128)  # fmt: skip
     model = Transformer(config)
     model.init_weights(0)
-    save_checkpoint_files(model.state_dict().items(), config, work / "checkpoint")
+    save_model_folder(model.state_dict().items(), config, work / "checkpoint")
     size_mib = config.num_parameters * 4 / 2**20
     del model
     print(

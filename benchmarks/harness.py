@@ -23,8 +23,8 @@ import torch
 from litsft.config import Config
 from litsft.data.demo import WORDS, build_demo_tokenizer
 from litsft.model import Transformer
+from litsft.storage.model_folder import save_model_folder
 from litsft.tokenizer import Tokenizer
-from litsft.weight_files import save_checkpoint_files
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -53,7 +53,7 @@ def make_checkpoint(directory: Path, seed: int = 0, **shape: object) -> Path:
     config = Config.from_name("demo-llama", **shape)
     model = Transformer(config)
     model.init_weights(seed)
-    save_checkpoint_files(model.state_dict().items(), config, directory, directory)
+    save_model_folder(model.state_dict().items(), config, directory, directory)
     return directory
 
 

@@ -27,7 +27,7 @@ COMMANDS: dict[str, str] = {
     "download": "litsft.hub:download",
     "convert_from_hf": "litsft.convert:convert_from_hf",
     "convert_to_hf": "litsft.convert:convert_to_hf",
-    "merge_lora": "litsft.lora:merge_lora",
+    "merge_lora": "litsft.convert:merge_lora",
     "generate": "litsft.generate:generate",
     "prepare": "litsft.data.prepare:prepare",
     "plan": "litsft.plan:plan",

@@ -2,7 +2,7 @@
 
 `TrainState` is everything the loop changes besides the learning-rate schedule: step, epoch, the model, the
 optimizer and the training loader's position. `Checkpointer.save` writes it (with the run's config and
-this rank's random streams) through `litsft.checkpoint`; `Checkpointer.load` restores it in place, also
+this rank's random streams) through `litsft.storage.training_checkpoint`; `Checkpointer.load` restores it in place, also
 into a different number of ranks.
 """
 
@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from litsft import checkpoint
 from litsft.args import RunConfig, describe
 from litsft.faults import fault_point
+from litsft.storage import training_checkpoint as checkpoint
 
 
 @dataclass

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from litsft.errors import LitsftError
+from litsft.storage.files import read_json
 
 HFArchitecture = Literal["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 MODEL_TYPE_OF_ARCHITECTURE: dict[str, str] = {
@@ -147,12 +148,7 @@ class Config:
                 f"{checkpoint_dir} is not a litsft checkpoint: {CONFIG_FILENAME} is missing. "
                 "Convert a Hugging Face checkpoint first with `litsft convert_from_hf <hf_dir> --out_dir <dir>`"
             )
-        try:
-            values = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise LitsftError(
-                f"{path} is not valid JSON ({err}); restore it from the original checkpoint"
-            ) from None
+        values = read_json(path)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

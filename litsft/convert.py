@@ -1,15 +1,19 @@
-"""Convert checkpoints between Hugging Face and litsft, streaming one tensor at a time.
+"""Every translation of a litsft folder to or from another layout, streaming one tensor at a time:
+Hugging Face -> litsft model folder (`convert_from_hf`), litsft model folder -> Hugging Face
+(`convert_to_hf`), and a LoRA folder -> a merged litsft model folder (`merge_lora`), a merged Hugging
+Face checkpoint, or a PEFT adapter (`convert_to_hf --lora_format`). The tensor name mapping lives here.
 
 Everything is checked before anything is written (architecture, files, tensor names and shapes, read from
-file headers), and the output is built in a temporary directory that is renamed at the end, so a failed
-conversion leaves nothing behind.
+file headers, the tokenizer), and the output is built in a staging directory that is renamed at the end,
+so a failed conversion leaves nothing behind.
 """
 
 from __future__ import annotations
 
-import json
 import re
+import sys
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -17,19 +21,32 @@ import torch
 
 from litsft.config import Config
 from litsft.errors import LitsftError
+from litsft.lora import MODULE_OF_TARGET, iter_merged_tensors, merged_config
 from litsft.model import Transformer
-from litsft.weight_files import (
-    DEFAULT_MAX_SHARD_SIZE,
-    atomic_output_dir,
-    checkpoint_tensor_shapes,
+from litsft.storage.files import publish_atomically, read_json, write_json
+from litsft.storage.lora_folder import LoRAFolder, is_lora_folder, read_lora_folder
+from litsft.storage.model_folder import (
+    WeightsFingerprint,
     copy_tokenizer_files,
-    iter_checkpoint_tensors,
+    iter_model_tensors,
+    model_tensor_shapes,
+    read_manifest,
+    save_model_folder,
+)
+from litsft.storage.weight_files import (
+    DEFAULT_MAX_SHARD_SIZE,
     iter_tensors,
-    save_checkpoint_files,
+    save_safetensors,
     tensor_infos,
     weight_file_map,
     write_safetensors,
 )
+from litsft.tokenizer import check_tokenizer_fits, read_tokenizer_file
+
+PEFT_CONFIG_NAME = "adapter_config.json"
+PEFT_ADAPTER_NAME = "adapter_model.safetensors"
+# Where the hub cache keeps a model: .../models--<org>--<name>/snapshots/<revision>.
+_HUB_CACHE_PATH = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+/?$")
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -98,6 +115,7 @@ def convert_from_hf(
     out_dir: Path | None = None,
     dtype: DType = "auto",
     max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+    hf_model_id: str | None = None,
 ) -> None:
     """Convert a Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3) into a litsft checkpoint directory.
 
@@ -108,10 +126,13 @@ def convert_from_hf(
             Default: checkpoints/<name of hf_dir>.
         dtype: Store the weights in this dtype; "auto" keeps the dtype they have.
         max_shard_size: Split the weights into files of at most this size, e.g. 5GB, 500MB, 2GiB.
+        hf_model_id: The Hugging Face hub id of the checkpoint (e.g. meta-llama/Llama-3.2-1B), recorded so
+            that PEFT exports of adapters trained on it name their base. Default: read from a hub cache
+            path (.../models--<org>--<name>/snapshots/...), else the path of hf_dir.
     """
     hf_dir = Path(hf_dir)
     out_dir = Path(out_dir) if out_dir is not None else Path("checkpoints") / hf_dir.resolve().name
-    convert_hf_directory(hf_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size)
+    convert_hf_directory(hf_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, hf_model_id=hf_model_id)
     print(f"Saved litsft checkpoint to {out_dir}")
 
 
@@ -122,18 +143,29 @@ def convert_hf_directory(
     dtype: DType = "auto",
     max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
     extra_files: dict[str, str] | None = None,
+    hf_model_id: str | None = None,
 ) -> None:
     """What `convert_from_hf` does, for callers that know the model's name (a hub id; default: the directory's
-    name) or add files to the checkpoint (where it came from), written before the checkpoint is published."""
+    name) or add files to the checkpoint (where it came from), written before the checkpoint is published.
+    The manifest records where the weights came from: `hf_model_id`, else `name`, else a hub id read from a
+    hub cache path, else the directory."""
     config = _read_hf_config(hf_dir, name)
     names = _check_hf_tensors(hf_dir, config)  # litsft name -> HF name
+    has_tokenizer = _check_hf_tokenizer(hf_dir, config)
     if dtype != "auto":
         config.torch_dtype = dtype
-    with atomic_output_dir(out_dir) as tmp_dir:
+    with publish_atomically(out_dir, "the converted checkpoint") as tmp_dir:
         tensors = ((names[hf], tensor) for hf, tensor in iter_tensors(hf_dir, names))
-        save_checkpoint_files(_cast(tensors, dtype), config, tmp_dir, hf_dir, max_shard_size)
+        source = hf_model_id or name or _hub_id_of_cache_path(hf_dir) or str(hf_dir.resolve())
+        save_model_folder(_cast(tensors, dtype), config, tmp_dir, hf_dir, max_shard_size, hf_source=source)
         for file_name, text in (extra_files or {}).items():
             (tmp_dir / file_name).write_text(text)
+    if not has_tokenizer:
+        print(
+            f"note: {hf_dir} has no tokenizer.json, so neither has {out_dir}: training and generate need one; "
+            f"copy it into {out_dir} (transformers' AutoTokenizer.save_pretrained writes it)",
+            file=sys.stderr,
+        )
 
 
 def convert_to_hf(
@@ -157,18 +189,21 @@ def convert_to_hf(
     """
     checkpoint_dir = Path(checkpoint_dir)
     out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir.with_name(checkpoint_dir.name + "-hf")
-    if (checkpoint_dir / "lora_config.json").is_file():
-        from litsft.lora import export_lora_to_hf
-
+    if is_lora_folder(checkpoint_dir):
         export_lora_to_hf(checkpoint_dir, out_dir, lora_format)
         print(f"Saved Hugging Face {lora_format} export of the LoRA checkpoint to {out_dir}")
         return
+    if lora_format == "peft":
+        raise LitsftError(
+            f"--lora_format peft: {checkpoint_dir} is a full model, not a LoRA checkpoint (it has no "
+            "lora_config.json); drop --lora_format, or pass the final/ directory of a finetune_lora run"
+        )
     config = Config.from_checkpoint(checkpoint_dir)
     _check_checkpoint_tensors(checkpoint_dir, config)
     if dtype != "auto":
         config.torch_dtype = dtype
-    with atomic_output_dir(out_dir) as tmp_dir:
-        tensors = _cast(iter_checkpoint_tensors(checkpoint_dir), dtype)
+    with publish_atomically(out_dir, "the Hugging Face checkpoint") as tmp_dir:
+        tensors = _cast(iter_model_tensors(checkpoint_dir), dtype)
         write_hf_checkpoint(tensors, config, tmp_dir, checkpoint_dir, max_shard_size)
     print(f"Saved Hugging Face checkpoint to {out_dir}")
 
@@ -183,13 +218,13 @@ def write_hf_checkpoint(
     """Write litsft-named tensors as a Hugging Face checkpoint into an existing `out_dir`: config.json,
     generation_config.json, safetensors weights in HF names, and the tokenizer files."""
     out_dir = Path(out_dir)
-    (out_dir / "config.json").write_text(json.dumps(config.to_hf_config(), indent=2) + "\n")
+    write_json(out_dir / "config.json", config.to_hf_config())
     if tokenizer_source_dir is not None:
         copy_tokenizer_files(tokenizer_source_dir, out_dir)
     if not (out_dir / "generation_config.json").is_file():
         generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
         generation = {key: value for key, value in generation.items() if value is not None}
-        (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        write_json(out_dir / "generation_config.json", generation)
     # transformers re-ties lm_head to the embeddings itself; a stored copy would only cost disk.
     tensors = (
         (hf_name(name), tensor)
@@ -199,6 +234,138 @@ def write_hf_checkpoint(
     write_safetensors(tensors, out_dir, max_shard_size)
 
 
+# ---- LoRA folders ----------------------------------------------------------------------------------------
+def merge_lora(checkpoint_dir: Path, out_dir: Path | None = None) -> None:
+    """Fold a LoRA checkpoint's adapters into its base weights and write a plain litsft checkpoint.
+
+    Args:
+        checkpoint_dir: A LoRA checkpoint directory written by finetune_lora (lora_config.json,
+            adapter.safetensors); its lora_config.json names the base checkpoint.
+        out_dir: Where to write the merged checkpoint; default `<checkpoint_dir>/merged`. Must not exist or
+            be empty.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    folder = read_lora_folder(checkpoint_dir)
+    out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir / "merged"
+    with publish_atomically(out_dir, "the merged checkpoint") as tmp_dir:
+        with _merged_base(folder) as (tensors, config):
+            save_model_folder(tensors, config, tmp_dir, tokenizer_source_dir=checkpoint_dir)
+    print(f"Saved merged checkpoint to {out_dir}")
+
+
+def export_lora_to_hf(
+    lora_checkpoint_dir: Path, out_dir: Path, format: Literal["merged", "peft"] = "merged"
+) -> None:
+    """Export a LoRA checkpoint for Hugging Face: "merged" writes a plain transformers checkpoint with the
+    adapters folded in, "peft" writes a PEFT adapter for the original base model.
+
+    Args:
+        lora_checkpoint_dir: A LoRA checkpoint directory written by finetune_lora.
+        out_dir: Where to write; must not exist or be empty.
+        format: merged (a full model) or peft (adapter_config.json + adapter_model.safetensors).
+    """
+    if format == "peft":
+        export_peft_adapter(lora_checkpoint_dir, out_dir)
+        return
+    folder = read_lora_folder(lora_checkpoint_dir)
+    with publish_atomically(Path(out_dir), "the merged Hugging Face checkpoint") as tmp_dir:
+        with _merged_base(folder) as (tensors, config):
+            write_hf_checkpoint(tensors, config, tmp_dir, Path(lora_checkpoint_dir))
+
+
+@contextmanager
+def _merged_base(folder: LoRAFolder) -> Iterator[tuple[Iterator[tuple[str, torch.Tensor]], Config]]:
+    """The base's tensors with the adapters folded in, and the merged model's config. The base's weights
+    are fingerprinted as they stream past and checked when the block ends, before anything is published:
+    a base that changed since training is refused (early, when its manifest already says so)."""
+    recorded = read_manifest(folder.base_dir).get("weights_sha256")
+    if isinstance(recorded, str):
+        folder.check_base(recorded)
+    config = Config.from_checkpoint(folder.base_dir)
+    fingerprint = WeightsFingerprint()
+    base_tensors = fingerprint.passing(iter_model_tensors(folder.base_dir))
+    yield (
+        iter_merged_tensors(base_tensors, folder.adapters, folder.config, config.tie_word_embeddings),
+        merged_config(config, folder.config),
+    )
+    folder.check_base(fingerprint.hexdigest())
+
+
+def peft_name(litsft_name: str) -> str:
+    """`blocks.0.attn.q_proj.lora_A.weight` -> `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
+    module, adapter, suffix = litsft_name.rsplit(".", 2)
+    return f"base_model.model.{hf_name(module + '.weight').removesuffix('.weight')}.{adapter}.{suffix}"
+
+
+def export_peft_adapter(lora_checkpoint_dir: Path, out_dir: Path, base_model_name_or_path: str = "") -> None:
+    """Write a LoRA checkpoint as a Hugging Face PEFT adapter (adapter_config.json, adapter_model.safetensors)
+    that `peft.AutoPeftModelForCausalLM.from_pretrained(out_dir)` loads with its base model.
+
+    Args:
+        lora_checkpoint_dir: A LoRA checkpoint directory written by finetune_lora.
+        out_dir: Where to write the adapter; must not exist or be empty.
+        base_model_name_or_path: Recorded in adapter_config.json. Default: the Hugging Face model the base
+            was converted from (its hub id, or its directory while that exists); else the base is exported
+            to Hugging Face format as out_dir/base and that path is recorded.
+    """
+    folder = read_lora_folder(lora_checkpoint_dir)
+    recorded = read_manifest(folder.base_dir).get("weights_sha256")
+    if isinstance(recorded, str):
+        folder.check_base(recorded)
+    out_dir = Path(out_dir)
+    base_name = base_model_name_or_path or _hf_source_of(folder.base_dir)
+    with publish_atomically(out_dir, "the PEFT adapter") as tmp_dir:
+        if base_name is None:
+            base_name = str(out_dir.resolve() / "base")
+            (tmp_dir / "base").mkdir()
+            base_config = Config.from_checkpoint(folder.base_dir)
+            write_hf_checkpoint(
+                iter_model_tensors(folder.base_dir), base_config, tmp_dir / "base", folder.base_dir
+            )
+        adapters = {peft_name(name): tensor for name, tensor in folder.adapters.items()}
+        save_safetensors(adapters, tmp_dir / PEFT_ADAPTER_NAME)
+        write_json(tmp_dir / PEFT_CONFIG_NAME, _peft_config(folder, base_name))
+        copy_tokenizer_files(Path(lora_checkpoint_dir), tmp_dir)
+
+
+def _peft_config(folder: LoRAFolder, base_model_name_or_path: str) -> dict[str, object]:
+    lora_config = folder.config
+    alpha = int(lora_config.alpha) if float(lora_config.alpha).is_integer() else lora_config.alpha
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": lora_config.rank,
+        "lora_alpha": alpha,
+        "lora_dropout": lora_config.dropout,
+        "target_modules": sorted(MODULE_OF_TARGET[t] for t in lora_config.target_list),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+
+
+def _hf_source_of(model_dir: Path) -> str | None:
+    """The Hugging Face model a litsft folder was converted from, if transformers can still load it by that
+    name: a hub id, or a local directory that still holds a config.json."""
+    source = read_manifest(model_dir).get("hf_source")
+    if not isinstance(source, str):
+        return None
+    if Path(source).is_absolute():
+        return source if (Path(source) / "config.json").is_file() else None
+    return source
+
+
+def _hub_id_of_cache_path(hf_dir: Path) -> str | None:
+    match = _HUB_CACHE_PATH.search(hf_dir.resolve().as_posix())
+    return f"{match['org']}/{match['name']}" if match else None
+
+
+# ---- checks ----------------------------------------------------------------------------------------------
 def _read_hf_config(hf_dir: Path, name: str | None = None) -> Config:
     path = hf_dir / "config.json"
     if not path.is_file():
@@ -206,13 +373,20 @@ def _read_hf_config(hf_dir: Path, name: str | None = None) -> Config:
             f"{hf_dir} has no config.json; point hf_dir at a Hugging Face checkpoint directory "
             "(the one with config.json and the weights)"
         )
-    try:
-        hf_config = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise LitsftError(
-            f"{path} is not valid JSON ({err}); restore it from the original checkpoint"
-        ) from None
-    return Config.from_hf_config(hf_config, name=name or hf_dir.resolve().name)
+    return Config.from_hf_config(read_json(path), name=name or hf_dir.resolve().name)
+
+
+def _check_hf_tokenizer(hf_dir: Path, config: Config) -> bool:
+    """Whether `hf_dir` has a tokenizer.json; refuses one that does not parse or has more tokens than the
+    model has embeddings (generating or training with it would index past the embedding table)."""
+    path = hf_dir / "tokenizer.json"
+    if not path.is_file():
+        return False
+    tokens = read_tokenizer_file(path).get_vocab_size(with_added_tokens=True)
+    check_tokenizer_fits(
+        tokens, config.vocab_size, path, fix="convert the tokenizer that belongs to these weights"
+    )
+    return True
 
 
 def _check_hf_tensors(hf_dir: Path, config: Config) -> dict[str, str]:
@@ -237,7 +411,7 @@ def _check_hf_tensors(hf_dir: Path, config: Config) -> dict[str, str]:
 
 
 def _check_checkpoint_tensors(checkpoint_dir: Path, config: Config) -> None:
-    infos = checkpoint_tensor_shapes(checkpoint_dir)
+    infos = model_tensor_shapes(checkpoint_dir)
     files = weight_file_map(checkpoint_dir)
     found = {name: (shape, str(files[name])) for name, (shape, _) in infos.items()}
     if config.tie_word_embeddings:

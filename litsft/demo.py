@@ -22,8 +22,8 @@ from litsft.devices import demo_accelerator, gpu_count
 from litsft.errors import LitsftError
 from litsft.generate import generate_batch, load_model
 from litsft.model import Transformer
+from litsft.storage.model_folder import save_model_folder
 from litsft.tokenizer import Tokenizer
-from litsft.weight_files import save_checkpoint_files
 
 
 def demo(
@@ -89,7 +89,7 @@ def make_base_checkpoint(directory: Path, seed: int) -> Path:
     config = Config.from_name("demo-llama", vocab_size=vocab_size)
     model = Transformer(config)
     model.init_weights(seed)
-    save_checkpoint_files(model.state_dict().items(), config, directory, directory)
+    save_model_folder(model.state_dict().items(), config, directory, directory)
     return directory
 
 

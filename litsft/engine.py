@@ -10,19 +10,16 @@ Processes, the out_dir lock and exit codes are `litsft.launcher`'s.
 from __future__ import annotations
 
 import functools
-import os
-import shutil
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from lightning.fabric import Fabric
-from safetensors import SafetensorError
 from torch import nn
 
-from litsft import checkpoint
 from litsft.args import RunConfig, TrainConfig, accumulation_steps, describe
 from litsft.checkpointer import Checkpointer, TrainState
 from litsft.config import Config
@@ -33,6 +30,8 @@ from litsft.optimizer import build_optimizer, learning_rate
 from litsft.parallel import parallelize
 from litsft.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 from litsft.step import next_micro_batches, raise_if_diverged, train_step
+from litsft.storage import training_checkpoint as checkpoint
+from litsft.storage.files import publish_atomically
 from litsft.validation import FINAL_DIR
 
 
@@ -232,19 +231,12 @@ def total_optimizer_steps(train: TrainConfig, loader: Any, world_size: int) -> i
 def save_final(fabric: Fabric, recipe: Recipe, model: nn.Module, out_dir: Path) -> None:
     """Write the final model under a temporary name and publish it with one rename: a final/ directory
     always holds a complete model, and a relaunch never trains again over it."""
-    final, partial = out_dir / FINAL_DIR, out_dir / f".{FINAL_DIR}.partial"
-    if fabric.is_global_zero and partial.exists():
-        shutil.rmtree(partial)
-    fabric.barrier()
-    try:
-        recipe.save_final(model, partial)
-    except (OSError, SafetensorError) as err:
-        raise LitsftError(
-            f"could not write the final model to {final} ({err}); free disk space or fix permissions, then "
-            "relaunch the same command: it resumes from the last checkpoint"
-        ) from None
-    fabric.barrier()
-    fault_point("final_before_rename", fabric.global_rank)
-    if fabric.is_global_zero:
-        os.replace(partial, final)
+    final, staging = out_dir / FINAL_DIR, out_dir / f".{FINAL_DIR}.partial"
+    fix = "free disk space or fix permissions, then relaunch the same command: it resumes from the last checkpoint"
+    publish = publish_atomically(final, "the final model", staging, fix)
+    with publish if fabric.is_global_zero else nullcontext(staging):  # rank 0 writes, every rank gathers
+        fabric.barrier()
+        recipe.save_final(model, staging)
+        fabric.barrier()
+        fault_point("final_before_rename", fabric.global_rank)
     fabric.barrier()

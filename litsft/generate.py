@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
@@ -15,10 +15,12 @@ from torch import nn
 
 from litsft.config import Config
 from litsft.errors import LitsftError
+from litsft.lora import apply_lora
 from litsft.model import Transformer
 from litsft.model_source import resolve_checkpoint
-from litsft.tokenizer import Tokenizer
-from litsft.weight_files import load_checkpoint_state_dict
+from litsft.storage.lora_folder import is_lora_folder, read_lora_folder
+from litsft.storage.model_folder import fingerprint_of_state_dict, load_model_state_dict
+from litsft.tokenizer import Tokenizer, check_tokenizer_fits
 
 
 def sample_next_token(
@@ -212,9 +214,25 @@ def _check_sampling(temperature: float, top_k: int | None, top_p: float) -> None
 
 
 def load_model(checkpoint_dir: Path, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """A litsft checkpoint's model, on `device` in `dtype`, in eval mode."""
+    """A litsft checkpoint's model, on `device` in `dtype`, in eval mode. A LoRA folder gives its base model
+    with the adapters applied (not merged), after checking that the base is the one they were trained on."""
+    if is_lora_folder(checkpoint_dir):
+        folder = read_lora_folder(checkpoint_dir)
+        model = _load_full_model(folder.base_dir, check_base=folder.check_base)
+        apply_lora(model, folder.config)
+        with torch.no_grad():
+            for name, tensor in folder.adapters.items():
+                model.get_parameter(name).copy_(tensor)
+    else:
+        model = _load_full_model(checkpoint_dir)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _load_full_model(checkpoint_dir: Path, check_base: Callable[[str], None] | None = None) -> Transformer:
     config = Config.from_checkpoint(checkpoint_dir)
-    state_dict = load_checkpoint_state_dict(checkpoint_dir)
+    state_dict = load_model_state_dict(checkpoint_dir)
+    if check_base is not None:
+        check_base(fingerprint_of_state_dict(state_dict, config))
     with torch.device("meta"):
         model = Transformer(config)
     try:
@@ -227,7 +245,7 @@ def load_model(checkpoint_dir: Path, device: torch.device, dtype: torch.dtype) -
         ) from None
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight  # assign=True replaced the shared parameter
-    return model.to(device=device, dtype=dtype).eval()
+    return model
 
 
 def generate(
@@ -247,6 +265,7 @@ def generate(
         checkpoint_dir: The model: a litsft checkpoint directory (e.g. a training run's out_dir/final), a
             Hugging Face model directory (converted once, then cached) or a hub id such as
             meta-llama/Llama-3.2-1B (downloaded and converted into checkpoints/<org>/<name> on first use).
+            The final/ of a finetune_lora run gives its base model with the adapters applied.
         prompt: The text to continue, or the user message in chat mode.
         max_new_tokens: Generate at most this many tokens; generation also stops at an end-of-turn token.
         temperature: 0 for greedy decoding (deterministic); e.g. 0.7 to sample.
@@ -267,6 +286,12 @@ def generate(
         torch_dtype = getattr(torch, dtype)
     tokenizer = Tokenizer(checkpoint_dir)
     model = load_model(checkpoint_dir, device, torch_dtype)
+    check_tokenizer_fits(
+        tokenizer.vocab_size,
+        model.config.vocab_size,
+        checkpoint_dir / "tokenizer.json",
+        fix="put the tokenizer of these weights into the checkpoint directory",
+    )
 
     if chat is None:
         chat = tokenizer.chat_template is not None

@@ -23,6 +23,7 @@ from typing import Any
 from litsft.config import CONFIG_FILENAME
 from litsft.convert import DType, convert_hf_directory
 from litsft.errors import LitsftError
+from litsft.storage.files import read_json
 
 SOURCE_FILENAME = "hub_source.json"
 """Written into a downloaded checkpoint: the repo id, the revision asked for and the commit it resolved to."""
@@ -112,7 +113,7 @@ def _check_same_source(out_dir: Path, repo_id: str, revision: str | None) -> Non
     path = out_dir / SOURCE_FILENAME
     if revision is None or not path.is_file():
         return
-    source = json.loads(path.read_text())
+    source = read_json(path)
     if source.get("repo_id") != repo_id or revision not in (source.get("revision"), source.get("commit")):
         raise LitsftError(
             f"{out_dir} already holds {source.get('repo_id')} at revision {source.get('revision')}, not "

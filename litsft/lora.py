@@ -1,4 +1,4 @@
-"""LoRA: low-rank adapters on a frozen Transformer, their checkpoint directory, merging, and PEFT export.
+"""LoRA: low-rank adapters on a frozen Transformer, and the math that folds them into base weights.
 
 A projection `W` becomes `W x + B A dropout(x) * alpha / rank`, with A (rank, in) and B (out, rank); B starts
 at zero, so a fresh adapter leaves the model's outputs unchanged.
@@ -13,36 +13,23 @@ so FSDP2 can put the frozen base and the trainable adapters in separate units:
 `model.load_state_dict(plain_litsft_state_dict)` still works: `LoRALinear` renames `weight`/`bias` to
 `base.weight`/`base.bias` while loading and leaves its adapters as they are when the state dict has none.
 
-A LoRA checkpoint directory (what finetune_lora writes, see `save_lora_checkpoint`):
-    lora_config.json      LoRAConfig plus "base_checkpoint": the litsft checkpoint the adapters were trained on
-    adapter.safetensors   adapter tensors in litsft names (`blocks.0.attn.q_proj.lora_A.weight`)
-    tokenizer files       copied from the base checkpoint
+The folder finetune_lora writes is `litsft.storage.lora_folder`; merging it into a model folder and
+exporting it to Hugging Face or PEFT is `litsft.convert`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from litsft.config import Config
-from litsft.convert import hf_name, write_hf_checkpoint
 from litsft.errors import LitsftError, check_number
 from litsft.model import Transformer
-from litsft.weight_files import (
-    SAFETENSORS_METADATA,
-    atomic_output_dir,
-    copy_tokenizer_files,
-    iter_checkpoint_tensors,
-    save_checkpoint_files,
-)
 
 LoRATarget = Literal["q", "k", "v", "o", "gate", "up", "down", "lm_head"]
 LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
@@ -50,11 +37,6 @@ LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
 MODULE_OF_TARGET: dict[str, str] = {t: t if t == "lm_head" else f"{t}_proj" for t in LORA_TARGETS}
 # PEFT's "all-linear" leaves the output layer out; so does litsft's.
 ALL_LINEAR: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
-
-LORA_CONFIG_NAME = "lora_config.json"
-ADAPTER_NAME = "adapter.safetensors"
-PEFT_CONFIG_NAME = "adapter_config.json"
-PEFT_ADAPTER_NAME = "adapter_model.safetensors"
 
 
 @dataclass
@@ -286,66 +268,7 @@ def merged_config(config: Config, lora_config: LoRAConfig) -> Config:
     return config
 
 
-# ---- LoRA checkpoint directories ------------------------------------------------------------------------
-def save_lora_checkpoint(
-    adapter_state_dict: Mapping[str, torch.Tensor],
-    lora_config: LoRAConfig,
-    base_checkpoint_dir: Path,
-    out_dir: Path,
-) -> None:
-    """Write a LoRA checkpoint directory (see the module docstring). The adapters are checked against the base
-    model's shapes first, so a mismatch writes nothing. Files already in `out_dir` are replaced."""
-    base_checkpoint_dir = Path(base_checkpoint_dir).resolve()
-    config = Config.from_checkpoint(base_checkpoint_dir)
-    adapters = {name: tensor.detach().to("cpu").contiguous() for name, tensor in adapter_state_dict.items()}
-    check_adapter_shapes(adapters, config, lora_config, source="adapter state dict")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(adapters, out_dir / ADAPTER_NAME, metadata=SAFETENSORS_METADATA)
-    copy_tokenizer_files(base_checkpoint_dir, out_dir)
-    # Config last: a directory with lora_config.json is a finished LoRA checkpoint.
-    values = {**asdict(lora_config), "base_checkpoint": str(base_checkpoint_dir)}
-    (out_dir / LORA_CONFIG_NAME).write_text(json.dumps(values, indent=2) + "\n")
-
-
-def load_lora_checkpoint(checkpoint_dir: Path) -> tuple[LoRAConfig, Path, dict[str, torch.Tensor]]:
-    """(LoRA config, base checkpoint dir, adapter tensors) of a LoRA checkpoint, checked against the base."""
-    checkpoint_dir = Path(checkpoint_dir)
-    config_path = checkpoint_dir / LORA_CONFIG_NAME
-    if not config_path.is_file():
-        raise LitsftError(
-            f"{checkpoint_dir} is not a LoRA checkpoint: {LORA_CONFIG_NAME} is missing. "
-            "Pass the directory that finetune_lora wrote (e.g. <out_dir>/final)"
-        )
-    try:
-        values = json.loads(config_path.read_text())
-        base_checkpoint = Path(values.pop("base_checkpoint"))
-        unknown = sorted(set(values) - {f.name for f in fields(LoRAConfig)})
-        if unknown:
-            raise LitsftError(
-                f"{config_path} has unknown keys {unknown}; it was written by a different litsft version"
-            )
-        lora_config = LoRAConfig(**values)
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise LitsftError(
-            f"{config_path} is not a valid LoRA config ({err!r}); restore it from the run"
-        ) from None
-    if not base_checkpoint.is_absolute():
-        base_checkpoint = checkpoint_dir / base_checkpoint
-    if not base_checkpoint.is_dir():
-        raise LitsftError(
-            f"base checkpoint {base_checkpoint} named in {config_path} does not exist; "
-            "restore it there or edit base_checkpoint in that file"
-        )
-    config = Config.from_checkpoint(base_checkpoint)
-    adapter_path = checkpoint_dir / ADAPTER_NAME
-    if not adapter_path.is_file():
-        raise LitsftError(f"{checkpoint_dir} has no {ADAPTER_NAME}; the LoRA checkpoint is incomplete")
-    adapters = load_file(adapter_path)
-    check_adapter_shapes(adapters, config, lora_config, source=str(adapter_path))
-    return lora_config, base_checkpoint, adapters
-
-
+# ---- checking adapters against a model -----------------------------------------------------------------
 def check_adapter_shapes(
     adapters: Mapping[str, torch.Tensor], config: Config, lora_config: LoRAConfig, source: str
 ) -> None:
@@ -371,97 +294,6 @@ def check_adapter_shapes(
         raise LitsftError(
             f"{source}: {len(missing)} adapter tensors are missing, e.g. {missing[0]!r}; the LoRA checkpoint is incomplete"
         )
-
-
-def merge_lora(checkpoint_dir: Path, out_dir: Path | None = None) -> None:
-    """Fold a LoRA checkpoint's adapters into its base weights and write a plain litsft checkpoint.
-
-    Args:
-        checkpoint_dir: A LoRA checkpoint directory written by finetune_lora (lora_config.json,
-            adapter.safetensors); its lora_config.json names the base checkpoint.
-        out_dir: Where to write the merged checkpoint; default `<checkpoint_dir>/merged`. Must not exist or
-            be empty.
-    """
-    checkpoint_dir = Path(checkpoint_dir)
-    lora_config, base_checkpoint, adapters = load_lora_checkpoint(checkpoint_dir)
-    config = Config.from_checkpoint(base_checkpoint)
-    out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir / "merged"
-    with atomic_output_dir(out_dir) as tmp_dir:
-        tensors = iter_merged_tensors(
-            iter_checkpoint_tensors(base_checkpoint), adapters, lora_config, config.tie_word_embeddings
-        )
-        save_checkpoint_files(
-            tensors, merged_config(config, lora_config), tmp_dir, tokenizer_source_dir=checkpoint_dir
-        )
-    print(f"Saved merged checkpoint to {out_dir}")
-
-
-# ---- export to Hugging Face PEFT -----------------------------------------------------------------------
-def peft_name(litsft_name: str) -> str:
-    """`blocks.0.attn.q_proj.lora_A.weight` -> `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
-    module, adapter, suffix = litsft_name.rsplit(".", 2)
-    return f"base_model.model.{hf_name(module + '.weight').removesuffix('.weight')}.{adapter}.{suffix}"
-
-
-def export_peft_adapter(lora_checkpoint_dir: Path, out_dir: Path, base_model_name_or_path: str = "") -> None:
-    """Write a LoRA checkpoint as a Hugging Face PEFT adapter (adapter_config.json, adapter_model.safetensors),
-    to load with `peft.PeftModel.from_pretrained(hf_base_model, out_dir)`.
-
-    Args:
-        lora_checkpoint_dir: A LoRA checkpoint directory written by finetune_lora.
-        out_dir: Where to write the adapter; must not exist or be empty.
-        base_model_name_or_path: Recorded in adapter_config.json; default the base model's name.
-    """
-    lora_config, base_checkpoint, adapters = load_lora_checkpoint(lora_checkpoint_dir)
-    config = Config.from_checkpoint(base_checkpoint)
-    alpha = int(lora_config.alpha) if float(lora_config.alpha).is_integer() else lora_config.alpha
-    peft_config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model_name_or_path or config.name,
-        "r": lora_config.rank,
-        "lora_alpha": alpha,
-        "lora_dropout": lora_config.dropout,
-        "target_modules": sorted(MODULE_OF_TARGET[t] for t in lora_config.target_list),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "init_lora_weights": True,
-        "modules_to_save": None,
-        "inference_mode": True,
-    }
-    with atomic_output_dir(Path(out_dir)) as tmp_dir:
-        save_file(
-            {peft_name(name): tensor for name, tensor in adapters.items()},
-            tmp_dir / PEFT_ADAPTER_NAME,
-            metadata=SAFETENSORS_METADATA,
-        )
-        (tmp_dir / PEFT_CONFIG_NAME).write_text(json.dumps(peft_config, indent=2) + "\n")
-        copy_tokenizer_files(Path(lora_checkpoint_dir), tmp_dir)
-
-
-def export_lora_to_hf(
-    lora_checkpoint_dir: Path, out_dir: Path, format: Literal["merged", "peft"] = "merged"
-) -> None:
-    """Export a LoRA checkpoint for Hugging Face: "merged" writes a plain transformers checkpoint with the
-    adapters folded in, "peft" writes a PEFT adapter for the original base model.
-
-    Args:
-        lora_checkpoint_dir: A LoRA checkpoint directory written by finetune_lora.
-        out_dir: Where to write; must not exist or be empty.
-        format: merged (a full model) or peft (adapter_config.json + adapter_model.safetensors).
-    """
-    if format == "peft":
-        export_peft_adapter(lora_checkpoint_dir, out_dir)
-        return
-    lora_config, base_checkpoint, adapters = load_lora_checkpoint(lora_checkpoint_dir)
-    config = Config.from_checkpoint(base_checkpoint)
-    with atomic_output_dir(Path(out_dir)) as tmp_dir:
-        tensors = iter_merged_tensors(
-            iter_checkpoint_tensors(base_checkpoint), adapters, lora_config, config.tie_word_embeddings
-        )
-        write_hf_checkpoint(tensors, merged_config(config, lora_config), tmp_dir, Path(lora_checkpoint_dir))
 
 
 def base_weight_name(name: str) -> str | None:

@@ -15,6 +15,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from litsft.errors import LitsftError
+from litsft.storage.files import first_line, read_json
 
 # The special tokens transformers hands a chat template as variables, when the tokenizer defines them.
 TEMPLATE_SPECIAL_TOKENS = (
@@ -55,7 +56,7 @@ class Tokenizer:
                 f"{tokenizer_file} is missing; copy tokenizer.json (and tokenizer_config.json) from the "
                 "original Hugging Face checkpoint into the directory"
             )
-        self._tokenizer = HFTokenizer.from_file(str(tokenizer_file))
+        self._tokenizer = read_tokenizer_file(tokenizer_file)
         config = _read_json(self.checkpoint_dir / "tokenizer_config.json")
         generation_config = _read_json(self.checkpoint_dir / "generation_config.json")
 
@@ -178,15 +179,28 @@ class Tokenizer:
         return ids
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
+def read_tokenizer_file(path: Path) -> HFTokenizer:
+    """A tokenizer.json, parsed; a damaged one is a LitsftError (`tokenizers` raises a bare Exception)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
+        return HFTokenizer.from_file(str(path))
+    except Exception as err:
         raise LitsftError(
-            f"{path} is not valid JSON ({err}); restore it from the original checkpoint"
+            f"{path} is not a valid tokenizer.json ({first_line(err)}); copy it again from the original "
+            "Hugging Face checkpoint"
         ) from None
+
+
+def check_tokenizer_fits(tokens: int, vocab_size: int, where: Path, fix: str) -> None:
+    """Refuse a tokenizer with ids at or past the model's embedding table, which would index out of range."""
+    if tokens > vocab_size:
+        raise LitsftError(
+            f"the tokenizer {where} has {tokens} tokens but the model's vocab_size is {vocab_size}: its ids past "
+            f"the embedding table would crash the model; {fix}"
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return read_json(path) if path.is_file() else {}
 
 
 class GenerationTag(jinja2.ext.Extension):

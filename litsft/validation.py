@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from litsft import checkpoint
 from litsft.args import RunConfig
 from litsft.devices import check_devices, gpu_count
 from litsft.errors import LitsftError, check_number
 from litsft.processes import check_world_size
+from litsft.storage import training_checkpoint as checkpoint
 
 FINAL_DIR = "final"
 

@@ -15,13 +15,13 @@ from litsft.args import (
     RunConfig,
     TrainConfig,
 )
-from litsft.checkpoint import load_weights, save_consolidated
 from litsft.config import Config
 from litsft.data import DataModule
 from litsft.engine import Recipe
 from litsft.launcher import launch
 from litsft.model import Transformer
 from litsft.model_source import resolve_checkpoint
+from litsft.storage.model_folder import gather_and_save_model_folder, load_model_weights
 
 
 def setup(
@@ -68,7 +68,9 @@ def setup(
     recipe = Recipe(
         name="finetune_full",
         build_model=Transformer,
-        initialize=lambda model: load_weights(model, checkpoint_dir),
-        save_final=lambda model, final_dir: save_consolidated(model, final_dir, config, checkpoint_dir),
+        initialize=lambda model: load_model_weights(model, checkpoint_dir),
+        save_final=lambda model, final_dir: gather_and_save_model_folder(
+            model, final_dir, config, checkpoint_dir
+        ),
     )
     launch(recipe, RunConfig.from_arguments(arguments, config, tokenizer_dir=checkpoint_dir))

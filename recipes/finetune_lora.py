@@ -16,7 +16,6 @@ from litsft.args import (
     RunConfig,
     TrainConfig,
 )
-from litsft.checkpoint import copy_rows, global_rank, load_weights
 from litsft.config import Config
 from litsft.data import DataModule
 from litsft.engine import Recipe
@@ -27,10 +26,12 @@ from litsft.lora import (
     base_weight_name,
     initial_adapter_value,
     lora_state_dict,
-    save_lora_checkpoint,
 )
 from litsft.model import Transformer, parameter_generator
 from litsft.model_source import resolve_checkpoint
+from litsft.storage.lora_folder import save_lora_folder
+from litsft.storage.model_folder import load_model_weights
+from litsft.storage.sharded_rows import copy_rows, global_rank
 
 
 def setup(
@@ -78,7 +79,7 @@ def setup(
     config = Config.from_checkpoint(checkpoint_dir)
 
     def initialize(model: Transformer) -> None:
-        load_weights(model, checkpoint_dir, stored_name=base_weight_name)
+        load_model_weights(model, checkpoint_dir, stored_name=base_weight_name)
         for name, param in model.named_parameters():
             if param.requires_grad:
                 copy_rows(
@@ -88,7 +89,7 @@ def setup(
     def save_final(model: Transformer, final_dir: Path) -> None:
         adapters = lora_state_dict(model)  # collective: every rank gathers
         if global_rank() == 0:
-            save_lora_checkpoint(adapters, lora, checkpoint_dir, final_dir)
+            save_lora_folder(adapters, lora, checkpoint_dir, final_dir)
 
     recipe = Recipe(
         name="finetune_lora",

@@ -15,13 +15,14 @@ from litsft.args import (
     RunConfig,
     TrainConfig,
 )
-from litsft.checkpoint import copy_rows, save_consolidated
 from litsft.config import CONFIG_FILENAME, Config
 from litsft.data import DataModule
 from litsft.engine import Recipe
 from litsft.errors import LitsftError
 from litsft.launcher import launch
 from litsft.model import Transformer, parameter_generator
+from litsft.storage.model_folder import gather_and_save_model_folder
+from litsft.storage.sharded_rows import copy_rows
 
 
 def setup(
@@ -84,6 +85,8 @@ def setup(
         name="pretrain",
         build_model=Transformer,
         initialize=initialize,
-        save_final=lambda model, final_dir: save_consolidated(model, final_dir, config, tokenizer_dir),
+        save_final=lambda model, final_dir: gather_and_save_model_folder(
+            model, final_dir, config, tokenizer_dir
+        ),
     )
     launch(recipe, RunConfig.from_arguments(arguments, config, tokenizer_dir=tokenizer_dir))

@@ -15,7 +15,7 @@ from tiny_tokenizer import write_tiny_tokenizer
 
 from litsft.config import Config
 from litsft.model import Transformer
-from litsft.weight_files import load_checkpoint_state_dict, save_checkpoint_files
+from litsft.storage.model_folder import load_model_state_dict, save_model_folder
 
 
 def test_env(tmp_path: Path) -> dict[str, str]:
@@ -109,18 +109,18 @@ def write_tiny_checkpoint(directory: Path, seed: int = 0, **overrides) -> Path:
     model.init_weights(seed)
     directory.mkdir(parents=True, exist_ok=True)
     write_tiny_tokenizer(directory)
-    save_checkpoint_files(model.state_dict().items(), config, directory, directory)
+    save_model_folder(model.state_dict().items(), config, directory, directory)
     return directory
 
 
 def max_difference(dir_a: Path, dir_b: Path) -> float:
-    a, b = load_checkpoint_state_dict(dir_a), load_checkpoint_state_dict(dir_b)
+    a, b = load_model_state_dict(dir_a), load_model_state_dict(dir_b)
     assert a.keys() == b.keys()
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 def state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    return load_checkpoint_state_dict(directory)
+    return load_model_state_dict(directory)
 
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()

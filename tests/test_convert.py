@@ -8,12 +8,13 @@ from safetensors.torch import load_file, save_file
 from tiny_hf import TINY_HF_MODELS, save_tiny_hf, tiny_hf_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import litsft.weight_files
+import litsft.storage.weight_files
 from litsft.config import Config
 from litsft.convert import convert_from_hf, convert_to_hf, hf_name, litsft_name
 from litsft.errors import LitsftError
 from litsft.model import Transformer
-from litsft.weight_files import iter_tensors, load_checkpoint_state_dict
+from litsft.storage.model_folder import load_model_state_dict
+from litsft.storage.weight_files import iter_tensors
 
 torch.set_num_threads(1)
 TOKENS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -44,7 +45,7 @@ def test_roundtrip_matches_hugging_face(tmp_path, kind):
 
     convert_from_hf(hf_dir, tmp_path / "litsft")
     model = Transformer(Config.from_checkpoint(tmp_path / "litsft")).eval()
-    model.load_state_dict(load_checkpoint_state_dict(tmp_path / "litsft"))
+    model.load_state_dict(load_model_state_dict(tmp_path / "litsft"))
     with torch.no_grad():
         logits = model(TOKENS)
     assert (logits - hf_logits).abs().max() < 1e-4
@@ -90,20 +91,20 @@ def test_converts_every_weight_layout(tmp_path, layout):
         assert (hf_dir / "pytorch_model.bin").is_file()
 
     convert_from_hf(hf_dir, tmp_path / "litsft")
-    state_dict = load_checkpoint_state_dict(tmp_path / "litsft")
+    state_dict = load_model_state_dict(tmp_path / "litsft")
     for name, tensor in hf_model.state_dict().items():
         assert torch.equal(state_dict[litsft_name(name)], tensor), name
 
 
 def test_convert_streams_one_shard_at_a_time(tmp_path, llama_dir, monkeypatch):
     held = []
-    add = litsft.weight_files.ShardedSafetensorsWriter.add
+    add = litsft.storage.weight_files.ShardedSafetensorsWriter.add
 
     def counting_add(writer, name, tensor):
         add(writer, name, tensor)
         held.append([t.nbytes for t in writer.shard.values()])
 
-    monkeypatch.setattr(litsft.weight_files.ShardedSafetensorsWriter, "add", counting_add)
+    monkeypatch.setattr(litsft.storage.weight_files.ShardedSafetensorsWriter, "add", counting_add)
     convert_from_hf(llama_dir, tmp_path / "litsft", max_shard_size="40KB")
     assert len(held) == 21
     # Each shard is at most 40KB, except that a larger tensor (the 128KB embedding) is a shard of its own.
@@ -114,7 +115,7 @@ def test_convert_streams_one_shard_at_a_time(tmp_path, llama_dir, monkeypatch):
 def test_dtype_casts_and_records_it(tmp_path, llama_dir):
     convert_from_hf(llama_dir, tmp_path / "litsft", dtype="bfloat16")
     assert Config.from_checkpoint(tmp_path / "litsft").torch_dtype == "bfloat16"
-    assert {t.dtype for t in load_checkpoint_state_dict(tmp_path / "litsft").values()} == {torch.bfloat16}
+    assert {t.dtype for t in load_model_state_dict(tmp_path / "litsft").values()} == {torch.bfloat16}
     convert_to_hf(tmp_path / "litsft", tmp_path / "export", dtype="float32")
     assert json.loads((tmp_path / "export" / "config.json").read_text())["torch_dtype"] == "float32"
     assert {t.dtype for t in _hf_tensors(tmp_path / "export").values()} == {torch.float32}
@@ -219,7 +220,7 @@ def test_unexpected_tensor(tmp_path, llama_dir, extra, message):
 
 
 def test_malicious_bin_is_refused_and_not_run(tmp_path, llama_dir):
-    from test_weight_files import _Malicious
+    from test_storage_weight_files import _Malicious
 
     marker = tmp_path / "pwned"
     (llama_dir / "model.safetensors").unlink()
@@ -248,16 +249,20 @@ def test_existing_out_dir_is_refused_and_kept(tmp_path, llama_dir):
 
 
 def test_failure_while_writing_leaves_nothing(tmp_path, llama_dir, monkeypatch):
-    add = litsft.weight_files.ShardedSafetensorsWriter.add
+    add = litsft.storage.weight_files.ShardedSafetensorsWriter.add
 
     def failing_add(writer, name, tensor):
         if name.startswith("blocks.1."):
             raise OSError("disk full")
         add(writer, name, tensor)
 
-    monkeypatch.setattr(litsft.weight_files.ShardedSafetensorsWriter, "add", failing_add)
-    with pytest.raises(OSError, match="disk full"):
+    monkeypatch.setattr(litsft.storage.weight_files.ShardedSafetensorsWriter, "add", failing_add)
+    with pytest.raises(LitsftError) as err:
         convert_from_hf(llama_dir, tmp_path / "out", max_shard_size="40KB")
+    assert str(err.value) == (
+        f"cannot write the converted checkpoint to {tmp_path / 'out'} (disk full); pass an --out_dir on a "
+        "writable disk with free space"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from launch import litsft, litsft_two_nodes, max_difference, state_dict, write_records, write_tiny_checkpoint
 
-from litsft.checkpoint import latest_checkpoint
+from litsft.storage.training_checkpoint import latest_checkpoint
 
 
 def finetune_args(

@@ -18,9 +18,9 @@ import pytest
 from crash_harness import crash_and_recover, leftovers, logged_steps, run_litsft, train_args
 from launch import free_port, max_difference, write_records, write_tiny_checkpoint
 
-from litsft.checkpoint import RowReader, is_complete, latest_checkpoint
 from litsft.faults import FAULT_ENV
 from litsft.preemption import PREEMPTED_EXIT_CODE
+from litsft.storage.training_checkpoint import is_complete, latest_checkpoint, training_rows
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +156,6 @@ def test_full_disk_during_save_keeps_previous_checkpoint_and_names_the_cause(wor
     assert len(error) == 1 and "File too large" in error[0] and "step-00000002 is intact" in error[0], error
     checkpoint = latest_checkpoint(out_dir)
     assert checkpoint == out_dir / "step-00000002" and is_complete(checkpoint)
-    reader = RowReader.for_training_checkpoint(checkpoint, "model/")
+    reader = training_rows(checkpoint, "model/")
     assert reader.read("embed.weight", 0, 4).shape[0] == 4  # loadable, not just present
     assert leftovers(out_dir) == []

@@ -11,12 +11,11 @@ import torch
 from launch import litsft, write_records, write_tiny_checkpoint
 from safetensors.torch import load_file
 from test_engine import finetune_args
-from test_lora import merged_state_dict
 
 from litsft.generate import load_model
-from litsft.lora import load_lora_checkpoint
+from litsft.lora import iter_merged_tensors
 from litsft.model import Transformer
-from litsft.weight_files import load_checkpoint_state_dict
+from litsft.storage.lora_folder import read_lora_folder
 
 
 def lora_args(
@@ -88,10 +87,10 @@ def test_lora_on_two_processes_equals_one_and_exports_to_transformers(workspace:
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
     # Merged model = base + adapters; exported to HF it gives the same logits in transformers.
-    lora_config, base_dir, adapters = load_lora_checkpoint(single / "final")
-    merged = merged_state_dict(load_checkpoint_state_dict(base_dir), adapters, lora_config)
-    model = load_model(base_dir, torch.device("cpu"), torch.float32)
-    model.load_state_dict(merged)
+    folder = read_lora_folder(single / "final")
+    model = load_model(folder.base_dir, torch.device("cpu"), torch.float32)
+    base = model.state_dict()
+    model.load_state_dict(dict(iter_merged_tensors(base.items(), folder.adapters, folder.config)))
     litsft(["convert_to_hf", str(single / "final"), "--out_dir", str(workspace / "hf")], workspace)
     from transformers import AutoModelForCausalLM
 

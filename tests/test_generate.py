@@ -14,8 +14,8 @@ from litsft.convert import convert_from_hf
 from litsft.errors import LitsftError
 from litsft.generate import generate, generate_batch, generate_tokens, load_model, sample_next_token
 from litsft.model import Transformer
+from litsft.storage.model_folder import save_model_folder
 from litsft.tokenizer import Tokenizer
-from litsft.weight_files import save_checkpoint_files
 
 HF_CONFIGS = {
     "llama": LlamaConfig(
@@ -204,7 +204,7 @@ def test_cli(tmp_path, capsys):
     model = Transformer(config)
     model.init_weights()
     write_tiny_tokenizer(tmp_path)
-    save_checkpoint_files(model.state_dict().items(), config, tmp_path)
+    save_model_folder(model.state_dict().items(), config, tmp_path)
     command = ["generate", str(tmp_path), "--prompt", "hello", "--max_new_tokens", "5"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(

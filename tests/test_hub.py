@@ -267,8 +267,8 @@ def test_finetune_lora_on_a_hub_id_exports_an_adapter_peft_loads(models, tmp_pat
     transformers model, which gives the same logits as litsft's model with the adapter."""
     import peft
 
-    from litsft.lora import load_lora_checkpoint, merged_state_dict
-    from litsft.weight_files import load_checkpoint_state_dict
+    from litsft.lora import iter_merged_tensors
+    from litsft.storage.lora_folder import read_lora_folder
 
     write_records(tmp_path / "data.json", count=48)
     with LocalHub() as hub:
@@ -284,10 +284,11 @@ def test_finetune_lora_on_a_hub_id_exports_an_adapter_peft_loads(models, tmp_pat
         == "org/tiny"
     )
 
-    lora_config, base_dir, adapters = load_lora_checkpoint(final)
-    assert base_dir == (tmp_path / "checkpoints" / "org" / "tiny").resolve()
-    model = load_model(base_dir, torch.device("cpu"), torch.float32)
-    model.load_state_dict(merged_state_dict(load_checkpoint_state_dict(base_dir), adapters, lora_config))
+    folder = read_lora_folder(final)
+    assert folder.base_dir == (tmp_path / "checkpoints" / "org" / "tiny").resolve()
+    model = load_model(folder.base_dir, torch.device("cpu"), torch.float32)
+    base = model.state_dict()
+    model.load_state_dict(dict(iter_merged_tensors(base.items(), folder.adapters, folder.config)))
     original = tiny_hf_model("llama", seed=0)
     peft_model = peft.PeftModel.from_pretrained(original, tmp_path / "peft").eval()
     with torch.no_grad():

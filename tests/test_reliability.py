@@ -18,11 +18,16 @@ import pytest
 from launch import free_port, write_records, write_tiny_checkpoint
 
 from litsft.__main__ import argument_error_line
-from litsft.checkpoint import is_complete, latest_checkpoint, remove_partial_checkpoints, rotate_checkpoints
 from litsft.errors import LitsftError
 from litsft.faults import FAULT_ENV, fault_point
 from litsft.rendezvous import TIMEOUT_ENV
 from litsft.run_lock import LOCK_NAME, STALE_AFTER_S, RunLock, process_start_time, read_holder
+from litsft.storage.training_checkpoint import (
+    is_complete,
+    latest_checkpoint,
+    remove_partial_checkpoints,
+    rotate_checkpoints,
+)
 
 
 # ---- the out_dir lock ----------------------------------------------------------------------------------

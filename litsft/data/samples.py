@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
-import shutil
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +13,7 @@ import numpy as np
 
 from litsft.data.chat import ChatFormat, ConversationError, Message
 from litsft.errors import LitsftError
+from litsft.storage.files import publish_atomically, write_json
 
 
 @dataclass
@@ -148,18 +146,16 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return within + np.repeat(starts.astype(np.int64), lengths)
 
 
+CACHE_FIX = "set --data.cache_dir (or $LITSFT_CACHE_DIR) to a writable place with free space"
+
+
 def write_atomically(directory: Path, write: Callable[[Path], None], meta: dict) -> None:
     """Write a cache entry into a temporary sibling and rename it into place, so a crash or a concurrent
     writer never leaves a half-written entry that a later run would trust."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-"))
     try:
-        write(staging)
-        (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        os.replace(staging, directory)
-    except OSError:
-        if not (directory / "meta.json").is_file():
+        with publish_atomically(directory, "the data cache", fix=CACHE_FIX) as staging:
+            write(staging)
+            write_json(staging / "meta.json", meta)
+    except LitsftError:
+        if not (directory / "meta.json").is_file():  # else another process published the same entry
             raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)

@@ -14,8 +14,6 @@ import json
 import math
 import os
 import random
-import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -25,7 +23,9 @@ from typing import Any
 import torch
 
 from litsft.data.base import DataModule, DataOptions, tokenizer_fingerprint
+from litsft.data.samples import CACHE_FIX
 from litsft.errors import LitsftError, check_number
+from litsft.storage.files import publish_atomically
 from litsft.tokenizer import Tokenizer
 
 TEXT_EXTENSIONS = (".txt",)
@@ -305,9 +305,7 @@ def optimize_text(
 
     pieces = byte_ranges(files)
     num_workers = max(1, min(num_workers or os.cpu_count() or 1, len(pieces)))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
-    try:
+    with publish_atomically(out_dir, "the tokenized text", fix=CACHE_FIX) as staging:
         optimize(
             fn=partial(tokenize_piece, checkpoint_dir=str(checkpoint_dir)),
             inputs=pieces,
@@ -318,9 +316,6 @@ def optimize_text(
             reorder_files=False,  # keep the pieces of a file in order, so its document stays whole
             start_method="fork" if "fork" in _start_methods() else None,
         )
-        os.replace(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _start_methods() -> list[str]:

@@ -1,20 +1,17 @@
-"""Reading and writing weight files one tensor at a time, so that converting or loading a 70B model never
-needs two full copies of it in memory.
+"""Weight files, with no notion of what the tensors mean: read and written one tensor at a time, so
+converting or loading a 70B model never needs two full copies of it in memory.
 
 Reads Hugging Face layouts (`model.safetensors`, sharded safetensors with `model.safetensors.index.json`,
 `pytorch_model.bin`, sharded `.bin` with `pytorch_model.bin.index.json`) and writes safetensors shards named
-the way Hugging Face names them. A litsft checkpoint directory is `litsft_config.json`, weights in litsft
-names in that same safetensors layout (a tied `lm_head.weight` is not stored), and the tokenizer files.
+the way Hugging Face names them. Files are written with the permissions the umask gives any other file
+(safetensors alone would make them private to their owner).
 """
 
 from __future__ import annotations
 
-import json
 import pickle
 import re
-import secrets
-import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -23,20 +20,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from litsft.config import Config
 from litsft.errors import LitsftError
+from litsft.storage.files import first_line, make_readable_like_other_files, read_json, write_json
 
 SAFETENSORS_NAME = "model.safetensors"
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
 BIN_NAME = "pytorch_model.bin"
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "generation_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 # transformers refuses safetensors files whose metadata lacks {"format": "pt"}.
 SAFETENSORS_METADATA = {"format": "pt"}
@@ -79,7 +69,15 @@ def parse_size(size: str | int) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2) or "B"])
 
 
-# ---- writing -------------------------------------------------------------------------------------------
+# ---- writing weights -------------------------------------------------------------------------------------
+def save_safetensors(
+    tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
+    """One safetensors file, with transformers' format metadata and the permissions of any other file."""
+    save_file(dict(tensors), path, metadata={**SAFETENSORS_METADATA, **(metadata or {})})
+    make_readable_like_other_files(path)
+
+
 class ShardedSafetensorsWriter:
     """Writes (name, tensor) pairs into safetensors shards of at most `max_shard_size` bytes each (a single
     larger tensor gets a shard of its own), holding only the current shard's tensors in memory.
@@ -116,7 +114,7 @@ class ShardedSafetensorsWriter:
         if not self.shard:
             return
         path = self.out_dir / f"model-{len(self.written) + 1:05d}.safetensors.partial"
-        save_file(self.shard, path, metadata=SAFETENSORS_METADATA)
+        save_safetensors(self.shard, path)
         self.written.append((path, list(self.shard)))
         self.shard, self.shard_bytes = {}, 0
 
@@ -128,7 +126,7 @@ class ShardedSafetensorsWriter:
             if self.written:
                 self.written[0][0].rename(final)
             else:  # no tensors at all: still a valid, empty file
-                save_file({}, final, metadata=SAFETENSORS_METADATA)
+                save_safetensors({}, final)
             return [final]
         count = len(self.written)
         weight_map: dict[str, str] = {}
@@ -139,7 +137,7 @@ class ShardedSafetensorsWriter:
             files.append(final)
             weight_map.update(dict.fromkeys(names, final.name))
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (self.out_dir / SAFETENSORS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        write_json(self.out_dir / SAFETENSORS_INDEX_NAME, index)
         return files
 
 
@@ -163,41 +161,7 @@ def _remove_saved_weights(directory: Path) -> None:
             path.unlink()
 
 
-def copy_tokenizer_files(source_dir: Path, out_dir: Path) -> list[str]:
-    """Copy the tokenizer files present in `source_dir` (see TOKENIZER_FILES); returns their names."""
-    copied = []
-    for name in TOKENIZER_FILES:
-        source = Path(source_dir) / name
-        if source.is_file() and source.resolve() != (Path(out_dir) / name).resolve():
-            shutil.copyfile(source, Path(out_dir) / name)
-            copied.append(name)
-    return copied
-
-
-@contextmanager
-def atomic_output_dir(out_dir: Path) -> Iterator[Path]:
-    """A temporary directory next to `out_dir` that becomes `out_dir` when the block succeeds and is deleted
-    when it fails, so a failed write leaves nothing behind. Refuses an existing non-empty `out_dir`."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise LitsftError(
-            f"output directory {out_dir} already exists and is not empty; choose another --out_dir or remove it"
-        )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # Not tempfile.mkdtemp: its 0700 permissions would become the checkpoint's.
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(4)}"
-    tmp_dir.mkdir()
-    try:
-        yield tmp_dir
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        tmp_dir.rename(out_dir)
-    finally:
-        if tmp_dir.exists():
-            shutil.rmtree(tmp_dir)
-
-
-# ---- reading -------------------------------------------------------------------------------------------
+# ---- reading weights -------------------------------------------------------------------------------------
 def weight_file_map(directory: Path) -> dict[str, Path]:
     """Tensor name -> file holding it, for a directory in any of the layouts above. Checks that every file
     an index names exists, so a missing shard is reported before anything is read or written."""
@@ -205,20 +169,7 @@ def weight_file_map(directory: Path) -> dict[str, Path]:
     for index_name in (SAFETENSORS_INDEX_NAME, BIN_INDEX_NAME):
         index_path = directory / index_name
         if index_path.is_file():
-            try:
-                weight_map = json.loads(index_path.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise LitsftError(
-                    f"{index_path} is not a weights index (no valid 'weight_map': {err}); restore it from the original checkpoint"
-                ) from None
-            files = {name: directory / file for name, file in weight_map.items()}
-            for path in sorted(set(files.values())):
-                if not path.is_file():
-                    raise LitsftError(
-                        f"{path.name} is listed in {index_path} but missing from {directory}; "
-                        "copy the complete checkpoint (all shards)"
-                    )
-            return files
+            return _indexed_files(directory, index_path)
     for file_name in (SAFETENSORS_NAME, BIN_NAME):
         path = directory / file_name
         if path.is_file():
@@ -227,6 +178,23 @@ def weight_file_map(directory: Path) -> dict[str, Path]:
         f"no weights in {directory}: expected {SAFETENSORS_NAME}, {SAFETENSORS_INDEX_NAME}, {BIN_NAME} or "
         f"{BIN_INDEX_NAME}"
     )
+
+
+def _indexed_files(directory: Path, index_path: Path) -> dict[str, Path]:
+    try:
+        weight_map = read_json(index_path)["weight_map"]
+        files = {name: directory / file for name, file in weight_map.items()}
+    except (KeyError, TypeError, AttributeError) as err:
+        raise LitsftError(
+            f"{index_path} is not a weights index (no valid 'weight_map': {err}); restore it from the original checkpoint"
+        ) from None
+    for path in sorted(set(files.values())):
+        if not path.is_file():
+            raise LitsftError(
+                f"{path.name} is listed in {index_path} but missing from {directory}; "
+                "copy the complete checkpoint (all shards)"
+            )
+    return files
 
 
 def tensor_infos(directory: Path) -> dict[str, TensorInfo]:
@@ -266,7 +234,7 @@ def iter_tensors(directory: Path, names: Iterable[str] | None = None) -> Iterato
                         tensor = f.get_tensor(name)
                     except Exception as err:  # any read failure means a damaged file
                         raise LitsftError(
-                            f"{path}: cannot read tensor {name!r} ({_first_line(err)}); the file is damaged, "
+                            f"{path}: cannot read tensor {name!r} ({first_line(err)}); the file is damaged, "
                             "download it again"
                         ) from None
                     yield name, tensor
@@ -297,7 +265,7 @@ def _open_safetensors(path: Path) -> Iterator[Any]:
         handle = safe_open(path, framework="pt")
     except Exception as err:  # safetensors has its own error types
         raise LitsftError(
-            f"{path} is not a valid safetensors file ({_first_line(err)}); it may be truncated, download it again"
+            f"{path} is not a valid safetensors file ({first_line(err)}); it may be truncated, download it again"
         ) from None
     with handle as f:
         yield f
@@ -312,6 +280,12 @@ def _get_slice(f: Any, path: Path, name: str) -> Any:
         ) from None
 
 
+def refused_global(err: pickle.UnpicklingError) -> str | None:
+    """The global that `torch.load(weights_only=True)` refused to unpickle, e.g. "posix.system"."""
+    refused = re.search(r"GLOBAL (\S+)", str(err))
+    return refused.group(1) if refused else None
+
+
 def _load_bin(path: Path) -> dict[str, torch.Tensor]:
     """A .bin state dict, memory-mapped. weights_only=True: unpickling a user file must never run code."""
     try:
@@ -323,11 +297,10 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
             # Files in torch's legacy (pre-1.6) format cannot be memory-mapped.
             state_dict = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        # weights_only names the first global it refused, e.g. "GLOBAL posix.system".
-        refused = re.search(r"GLOBAL (\S+)", str(err))
+        refused = refused_global(err)
         if refused:
             raise LitsftError(
-                f"{path} holds Python objects other than tensors ({refused.group(1)}) and litsft refuses to "
+                f"{path} holds Python objects other than tensors ({refused}) and litsft refuses to "
                 "unpickle them; use a safetensors checkpoint or a plain state dict of tensors"
             ) from None
         raise LitsftError(f"{path} is not a readable PyTorch weights file; download it again") from None
@@ -349,56 +322,3 @@ def _get_bin_tensor(state_dict: dict[str, torch.Tensor], path: Path, name: str) 
             f"{path} has no tensor {name!r} although the index lists it there; download the checkpoint again"
         )
     return state_dict[name]
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
-# ---- litsft checkpoint directories ----------------------------------------------------------------------
-def checkpoint_tensor_shapes(checkpoint_dir: Path) -> dict[str, TensorInfo]:
-    """Name -> (shape, dtype) of the tensors stored in a litsft checkpoint, from the file headers only."""
-    Config.from_checkpoint(checkpoint_dir)  # a clear error for a directory that is not a litsft checkpoint
-    return tensor_infos(checkpoint_dir)
-
-
-def iter_checkpoint_tensors(
-    checkpoint_dir: Path, names: Iterable[str] | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the stored (name, tensor) pairs of a litsft checkpoint one at a time, e.g. to fill a model
-    built on the meta device shard by shard. A tied `lm_head.weight` is not stored and not yielded."""
-    Config.from_checkpoint(checkpoint_dir)
-    yield from iter_tensors(checkpoint_dir, names)
-
-
-def load_checkpoint_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
-    """The full state dict of a litsft checkpoint, ready for `Transformer(config).load_state_dict(sd)`.
-    With tied embeddings `lm_head.weight` is added as the same tensor as `embed.weight`, as
-    `Transformer.state_dict()` has it."""
-    config = Config.from_checkpoint(checkpoint_dir)
-    state_dict = dict(iter_tensors(checkpoint_dir))
-    if config.tie_word_embeddings and "embed.weight" in state_dict:
-        state_dict["lm_head.weight"] = state_dict["embed.weight"]
-    return state_dict
-
-
-def save_checkpoint_files(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    config: Config,
-    out_dir: Path,
-    tokenizer_source_dir: Path | None = None,
-    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-) -> None:
-    """Write a litsft checkpoint directory: config, weights (streamed, sharded past `max_shard_size`) and the
-    tokenizer files of `tokenizer_source_dir`. A tied `lm_head.weight` is skipped: loading restores it from
-    `embed.weight`. Weights saved earlier in `out_dir` are replaced."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if config.tie_word_embeddings:
-        named_tensors = ((n, t) for n, t in named_tensors if n != "lm_head.weight")
-    write_safetensors(named_tensors, out_dir, max_shard_size)
-    if tokenizer_source_dir is not None:
-        copy_tokenizer_files(tokenizer_source_dir, out_dir)
-    # Config last: a directory with litsft_config.json is a finished checkpoint.
-    config.save(out_dir)

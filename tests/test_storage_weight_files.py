@@ -7,18 +7,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from litsft.config import Config
 from litsft.errors import LitsftError
-from litsft.model import Transformer
-from litsft.weight_files import (
+from litsft.storage.weight_files import (
     ShardedSafetensorsWriter,
-    atomic_output_dir,
-    checkpoint_tensor_shapes,
-    iter_checkpoint_tensors,
     iter_tensors,
-    load_checkpoint_state_dict,
     parse_size,
-    save_checkpoint_files,
     tensor_infos,
     write_safetensors,
 )
@@ -202,67 +195,3 @@ def test_malicious_pickle_is_refused_without_running_it(tmp_path):
     assert not marker.exists()
     torch.load(path, weights_only=False)  # the file really is malicious: a plain unpickle runs the command
     assert marker.exists()
-
-
-def test_atomic_output_dir_leaves_nothing_on_failure(tmp_path):
-    out_dir = tmp_path / "out"
-    with pytest.raises(RuntimeError, match="boom"), atomic_output_dir(out_dir) as work_dir:
-        (work_dir / "model.safetensors").write_text("partial")
-        raise RuntimeError("boom")
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_atomic_output_dir_renames_on_success_and_refuses_non_empty(tmp_path):
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()  # an empty directory is fine
-    with atomic_output_dir(out_dir) as work_dir:
-        (work_dir / "a.txt").write_text("a")
-    assert [p.name for p in tmp_path.iterdir()] == ["out"] and (out_dir / "a.txt").read_text() == "a"
-    umask = os.umask(0)
-    os.umask(umask)
-    assert out_dir.stat().st_mode & 0o777 == 0o777 & ~umask  # not tempfile's private 0700
-    with pytest.raises(LitsftError) as err, atomic_output_dir(out_dir):
-        pass
-    assert str(err.value) == (
-        f"output directory {out_dir} already exists and is not empty; choose another --out_dir or remove it"
-    )
-    assert [p.name for p in out_dir.iterdir()] == ["a.txt"]
-
-
-@pytest.mark.parametrize("tied", [False, True])
-def test_checkpoint_roundtrip_loads_into_transformer(tmp_path, tied):
-    config = Config.from_name("tiny-llama", tie_word_embeddings=tied)
-    torch.manual_seed(0)
-    model = Transformer(config)
-    model.init_weights()
-    (tmp_path / "source").mkdir()
-    (tmp_path / "source" / "tokenizer.json").write_text("{}")
-    save_checkpoint_files(model.state_dict().items(), config, tmp_path / "ckpt", tmp_path / "source", "100KB")
-
-    shapes = checkpoint_tensor_shapes(tmp_path / "ckpt")
-    assert ("lm_head.weight" in shapes) is not tied
-    assert shapes["embed.weight"] == ((512, 64), torch.float32)
-    assert (tmp_path / "ckpt" / "tokenizer.json").read_text() == "{}"
-    assert Config.from_checkpoint(tmp_path / "ckpt") == config
-    assert len(list((tmp_path / "ckpt").glob("model-*-of-*.safetensors"))) > 1
-
-    loaded = Transformer(config)
-    loaded.load_state_dict(load_checkpoint_state_dict(tmp_path / "ckpt"))  # strict
-    assert (loaded.lm_head.weight is loaded.embed.weight) is tied
-    for name, tensor in model.state_dict().items():
-        assert torch.equal(loaded.state_dict()[name], tensor), name
-    assert dict(iter_checkpoint_tensors(tmp_path / "ckpt")).keys() == shapes.keys()
-
-
-def test_save_checkpoint_files_replaces_earlier_shards(tmp_path):
-    config = Config.from_name("tiny-llama")
-    model = Transformer(config)
-    save_checkpoint_files(model.state_dict().items(), config, tmp_path, max_shard_size="100KB")
-    (tmp_path / "model-00007.safetensors.partial").write_text("left by a crashed save")
-    save_checkpoint_files(model.state_dict().items(), config, tmp_path, max_shard_size="5GB")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["litsft_config.json", "model.safetensors"]
-
-
-def test_not_a_checkpoint_is_an_error(tmp_path):
-    with pytest.raises(LitsftError, match=r"is not a litsft checkpoint: litsft_config.json is missing"):
-        load_checkpoint_state_dict(tmp_path)

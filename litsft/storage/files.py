@@ -1,0 +1,119 @@
+"""Plain files and directories, nothing torch: JSON read with a one-line error, durable writes, and
+`publish_atomically`, the one way litsft makes an output directory appear complete or not at all.
+Imported by the configuration, so it stays free of heavy imports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from safetensors import SafetensorError
+
+from litsft.errors import LitsftError
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's text (library errors are often multi-line), or its type name."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+# ---- JSON and durable writes ---------------------------------------------------------------------------
+def read_json(path: Path, fix: str = "restore it from the original checkpoint") -> Any:
+    """The JSON value in `path`; a file that is not JSON is a LitsftError saying `fix`."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise LitsftError(f"{path} is not valid JSON ({err}); {fix}") from None
+
+
+def write_json(path: Path, value: Any, durable: bool = False) -> None:
+    """`value` as indented JSON; `durable` fsyncs it before returning (a checkpoint's last file)."""
+    text = json.dumps(value, indent=2, default=_json_default) + "\n"
+    write_bytes(path, text.encode("utf-8"), durable)
+
+
+def write_bytes(path: Path, data: bytes, durable: bool = False) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a directory's entries to disk (a rename is durable once its directory is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "tolist"):  # a tensor or an array
+        return value.tolist()
+    if isinstance(value, tuple):
+        return list(value)
+    raise TypeError(f"cannot write {type(value).__name__} to JSON")
+
+
+# ---- publishing a directory ------------------------------------------------------------------------------
+@contextmanager
+def publish_atomically(
+    target: Path,
+    what: str,
+    staging: Path | None = None,
+    fix: str = "pass an --out_dir on a writable disk with free space",
+) -> Iterator[Path]:
+    """An empty staging directory next to `target` that becomes `target` with one rename when the block
+    succeeds and is deleted when it fails, so `target` is complete or absent, never half-written.
+
+    Refuses a `target` that exists and is not an empty directory. `staging` fixes the staging directory's
+    name where several processes must agree on it (a leftover from a crash is removed first); by default
+    it gets a fresh random name. A failure to write (a read-only place, a full disk) becomes one
+    LitsftError naming `what` (e.g. "the converted checkpoint"), where, and `fix`.
+    """
+    target = Path(target)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise LitsftError(
+            f"output directory {target} already exists and is not empty; choose another --out_dir or remove it"
+        )
+    # Not tempfile.mkdtemp: its 0700 permissions would become the output's.
+    staging = staging or target.parent / f".{target.name}.tmp-{secrets.token_hex(4)}"
+    try:
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+        yield staging
+        if target.exists():
+            target.rmdir()  # empty, checked above
+        staging.rename(target)
+    except (OSError, SafetensorError) as err:
+        raise LitsftError(f"cannot write {what} to {target} ({describe_os_error(err)}); {fix}") from None
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def describe_os_error(err: BaseException) -> str:
+    """ "Permission denied: /x/y" for an OSError, the first line of anything else."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.strerror}: {err.filename}" if err.filename else err.strerror
+    return first_line(err)
+
+
+def make_readable_like_other_files(path: Path) -> None:
+    """Give `path` the mode the umask gives a new file (0644 under the usual 022); safetensors writes 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
