@@ -60,6 +60,7 @@ class Checkpointer:
             "seed": self.run.seed,
             "config": asdict(self.run.config),
             "arguments": describe(self.run.cli_arguments),
+            "data": self.run.data.fingerprint(),
         }
         rank_state = {"rng": checkpoint.rng_state(), **state.state_dict()}
         path = checkpoint.save_training_checkpoint(

@@ -278,9 +278,7 @@ def _merged_base(folder: LoRAFolder) -> Iterator[tuple[Iterator[tuple[str, torch
     """The base's tensors with the adapters folded in, and the merged model's config. The base's weights
     are fingerprinted as they stream past and checked when the block ends, before anything is published:
     a base that changed since training is refused (early, when its manifest already says so)."""
-    recorded = read_manifest(folder.base_dir).get("weights_sha256")
-    if isinstance(recorded, str):
-        folder.check_base(recorded)
+    folder.check_base_manifest()
     config = Config.from_checkpoint(folder.base_dir)
     fingerprint = WeightsFingerprint()
     base_tensors = fingerprint.passing(iter_model_tensors(folder.base_dir))
@@ -309,9 +307,7 @@ def export_peft_adapter(lora_checkpoint_dir: Path, out_dir: Path, base_model_nam
             to Hugging Face format as out_dir/base and that path is recorded.
     """
     folder = read_lora_folder(lora_checkpoint_dir)
-    recorded = read_manifest(folder.base_dir).get("weights_sha256")
-    if isinstance(recorded, str):
-        folder.check_base(recorded)
+    folder.check_base_manifest()
     out_dir = Path(out_dir)
     base_name = base_model_name_or_path or _hf_source_of(folder.base_dir)
     with publish_atomically(out_dir, "the PEFT adapter") as tmp_dir:

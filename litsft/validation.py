@@ -100,6 +100,12 @@ def check_resumable(path: Path, run: RunConfig, recipe_name: str) -> None:
             f"{path} was written by {state.get('recipe')}, not {recipe_name}; resume it with "
             f"`litsft {state.get('recipe')}` or pass another --out_dir"
         )
+    data = run.data.fingerprint()
+    if state.get("data") is not None and data is not None and state["data"] != data:
+        raise LitsftError(
+            f"{path} was trained on other data than --data gives now (data fingerprint {state['data'][:12]}, "
+            f"now {data[:12]}); resume with the data it was trained on, or pass another --out_dir to start over"
+        )
     saved, current = state.get("config", {}), _json_round_trip(asdict(run.config))
     different = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
     if different:

@@ -50,6 +50,7 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_tiny_checkpoint(root / "base", seed=1)
     write_tiny_checkpoint(root / "other-model", seed=1, intermediate_size=96)
     write_records(root / "data.json", count=24)
+    write_records(root / "other-data.json", count=24, seed=1)
     (root / "broken.json").write_text('[{"instruction": "a", "output": ')
     (root / "not-a-checkpoint").mkdir()
     (root / "a-file").write_text("not a directory")
@@ -361,6 +362,13 @@ CASES: dict[str, Case] = {
         "was written by finetune_full, not finetune_lora",
         NO_ENV,
     ),
+    "resume with another data file": (
+        lambda ws, t: train(
+            ws, copy_of(ws, t, "interrupted"), "--data.json_path", str(ws / "other-data.json")
+        ),
+        "was trained on other data than --data gives now (data fingerprint ",
+        NO_ENV,
+    ),
     "resume a damaged shard": (
         lambda ws, t: train(ws, _damaged(copy_of(ws, t, "interrupted"))),
         "rank-00000.safetensors is damaged",
@@ -375,6 +383,23 @@ CASES: dict[str, Case] = {
     "generate without checkpoint": (
         lambda ws, t: ["generate", str(ws / "not-a-checkpoint")],
         "not-a-checkpoint is neither a litsft checkpoint (litsft_config.json is missing) nor a Hugging Face",
+        NO_ENV,
+    ),
+    "convert into an unwritable place": (
+        lambda ws, t: ["convert_to_hf", str(ws / "base"), "--out_dir", str(ws / "a-file" / "hf")],
+        "a-file/hf (Not a directory: ",
+        NO_ENV,
+    ),
+    "PEFT export of a full model": (
+        lambda ws, t: [
+            "convert_to_hf",
+            str(ws / "base"),
+            "--out_dir",
+            str(t / "peft"),
+            "--lora_format",
+            "peft",
+        ],
+        "is a full model, not a LoRA checkpoint (it has no lora_config.json)",
         NO_ENV,
     ),
     "convert into a non-empty dir": (

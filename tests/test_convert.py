@@ -1,4 +1,6 @@
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -9,11 +11,12 @@ from tiny_hf import TINY_HF_MODELS, save_tiny_hf, tiny_hf_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import litsft.storage.weight_files
+from litsft.__main__ import main
 from litsft.config import Config
 from litsft.convert import convert_from_hf, convert_to_hf, hf_name, litsft_name
 from litsft.errors import LitsftError
 from litsft.model import Transformer
-from litsft.storage.model_folder import load_model_state_dict
+from litsft.storage.model_folder import load_model_state_dict, read_manifest
 from litsft.storage.weight_files import iter_tensors
 
 torch.set_num_threads(1)
@@ -296,3 +299,124 @@ def test_cli(tmp_path, llama_dir):
         f"error: {tmp_path / 'nowhere'} has no config.json; point hf_dir at a Hugging Face checkpoint "
         "directory (the one with config.json and the weights)\n"
     )
+
+
+# ---- tokenizers -----------------------------------------------------------------------------------------
+def hf_dir_with_vocab(directory, vocab_size: int):
+    """A tiny Llama whose embedding table has `vocab_size` rows, saved with the 512-token tiny tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**TINY_HF_MODELS["llama"][0].to_dict(), "vocab_size": vocab_size})
+    return save_tiny_hf(LlamaForCausalLM(config).eval(), directory)
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
+    hf_dir = hf_dir_with_vocab(tmp_path / "hf", vocab_size=256)
+    with pytest.raises(LitsftError) as err:
+        convert_from_hf(hf_dir, tmp_path / "out")
+    assert str(err.value) == (
+        f"the tokenizer {hf_dir / 'tokenizer.json'} has 512 tokens but the model's vocab_size is 256: its ids "
+        "past the embedding table would crash the model; convert the tokenizer that belongs to these weights"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_damaged_tokenizer_json_is_one_line(tmp_path, llama_dir):
+    (llama_dir / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    with pytest.raises(LitsftError) as err:
+        convert_from_hf(llama_dir, tmp_path / "out")
+    message = str(err.value)
+    assert message.startswith(f"{llama_dir / 'tokenizer.json'} is not a valid tokenizer.json (")
+    assert message.endswith("); copy it again from the original Hugging Face checkpoint")
+    assert "\n" not in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_folder_without_tokenizer_json_converts_with_a_note(tmp_path, capsys):
+    hf_dir = save_tiny_hf(tiny_hf_model("llama"), tmp_path / "hf", tokenizer=False)
+    capsys.readouterr()
+    convert_from_hf(hf_dir, tmp_path / "out")
+    assert capsys.readouterr().err == (
+        f"note: {hf_dir} has no tokenizer.json, so neither has {tmp_path / 'out'}: training and generate need "
+        f"one; copy it into {tmp_path / 'out'} (transformers' AutoTokenizer.save_pretrained writes it)\n"
+    )
+    assert (tmp_path / "out" / "litsft_config.json").is_file()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'out' / 'tokenizer.json'} is missing; copy tokenizer.json (and "
+        "tokenizer_config.json) from the original Hugging Face checkpoint into the directory\n"
+    )
+
+
+SIDE_FILES = {
+    "tokenizer.model": b"\x0a\x05sentencepiece",
+    "vocab.json": b'{"a": 0}',
+    "merges.txt": b"#version: 0.2\na b\n",
+    "added_tokens.json": b'{"<x>": 600}',
+    "chat_template.jinja": b"{{ messages[0]['content'] }}",
+}
+
+
+def test_tokenizer_side_files_survive_both_conversions(tmp_path, llama_dir):
+    for name, content in SIDE_FILES.items():
+        (llama_dir / name).write_bytes(content)
+    convert_from_hf(llama_dir, tmp_path / "litsft")
+    convert_to_hf(tmp_path / "litsft", tmp_path / "back")
+    for directory in (tmp_path / "litsft", tmp_path / "back"):
+        for name, content in SIDE_FILES.items():
+            assert (directory / name).read_bytes() == content, (directory, name)
+        assert (directory / "tokenizer.json").read_bytes() == (llama_dir / "tokenizer.json").read_bytes()
+
+
+# ---- where the output goes ------------------------------------------------------------------------------
+def test_output_in_an_unwritable_place_is_one_line(tmp_path, llama_dir):
+    """A file where a directory should be: it fails for root too, unlike a read-only permission bit."""
+    (tmp_path / "a-file").write_text("not a directory")
+    out_dir = tmp_path / "a-file" / "out"
+    with pytest.raises(LitsftError) as err:
+        convert_from_hf(llama_dir, out_dir)
+    assert re.fullmatch(
+        rf"cannot write the converted checkpoint to {re.escape(str(out_dir))} \(Not a directory: "
+        rf"{re.escape(str(tmp_path / 'a-file'))}/\.out\.tmp-[0-9a-f]{{8}}\); pass an --out_dir on a writable "
+        "disk with free space",
+        str(err.value),
+    ), str(err.value)
+    convert_from_hf(llama_dir, tmp_path / "litsft")
+    with pytest.raises(LitsftError, match=r"^cannot write the Hugging Face checkpoint to .*a-file/out \("):
+        convert_to_hf(tmp_path / "litsft", out_dir)
+    assert (tmp_path / "a-file").read_text() == "not a directory"
+
+
+def test_weight_files_are_readable_like_other_files(tmp_path, llama_dir):
+    umask = os.umask(0o022)
+    try:
+        convert_from_hf(llama_dir, tmp_path / "litsft", max_shard_size="40KB")
+        convert_to_hf(tmp_path / "litsft", tmp_path / "back")
+    finally:
+        os.umask(umask)
+    files = [*(tmp_path / "litsft").iterdir(), *(tmp_path / "back").iterdir()]
+    assert sum(p.suffix == ".safetensors" for p in files) > 2
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: "0o644" for p in files}
+
+
+def test_hub_cache_path_gives_the_hub_id(tmp_path):
+    hf_dir = save_tiny_hf(
+        tiny_hf_model("llama"), tmp_path / "models--someorg--tiny-llama" / "snapshots" / "abc123"
+    )
+    convert_from_hf(hf_dir, tmp_path / "from-cache")
+    convert_from_hf(hf_dir, tmp_path / "named", hf_model_id="other/name")
+    assert read_manifest(tmp_path / "from-cache")["hf_source"] == "someorg/tiny-llama"
+    assert read_manifest(tmp_path / "named")["hf_source"] == "other/name"
+
+
+def test_peft_format_of_a_full_checkpoint_is_an_error(tmp_path, llama_dir):
+    convert_from_hf(llama_dir, tmp_path / "litsft")
+    with pytest.raises(LitsftError) as err:
+        convert_to_hf(tmp_path / "litsft", tmp_path / "peft", lora_format="peft")
+    assert str(err.value) == (
+        f"--lora_format peft: {tmp_path / 'litsft'} is a full model, not a LoRA checkpoint (it has no "
+        "lora_config.json); drop --lora_format, or pass the final/ directory of a finetune_lora run"
+    )
+    assert not (tmp_path / "peft").exists()

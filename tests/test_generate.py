@@ -10,10 +10,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from litsft.__main__ import main
 from litsft.config import Config
-from litsft.convert import convert_from_hf
+from litsft.convert import convert_from_hf, merge_lora
 from litsft.errors import LitsftError
 from litsft.generate import generate, generate_batch, generate_tokens, load_model, sample_next_token
+from litsft.lora import LoRAConfig, apply_lora, lora_state_dict
 from litsft.model import Transformer
+from litsft.storage.lora_folder import save_lora_folder
 from litsft.storage.model_folder import save_model_folder
 from litsft.tokenizer import Tokenizer
 
@@ -219,4 +221,46 @@ def test_cli(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == (
         "error: temperature=-2.0 is negative; use 0 for greedy decoding or a positive value\n"
+    )
+
+
+def test_generate_on_a_lora_folder_equals_the_merged_model(tmp_path, checkpoints, capsys):
+    """`litsft generate <lora out_dir>/final`: the base with its adapters, token for token the merged model."""
+    _, litsft_dir = checkpoints
+    lora_config = LoRAConfig(rank=4, targets=["q", "v", "down", "lm_head"])
+    adapted = apply_lora(_model(litsft_dir), lora_config)
+    with torch.no_grad():  # adapters large enough to change what greedy decoding picks
+        for name, param in adapted.named_parameters():
+            if param.requires_grad:
+                param.copy_(
+                    0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name)))
+                )
+    save_lora_folder(lora_state_dict(adapted), lora_config, litsft_dir, tmp_path / "final")
+    merge_lora(tmp_path / "final", tmp_path / "merged")
+    completions = []
+    for directory in (litsft_dir, tmp_path / "final", tmp_path / "merged"):
+        capsys.readouterr()
+        main(["generate", str(directory), "--prompt", "hello", "--max_new_tokens", "12"])
+        completions.append(capsys.readouterr().out)
+    base_completion, lora_completion, merged_completion = completions
+    assert lora_completion == merged_completion
+    assert lora_completion != base_completion  # the adapters are in use
+    tokens = torch.arange(20)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(
+            _model(tmp_path / "final")(tokens), _model(tmp_path / "merged")(tokens), atol=1e-4, rtol=0
+        )
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused_at_load(tmp_path, capsys):
+    config = Config.from_name("tiny-llama", vocab_size=256)
+    write_tiny_tokenizer(tmp_path)  # 512 tokens
+    save_model_folder(Transformer(config).state_dict().items(), config, tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", str(tmp_path), "--max_new_tokens", "2"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: the tokenizer {tmp_path / 'tokenizer.json'} has 512 tokens but the model's vocab_size is 256: "
+        "its ids past the embedding table would crash the model; put the tokenizer of these weights into the "
+        "checkpoint directory\n"
     )

@@ -29,3 +29,29 @@ def test_publish_atomically_renames_on_success_and_refuses_non_empty(tmp_path):
         f"output directory {out_dir} already exists and is not empty; choose another --out_dir or remove it"
     )
     assert [p.name for p in out_dir.iterdir()] == ["a.txt"]
+
+
+def test_publish_atomically_turns_write_failures_into_one_line(tmp_path):
+    out_dir = tmp_path / "out"
+    with (
+        pytest.raises(LitsftError) as err,
+        publish_atomically(out_dir, "the thing", fix="try elsewhere") as work,
+    ):
+        (work / "a.txt").write_text("a")
+        raise OSError(28, "No space left on device", str(work / "b.txt"))
+    assert str(err.value) == (
+        f"cannot write the thing to {out_dir} (No space left on device: {work / 'b.txt'}); try elsewhere"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_publish_atomically_reuses_a_fixed_staging_name(tmp_path):
+    """Several processes agree on the staging name; a crash's leftover under it is cleared first."""
+    staging = tmp_path / ".out.partial"
+    staging.mkdir()
+    (staging / "stale.txt").write_text("left by a crash")
+    with publish_atomically(tmp_path / "out", "the thing", staging=staging) as work:
+        assert work == staging and list(work.iterdir()) == []
+        (work / "new.txt").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["new.txt"]

@@ -162,3 +162,15 @@ def test_template_errors_are_litsft_errors(tmp_path):
 def test_missing_tokenizer_json(tmp_path):
     with pytest.raises(LitsftError, match=r"tokenizer.json is missing; copy tokenizer.json"):
         Tokenizer(tmp_path)
+
+
+def test_damaged_tokenizer_json_is_one_line(tmp_path):
+    write_tiny_tokenizer(tmp_path)
+    text = (tmp_path / "tokenizer.json").read_text()
+    (tmp_path / "tokenizer.json").write_text(text[: len(text) // 2])
+    with pytest.raises(LitsftError) as err:
+        Tokenizer(tmp_path)
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path / 'tokenizer.json'} is not a valid tokenizer.json (")
+    assert message.endswith("); copy it again from the original Hugging Face checkpoint")
+    assert "\n" not in message

@@ -79,6 +79,11 @@ class DataModule:
         """Every rank gets the same number of batches; None when there is no validation data."""
         return None
 
+    def fingerprint(self) -> str | None:
+        """A digest of the training data, recorded in checkpoints so that resuming with other data is
+        refused; None when it cannot be known. Must not need `connect`: it is checked before launch."""
+        return None
+
     @property
     def cache_root(self) -> Path:
         if self.cache_dir is not None:
@@ -126,6 +131,13 @@ class SFTDataModule(DataOptions, DataModule):
         """{"train": (identity, read), "val": ...}: a string that changes when the records change, and a
         function reading them. Without "val", val_split_fraction of the training records is held out."""
         raise NotImplementedError
+
+    def fingerprint(self) -> str | None:
+        # The sources' identities change with the records (a file's contents, a generator's options).
+        if "_fingerprint" not in self.__dict__:
+            identities = {split: identity for split, (identity, _) in self.sources().items()}
+            self._fingerprint = digest_of(identities)
+        return self._fingerprint
 
     def connect(self, tokenizer: Tokenizer, max_seq_length: int, seed: int) -> None:
         super().connect(tokenizer, max_seq_length, seed)
@@ -249,6 +261,11 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
         if path.is_file():
             digest.update(name.encode() + path.read_bytes())
     return digest.hexdigest()
+
+
+def digest_of(value: Any) -> str:
+    """SHA-256 of a JSON-serializable value."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
 def file_fingerprint(path: Path) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from litsft.data.base import DataModule, DataOptions, tokenizer_fingerprint
+from litsft.data.base import DataModule, DataOptions, digest_of, tokenizer_fingerprint
 from litsft.data.samples import CACHE_FIX
 from litsft.errors import LitsftError, check_number
 from litsft.storage.files import publish_atomically
@@ -154,6 +154,11 @@ class LitData(DataOptions, StreamingDataModule):
         train, val = self._split_dirs()
         return train if split == "train" else val
 
+    def fingerprint(self) -> str | None:
+        train, _ = self._split_dirs()
+        index = Path(train) / "index.json"
+        return digest_of(index.read_text()) if index.is_file() else digest_of(train)
+
 
 @dataclass(kw_only=True)
 class TextFiles(DataOptions, StreamingDataModule):
@@ -186,6 +191,13 @@ class TextFiles(DataOptions, StreamingDataModule):
         shuffled = random.Random(self.data_seed).sample(train, len(train))
         num_val = min(len(train) - 1, max(1, math.floor(self.val_split_fraction * len(train))))
         return {"train": sorted(shuffled[num_val:]), "val": sorted(shuffled[:num_val])}
+
+    def fingerprint(self) -> str | None:
+        # Path, size and modification time: hashing a pretraining corpus at every start would take minutes.
+        files = self.splits()["train"]
+        return digest_of(
+            [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in files]
+        )
 
     def optimized_dir(self, split: str, files: list[Path]) -> Path:
         key = {

@@ -114,6 +114,17 @@ def describe_os_error(err: BaseException) -> str:
 
 def make_readable_like_other_files(path: Path) -> None:
     """Give `path` the mode the umask gives a new file (0644 under the usual 022); safetensors writes 0600."""
-    umask = os.umask(0)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    # Linux reports it without changing it; setting and restoring it would race with other threads.
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o022)
     os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    return umask

@@ -22,7 +22,7 @@ from litsft.config import Config
 from litsft.errors import LitsftError
 from litsft.lora import LoRAConfig, check_adapter_shapes
 from litsft.storage.files import read_json, write_json
-from litsft.storage.model_folder import copy_tokenizer_files, weights_fingerprint
+from litsft.storage.model_folder import copy_tokenizer_files, read_manifest, weights_fingerprint
 from litsft.storage.weight_files import save_safetensors
 
 LORA_CONFIG_NAME = "lora_config.json"
@@ -49,6 +49,12 @@ class LoRAFolder:
                 "checkpoint they were trained on, or point base_checkpoint in "
                 f"{self.path / LORA_CONFIG_NAME} at a copy of it"
             )
+
+    def check_base_manifest(self) -> None:
+        """`check_base` against the fingerprint the base's manifest records: cheap, no weights read."""
+        recorded = read_manifest(self.base_dir).get("weights_sha256")
+        if isinstance(recorded, str):
+            self.check_base(recorded)
 
 
 def is_lora_folder(directory: Path) -> bool:
