@@ -277,7 +277,9 @@ def generate(
         dtype: Weights and compute dtype. Default: bfloat16 on a GPU that supports it, else float32.
     """
     _check_sampling(temperature, top_k, top_p)
-    checkpoint_dir = resolve_checkpoint(checkpoint_dir, quiet=True)  # stdout: the completion alone
+    if not is_lora_folder(Path(checkpoint_dir)):  # a LoRA folder is read as is, with its base
+        checkpoint_dir = resolve_checkpoint(checkpoint_dir, quiet=True)  # stdout: the completion alone
+    checkpoint_dir = Path(checkpoint_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dtype is None:
         use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
