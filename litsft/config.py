@@ -85,7 +85,11 @@ class Config:
     """RMSNorm on each head's queries and keys before RoPE (Qwen3)."""
     attention_dropout: float = 0.0
     sliding_window: int | None = None
-    """Kept for the HF export (Mistral v0.1). Training attends to the whole sequence."""
+    """A query attends to at most this many latest positions, itself included (Mistral v0.1, Qwen2 with
+    use_sliding_window), in the layers from `max_window_layers` on; None: to the whole sequence."""
+    max_window_layers: int = 0
+    """With a sliding window, the layers before this index still attend to the whole sequence (Qwen2's
+    max_window_layers); 0 for Mistral, whose every layer has the window."""
     hf_architecture: HFArchitecture = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -109,6 +113,10 @@ class Config:
                 f"{self.name}: rope_scaling type {rope_type!r} is not supported; "
                 f"supported types are {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+
+    def attention_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (counting from 0), or None for full causal attention."""
+        return self.sliding_window if layer >= self.max_window_layers else None
 
     @property
     def num_parameters(self) -> int:
@@ -188,7 +196,11 @@ class Config:
             if rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
                 rope_scaling = None
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        use_sliding = hf_config.get("use_sliding_window", arch == "MistralForCausalLM")
+        sliding_window, max_window_layers = _sliding_window_of(hf_config, arch)
+        # Qwen2's window layout is modelled (max_window_layers) when a window is used; kept as-is otherwise.
+        window_keys = (
+            {"max_window_layers", "layer_types"} if sliding_window and arch != "MistralForCausalLM" else set()
+        )
         if hf_config.get("hidden_act", "silu") != "silu":
             raise LitsftError(
                 f"hidden_act={hf_config['hidden_act']!r} is not supported; litsft's MLP is SwiGLU (silu)"
@@ -211,12 +223,13 @@ class Config:
             out_bias=attention_bias and not is_qwen2,
             qk_norm=arch == "Qwen3ForCausalLM",
             attention_dropout=float(hf_config.get("attention_dropout", 0.0) or 0.0),
-            sliding_window=hf_config.get("sliding_window") if use_sliding else None,
+            sliding_window=sliding_window,
+            max_window_layers=max_window_layers,
             hf_architecture=arch,
             bos_token_id=hf_config.get("bos_token_id"),
             eos_token_id=hf_config.get("eos_token_id"),
             torch_dtype=str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"),
-            hf_extra={k: v for k, v in hf_config.items() if k not in HF_KEYS_READ},
+            hf_extra={k: v for k, v in hf_config.items() if k not in HF_KEYS_READ | window_keys},
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -252,9 +265,38 @@ class Config:
             hf["sliding_window"] = self.sliding_window
             if self.hf_architecture != "MistralForCausalLM":
                 hf["use_sliding_window"] = self.sliding_window is not None
+                if self.sliding_window is not None:
+                    hf["max_window_layers"] = self.max_window_layers
         # Copies: transformers edits the dicts it is given (it adds rope_theta to rope_scaling).
         hf.update(copy.deepcopy(self.hf_extra))
         return hf
+
+
+def _sliding_window_of(hf_config: dict[str, Any], arch: str) -> tuple[int | None, int]:
+    """(sliding window, first windowed layer) as transformers reads them: Mistral windows every layer when
+    `sliding_window` is set; Qwen2 and Qwen3 only with `use_sliding_window`, from layer `max_window_layers`
+    on (28 by default), or where `layer_types` says "sliding_attention"."""
+    if arch == "MistralForCausalLM":
+        return hf_config.get("sliding_window"), 0
+    if arch == "LlamaForCausalLM" or not hf_config.get("use_sliding_window", False):
+        return None, 0
+    window = hf_config.get("sliding_window")
+    if window is None:
+        return None, 0
+    num_layers = hf_config["num_hidden_layers"]
+    first = min(hf_config.get("max_window_layers", 28), num_layers)
+    layer_types = hf_config.get("layer_types")
+    if layer_types is not None:
+        windowed = [kind == "sliding_attention" for kind in layer_types]
+        first = windowed.index(True) if any(windowed) else num_layers
+        if windowed != [i >= first for i in range(num_layers)]:
+            raise LitsftError(
+                f"layer_types {layer_types} mixes full and sliding attention in an order litsft cannot "
+                "model (sliding layers must come last); use a checkpoint without such layer_types"
+            )
+    if first >= num_layers:
+        return None, 0
+    return window, first
 
 
 CONFIG_FILENAME = "litsft_config.json"

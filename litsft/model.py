@@ -1,27 +1,35 @@
 """The decoder-only transformer: Llama, Mistral, Qwen2/2.5 and Qwen3 in one flat file.
 
 Shapes in comments: B batch, T query length, S key length, H query heads, K kv heads, D head dim,
-C hidden size, V vocab size.
+C hidden size, V vocab size, N tokens of a packed row.
 
-Packed batches: pass `position_ids` (restarting at 0 for each document) and `document_ids` (the index
-of the document each token belongs to); attention is then causal *within* each document only. On the CPU
-the documents are cut out of their rows and attended to one length bucket at a time (`DocumentSegments`),
-so attention costs the sum of squared document lengths instead of rows x T^2, and the loss path drops the
-padding at the ends of rows before the first layer (`without_padding`); on a GPU a boolean mask keeps the
-forward free of host syncs.
+Packed batches: the data loader's rows (B, T) hold several documents each, padded at the end. For the
+loss they are joined into one row (1, N) of their N real tokens (`without_padding`: no layer computes
+padding) with `Documents`, the cumulative lengths of the documents, built on the host; attention is then
+causal *within* each document only. How attention does that (flash attention per document on a GPU,
+length buckets on the CPU, ...) is litsft.attention's business: the model calls `attend`.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from litsft.attention import (
+    Documents,
+    Kernel,
+    PreparedAttention,
+    attend,
+    choose_kernel,
+    documents_of_ids,
+    prepare,
+)
 from litsft.config import Config
 
 
@@ -129,9 +137,8 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | DocumentSegments | None,
+        attention: PreparedAttention,
         kv_cache: KVCache | None = None,
-        cache_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
         H, K, D = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
@@ -143,24 +150,10 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, K, T, D)
         if kv_cache is not None:
-            k, v = kv_cache.update(cache_positions, k, v)  # (B, K, S, D)
+            k, v = kv_cache.update(attention.cache_positions, k, v)  # (B, K, S, D)
         dropout = self.config.attention_dropout if self.training else 0.0
-        if isinstance(mask, DocumentSegments):
-            y = segmented_attention(q, k, v, mask, dropout)  # (B, T, H, D)
-            return self.o_proj(y.reshape(B, T, H * D))
-        if mask is None and q.device.type == "cpu":
-            y = chunked_causal_attention(q, k, v, dropout)
-            return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
-        # Grouped-query attention: each kv head serves H // K query heads. The kernels that take an explicit
-        # mask on a GPU (memory-efficient attention) do not do the grouping themselves.
-        grouped = K != H and mask is None
-        if K != H and not grouped:
-            k = k.repeat_interleave(H // K, dim=1)
-            v = v.repeat_interleave(H // K, dim=1)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, enable_gqa=grouped
-        )
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
+        y = attend(q, k, v, attention, dropout)  # (B, T, H, D)
+        return self.o_proj(y.reshape(B, T, H * D))
 
 
 class MLP(nn.Module):
@@ -187,137 +180,11 @@ class Block(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | DocumentSegments | None,
+        attention: PreparedAttention,
         kv_cache: KVCache | None = None,
-        cache_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, kv_cache, cache_positions)
+        x = x + self.attn(self.attn_norm(x), cos, sin, attention, kv_cache)
         return x + self.mlp(self.mlp_norm(x))
-
-
-def attention_mask(
-    document_ids: torch.Tensor | None,
-    query_positions: torch.Tensor | None = None,
-    key_length: int | None = None,
-) -> torch.Tensor | None:
-    """Boolean mask (B or 1, 1, T, S) where True means "may attend", or None for plain causal attention.
-
-    document_ids (B, T): a packed batch; a token attends to earlier tokens of its own document only.
-    query_positions (T,) with key_length S: decoding against a KV cache of S slots.
-    """
-    if document_ids is not None:
-        T = document_ids.shape[1]
-        causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
-        same_document = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, T)
-        return (same_document & causal)[:, None]
-    if query_positions is not None:
-        key_positions = torch.arange(key_length, device=query_positions.device)
-        return (key_positions[None, :] <= query_positions[:, None])[None, None]  # (1, 1, T, S)
-    return None
-
-
-@dataclass
-class DocumentSegments:
-    """The documents of a packed batch, regrouped for causal attention one length bucket at a time.
-
-    Bucket i holds n_i documents padded at the end to length L_i: `gather[i]` (n_i, L_i) are the flat
-    (B*T) positions of their tokens (a padding slot repeats the document's first token: causal attention
-    never lets a real token see a later slot, so padding changes nothing), `keep[i]` (m_i,) the flat
-    indices into (n_i * L_i) of the real slots. `order` (B*T,) puts the concatenated real slots back into
-    row order. The padding at the end of a row (document id -1) is one more document, as in the mask.
-    """
-
-    gather: list[torch.Tensor]
-    keep: list[torch.Tensor]
-    order: torch.Tensor
-
-
-SEGMENT_BUCKET_RATIO = 0.75
-"""A bucket takes documents down to this share of its longest one: at most 1/0.75^2 = 1.8x the attention
-work of exact per-document attention, in a handful of kernel calls."""
-SEGMENT_MIN_LENGTH = 64
-"""Documents up to this long share one bucket: below it, a kernel call costs more than the padding."""
-
-
-def document_segments(document_ids: torch.Tensor) -> DocumentSegments:
-    """Plan `segmented_attention` for document_ids (B, T) on the CPU (it reads them: a host sync elsewhere)."""
-    B, T = document_ids.shape
-    flat = document_ids.flatten()
-    starts_mask = torch.ones(B * T, dtype=torch.bool)
-    starts_mask[1:] = flat[1:] != flat[:-1]
-    starts_mask[::T] = True  # every row starts a document
-    starts = starts_mask.nonzero().flatten()
-    lengths = torch.diff(starts, append=torch.tensor([B * T]))
-    by_length = torch.argsort(lengths, descending=True, stable=True).tolist()
-    length_list = lengths.tolist()
-    buckets: list[list[int]] = []
-    for doc in by_length:
-        longest = length_list[buckets[-1][0]] if buckets else 0
-        if buckets and (length_list[doc] >= SEGMENT_BUCKET_RATIO * longest or longest <= SEGMENT_MIN_LENGTH):
-            buckets[-1].append(doc)
-        else:
-            buckets.append([doc])
-    gather, keep, placed = [], [], []
-    for bucket in buckets:
-        docs = torch.tensor(bucket)
-        L = length_list[bucket[0]]
-        offsets = torch.arange(L)
-        slots = offsets[None, :] < lengths[docs][:, None]  # (n, L)
-        gather.append(starts[docs][:, None] + torch.where(slots, offsets, 0))
-        keep.append(slots.flatten().nonzero().flatten())
-        placed.append(gather[-1].flatten()[keep[-1]])
-    order = torch.empty(B * T, dtype=torch.long)
-    order[torch.cat(placed)] = torch.arange(B * T)
-    return DocumentSegments(gather, keep, order)
-
-
-def segmented_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: DocumentSegments, dropout: float
-) -> torch.Tensor:
-    """Causal attention within each document: q (B, H, T, D), k and v (B, K, T, D) -> (B, T, H, D)."""
-    B, H, T, D = q.shape
-    K = k.shape[1]
-    q = q.transpose(1, 2).reshape(B * T, H, D)
-    k, v = (x.transpose(1, 2).reshape(B * T, K, D) for x in (k, v))
-    outputs = []
-    for gather, keep in zip(segments.gather, segments.keep):
-        n, L = gather.shape
-        qb, kb, vb = (x[gather].transpose(1, 2) for x in (q, k, v))  # (n, H or K, L, D)
-        y = chunked_causal_attention(qb, kb, vb, dropout)
-        outputs.append(y.transpose(1, 2).reshape(n * L, H, D)[keep])
-    return torch.cat(outputs)[segments.order].view(B, T, H, D)
-
-
-QUERY_CHUNK = 96
-"""Queries per SDPA call in `chunked_causal_attention` (measured best on the CPU for head_dim 32, 1 thread)."""
-
-
-def chunked_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float
-) -> torch.Tensor:
-    """Causal SDPA of q (n, H, L, D) over k, v (n, K, L, D), a chunk of queries at a time.
-
-    The CPU flash kernel computes every score of an L x L block, masked or not (causal is no faster than
-    full attention there). Queries [a, b) only need keys [0, b): in c chunks that is (c + 1) / 2c of the
-    work, 20-30% less time for L = 256-512 (tests/test_model.py checks the result against one call).
-    """
-    L = q.shape[2]
-    chunks = -(-L // QUERY_CHUNK)
-    grouped = k.shape[1] != q.shape[1]
-    if chunks == 1:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=grouped)
-    bounds = [L * j // chunks for j in range(chunks + 1)]
-    outputs = []
-    sizes = [end - start for start, end in zip(bounds, bounds[1:])]
-    for start, end, q_chunk in zip(bounds, bounds[1:], q.split(sizes, dim=2)):
-        # The lower-right causal mask: query start + i sees keys up to start + i.
-        mask = torch.ones(end - start, end, dtype=torch.bool, device=q.device).tril(start)
-        outputs.append(
-            F.scaled_dot_product_attention(
-                q_chunk, k[:, :, :end], v[:, :, :end], attn_mask=mask, dropout_p=dropout, enable_gqa=grouped
-            )
-        )
-    return torch.cat(outputs, dim=2)
 
 
 def _chunk_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
@@ -330,19 +197,35 @@ def without_padding(
     position_ids: torch.Tensor | None,
     document_ids: torch.Tensor,
     labels: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """A packed batch (B, T) as one row (1, N) of its N real tokens, dropping the padding (document id -1)
-    that fills the ends of rows, so that no layer computes it. For the CPU, where attention cuts documents
-    out of rows anyway (`DocumentSegments`). Document ids are made unique across rows, so that the last
-    document of one row and the first of the next stay apart."""
+    that fills the ends of rows, so that no layer computes it. Document ids are made unique across rows,
+    so that the last document of one row and the first of the next stay apart. Reads the ids on the host
+    (a sync on a GPU: the engine does this on the host before moving the batch, `model_inputs`)."""
     B, T = document_ids.shape
     real = (document_ids >= 0).flatten()
     if bool(real.all()) or not bool(real.any()):  # nothing to drop, or an all-padding filler batch
         return input_ids, position_ids, document_ids, labels
     if position_ids is None:
-        position_ids = torch.arange(T).expand(B, T)
-    document_ids = document_ids + T * torch.arange(B)[:, None]
+        position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+    document_ids = document_ids + T * torch.arange(B, device=document_ids.device)[:, None]
     return tuple(x.flatten()[real][None] for x in (input_ids, position_ids, document_ids, labels))
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The model's keyword arguments for a collated host batch: packed rows joined into one row of their
+    real tokens with the loader's `Documents` (so the device never reports boundaries back to the host),
+    and the flat indices of the labels that carry a loss (`loss_positions_of`)."""
+    names = ("input_ids", "position_ids", "document_ids", "labels")
+    inputs: dict[str, Any] = {name: batch[name] for name in names if name in batch}
+    if "cu_seqlens" in batch and int(batch["cu_seqlens"][-1]) > 0:
+        input_ids, position_ids, _, labels = without_padding(
+            inputs["input_ids"], inputs.get("position_ids"), inputs.pop("document_ids"), inputs["labels"]
+        )
+        inputs.update(input_ids=input_ids, position_ids=position_ids, labels=labels)
+        inputs["documents"] = Documents(batch["cu_seqlens"], int(batch["max_seqlen"]))
+    inputs["loss_positions"] = loss_positions_of(inputs["labels"])
+    return inputs
 
 
 def loss_positions_of(labels: torch.Tensor) -> torch.Tensor:
@@ -379,6 +262,8 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.kv_caches: list[KVCache] | None = None
+        self.attention_kernel: Kernel | None = None
+        """litsft.attention's kernel for packed documents; None: chosen for the device at the first forward."""
 
     def forward(
         self,
@@ -387,17 +272,24 @@ class Transformer(nn.Module):
         document_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         loss_positions: torch.Tensor | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, V) for tokens (B, T); with `labels` (B, T) instead the summed fp32 cross-entropy over
         the positions whose label is not -100. `loss_positions`, the flat indices of those labels
-        (`loss_positions_of(labels)`), are best computed where the labels are made, on the CPU: finding them
-        on a GPU makes the host wait. See the module docstring for packed batches."""
-        if labels is not None and document_ids is not None and document_ids.device.type == "cpu":
-            input_ids, position_ids, document_ids, labels = without_padding(
-                input_ids, position_ids, document_ids, labels
-            )
-            loss_positions = None  # the CPU finds them again in the new layout, for free
-        hidden = self.hidden_states(input_ids, position_ids, document_ids)
+        (`loss_positions_of(labels)`), are best computed where the labels are made, on the host: finding them
+        on a GPU makes the host wait.
+
+        Packed rows: either `documents` with the row (1, N) of real tokens they describe (what the engine
+        passes, built on the host by `model_inputs`), or `document_ids` (B, T), -1 on padding, from which
+        the same are found here (reading the ids: a host sync on a GPU)."""
+        if documents is None and document_ids is not None:
+            if labels is not None:
+                input_ids, position_ids, document_ids, labels = without_padding(
+                    input_ids, position_ids, document_ids, labels
+                )
+                loss_positions = None  # found again in the new layout
+            documents = documents_of_ids(document_ids)
+        hidden = self.hidden_states(input_ids, position_ids, documents)
         if labels is None:
             return self.lm_head(hidden)
         hidden, labels = hidden.flatten(0, 1), labels.flatten()
@@ -422,30 +314,78 @@ class Transformer(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        document_ids: torch.Tensor | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         """Final normalized hidden states (B, T, C), before the output projection. The training loss uses
-        this to compute cross-entropy in chunks without materializing all (B, T, V) logits at once."""
+        this to compute cross-entropy in chunks without materializing all (B, T, V) logits at once.
+        With `documents`, the rows are one sequence of documents joined in order."""
         B, T = input_ids.shape
-        cache_positions = None
-        if self.kv_caches is not None:
-            if position_ids is None:
+        if position_ids is None:
+            if self.kv_caches is not None:
                 raise ValueError("decoding with a KV cache needs position_ids")
-            cache_positions = position_ids[0]
-            mask = attention_mask(None, cache_positions, self.kv_caches[0].k.shape[2])
-        else:
-            if position_ids is None:
-                position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-            if document_ids is not None and document_ids.device.type == "cpu":
-                mask = document_segments(document_ids)
-            else:
-                mask = attention_mask(document_ids)
-        x = self.embed(input_ids)  # (B, T, C)
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        joined = documents is not None and B > 1
+        if joined:
+            input_ids, position_ids = input_ids.reshape(1, B * T), position_ids.reshape(1, B * T)
+        x = self.embed(input_ids)  # (B, T, C), or (1, B * T, C) joined
+        if torch.is_autocast_enabled(x.device.type):
+            # The residual stream stays fp32 under autocast, also when a frozen embedding is stored in the
+            # compute dtype (LoRA under bf16-mixed): only the matmuls run in 16 bits.
+            x = x.float()
+        prepared = self.prepare_attention(tuple(x.shape[:2]), x.device, documents, position_ids)
         cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)
         for i, block in enumerate(self.blocks):
             kv_cache = self.kv_caches[i] if self.kv_caches is not None else None
-            x = block(x, cos, sin, mask, kv_cache, cache_positions)
-        return self.norm(x)
+            x = block(x, cos, sin, prepared[self.config.attention_window(i)], kv_cache)
+        x = self.norm(x)
+        return x.view(B, T, -1) if joined else x
+
+    def prepare_attention(
+        self,
+        shape: tuple[int, int],
+        device: torch.device,
+        documents: Documents | None,
+        position_ids: torch.Tensor,
+    ) -> dict[int | None, PreparedAttention]:
+        """What the layers' attention shares in this forward pass, for each window a layer uses."""
+        if self.attention_kernel is None:
+            self.attention_kernel = self.default_attention_kernel(device)
+        decoding = self.kv_caches is not None
+        documents = documents.to(device) if documents is not None else None
+        windows = {self.config.attention_window(i) for i in range(self.config.num_layers)}
+        return {
+            window: prepare(
+                self.attention_kernel,
+                shape,
+                device,
+                documents=documents,
+                window=window,
+                cache_positions=position_ids[0] if decoding else None,
+                cache_length=self.kv_caches[0].k.shape[2] if decoding else 0,
+            )
+            for window in windows
+        }
+
+    def default_attention_kernel(self, device: torch.device) -> Kernel:
+        """The kernel for this device when no one chose one (the engine chooses at setup and logs it)."""
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        return choose_kernel(
+            device.type,
+            dtype or self.embed.weight.dtype,
+            windowed=self.config.sliding_window is not None,
+            dropout=self.config.attention_dropout,
+        )
+
+    def compile_blocks(self) -> None:
+        """torch.compile each block in place (parameter names do not change).
+
+        Dynamic shapes from the first compilation: every packed batch brings a new document layout (the
+        number of real tokens N, the number of documents in `cu_seqlens`, the longest one passed to varlen
+        as an int). Compiled for the first shapes it saw, a block would recompile for the next ones (a
+        guard on each size and on the int); with dynamic=True they are symbols and one graph serves every
+        layout (tests/test_attention.py checks that nothing recompiles). Parameters keep static shapes."""
+        for block in self.blocks:
+            block.compile(dynamic=True)
 
     def setup_kv_caches(self, batch_size: int, max_length: int) -> None:
         param = self.embed.weight

@@ -56,8 +56,9 @@ def test_file_is_split_cached_and_batched(tmp_path, tokenizer):
     assert np.array_equal(again.train_samples.tokens, data.train_samples.tokens)
 
     batch = next(iter(data.train_dataloader(0, 1, 2, 4)))
-    assert set(batch) == {"input_ids", "labels", "position_ids", "document_ids"}
-    assert all(value.dtype == torch.long and value.shape == (2, 64) for value in batch.values())
+    assert set(batch) == {"input_ids", "labels", "position_ids", "document_ids", "cu_seqlens", "max_seqlen"}
+    rows = ("input_ids", "labels", "position_ids", "document_ids")
+    assert all(batch[name].dtype == torch.long and batch[name].shape == (2, 64) for name in rows)
     val_rows = [row for rows in data.val_dataloader(0, 1, 2).micro_batches() for row in rows]
     assert sorted(i for row in val_rows for i in row) == [0, 1, 2, 3]
 

@@ -1,47 +1,18 @@
-"""litsft/model.py: the CPU per-document attention for packed batches against the boolean-mask path, the loss
-over labelled positions, RMSNorm, chunked causal attention."""
+"""litsft/model.py: the loss over labelled positions, RMSNorm, packed rows against documents one by one, and
+Mistral's and Qwen2's sliding windows against transformers (every attention path, KV-cache decoding too).
+The attention kernels themselves are tested in tests/test_attention.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from tiny_hf import SLIDING_WINDOW, save_tiny_hf, tiny_hf_model
 
 from litsft.config import Config
-from litsft.model import (
-    RMSNorm,
-    Transformer,
-    attention_mask,
-    chunked_causal_attention,
-    document_segments,
-    rope_cos_sin,
-)
-
-
-def test_segmented_attention_equals_the_mask_path():
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    model = Transformer(Config.from_name("tiny-llama"))
-    # Two rows: documents of 70, 3, 1 and 30 tokens then 24 of padding (its own "document", as in the
-    # mask); documents of 100 and 28.
-    document_ids = torch.tensor([[0] * 70 + [1] * 3 + [2] + [3] * 30 + [-1] * 24, [0] * 100 + [1] * 28])
-    position_ids = torch.cat([torch.arange(n) for n in (70, 3, 1, 30, 24, 100, 28)]).view(2, 128)
-    input_ids = torch.randint(0, 512, (2, 128))
-    segments = document_segments(document_ids)
-    assert [g.shape[1] for g in segments.gather] == [100, 70, 30]  # 30, 28, 24, 3, 1 share a bucket
-    cos, sin = rope_cos_sin(model.config, position_ids, torch.float32)
-    results = {}
-    for name, mask in (("segments", segments), ("mask", attention_mask(document_ids))):
-        model.zero_grad()
-        hidden = model.embed(input_ids)
-        for block in model.blocks:
-            hidden = block(hidden, cos, sin, mask)
-        logits = model.lm_head(model.norm(hidden))
-        logits[document_ids >= 0].square().mean().backward()
-        results[name] = (logits.detach(), model.blocks[0].attn.q_proj.weight.grad.clone())
-    keep = document_ids >= 0
-    torch.testing.assert_close(results["segments"][0][keep], results["mask"][0][keep], atol=1e-5, rtol=0)
-    torch.testing.assert_close(results["segments"][1], results["mask"][1], atol=1e-5, rtol=1e-4)
+from litsft.convert import convert_from_hf
+from litsft.generate import generate_tokens
+from litsft.model import RMSNorm, Transformer
+from litsft.weight_files import load_checkpoint_state_dict
 
 
 def test_loss_runs_the_head_on_labelled_positions_only_and_matches_the_full_logits():
@@ -83,22 +54,6 @@ def test_rms_norm_is_the_written_out_formula_bit_for_bit():
         norm.float()
 
 
-@pytest.mark.parametrize("length", [5, 96, 97, 300])
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_chunked_causal_attention_equals_one_call(length, kv_heads):
-    torch.manual_seed(0)
-    q = torch.randn(3, 4, length, 16, requires_grad=True)
-    k, v = (torch.randn(3, kv_heads, length, 16, requires_grad=True) for _ in range(2))
-    grad = torch.randn(3, 4, length, 16)
-    chunked = chunked_causal_attention(q, k, v, dropout=0.0)
-    chunked_grads = torch.autograd.grad(chunked, (q, k, v), grad)
-    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != 4)
-    expected_grads = torch.autograd.grad(expected, (q, k, v), grad)
-    torch.testing.assert_close(chunked, expected, atol=1e-6, rtol=1e-5)
-    for mine, reference in zip(chunked_grads, expected_grads):
-        torch.testing.assert_close(mine, reference, atol=1e-5, rtol=1e-5)
-
-
 def test_packed_loss_without_padding_equals_documents_one_by_one():
     """The CPU loss drops row padding and joins the rows into one: still no attention across documents, even
     between a row's last document and the next row's first (both have id 0 here, with only padding between)."""
@@ -131,3 +86,50 @@ def test_packed_loss_without_padding_equals_documents_one_by_one():
         input_ids, position_ids, torch.full_like(document_ids, -1), labels=torch.full_like(labels, -100)
     )
     assert nothing.item() == 0.0
+
+
+# ---- sliding windows ------------------------------------------------------------------------------------
+LENGTH = 2 * SLIDING_WINDOW + 8  # past twice the window
+
+
+def _converted(tmp_path, kind):
+    hf_model = tiny_hf_model(kind)
+    convert_from_hf(save_tiny_hf(hf_model, tmp_path / "hf"), tmp_path / "litsft")
+    model = Transformer(Config.from_checkpoint(tmp_path / "litsft")).eval()
+    model.load_state_dict(load_checkpoint_state_dict(tmp_path / "litsft"))
+    return hf_model, model
+
+
+@pytest.mark.parametrize(("kind", "windowed_layers"), [("mistral-window", [0, 1]), ("qwen2-window", [1])])
+@pytest.mark.parametrize("kernel", ["segmented", "mask"])
+def test_sliding_window_matches_transformers(tmp_path, kind, windowed_layers, kernel):
+    """Mistral's sliding_window on every layer, Qwen2's from max_window_layers on: logits equal transformers'
+    at twice the window, for plain rows and for the same sequences packed as documents of one row."""
+    hf_model, model = _converted(tmp_path, kind)
+    config = model.config
+    assert [i for i in range(config.num_layers) if config.attention_window(i)] == windowed_layers
+    assert config.sliding_window == SLIDING_WINDOW
+    model.attention_kernel = kernel
+    tokens = torch.randint(0, 512, (2, LENGTH), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+        assert (model(tokens) - expected).abs().max() < 1e-4
+        packed = model(tokens.view(1, -1), document_ids=torch.arange(2).repeat_interleave(LENGTH)[None])
+        assert (packed.view(2, LENGTH, -1) - expected).abs().max() < 1e-4
+        # Attending past the window gives other logits: the test reaches past it.
+        config.sliding_window = None
+        assert (model(tokens) - expected).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("kind", ["mistral-window", "qwen2-window"])
+def test_sliding_window_in_kv_cache_decoding(tmp_path, kind):
+    """Decoding one token at a time against the KV cache keeps the window: each step's logits are the full
+    forward's at that position, up to twice the window, and greedy tokens are transformers' own."""
+    hf_model, model = _converted(tmp_path, kind)
+    prompt = torch.randint(0, 512, (5,), generator=torch.Generator().manual_seed(1))
+    new_tokens = generate_tokens(model, prompt, max_new_tokens=LENGTH - 5)
+    with torch.no_grad():
+        expected = hf_model.generate(
+            prompt[None], max_new_tokens=LENGTH - 5, do_sample=False, min_new_tokens=LENGTH - 5
+        )[0, 5:]
+    assert new_tokens.tolist() == expected.tolist()

@@ -31,6 +31,7 @@ _SHAPES = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
+SLIDING_WINDOW = 16
 LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -50,8 +51,24 @@ TINY_HF_MODELS: dict[str, tuple[PretrainedConfig, type[PreTrainedModel]]] = {
         LlamaForCausalLM,
     ),
     "mistral": (MistralConfig(**_SHAPES, tie_word_embeddings=False, sliding_window=None), MistralForCausalLM),
+    # Mistral v0.1's sliding window, small enough that test sequences reach past it.
+    "mistral-window": (
+        MistralConfig(**_SHAPES, tie_word_embeddings=False, sliding_window=SLIDING_WINDOW),
+        MistralForCausalLM,
+    ),
     # Qwen2: biases on q/k/v; tied like the small Qwen2.5 models.
     "qwen2": (Qwen2Config(**_SHAPES, tie_word_embeddings=True), Qwen2ForCausalLM),
+    # Qwen2 with use_sliding_window: layers from max_window_layers (here the second) on have the window.
+    "qwen2-window": (
+        Qwen2Config(
+            **_SHAPES,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=SLIDING_WINDOW,
+            max_window_layers=1,
+        ),
+        Qwen2ForCausalLM,
+    ),
     # Qwen3: q/k norms and a head_dim that is not hidden_size // num_heads.
     "qwen3": (Qwen3Config(**_SHAPES, head_dim=32, tie_word_embeddings=False), Qwen3ForCausalLM),
 }

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from litsft.attention import cumulative_lengths
 from litsft.data.samples import Samples
 from litsft.errors import LitsftError
 
@@ -92,7 +93,10 @@ def collate(
     """One micro-batch. A sample of n tokens fills n - 1 positions: its tokens but the last as inputs,
     its tokens but the first as labels (already shifted), -100 where a token is not a target.
 
-    seq_length: packed rows of this length, with `document_ids`; None pads to the longest row.
+    seq_length: packed rows of this length, with `document_ids` and the documents' boundaries in the
+        batch's real tokens, rows joined in order (`cu_seqlens`, int32 (D + 1,), and `max_seqlen`, the
+        longest document): the attention kernels read them from here, so the training step never waits
+        for the device to find them. Row-end padding is in no document: it is dropped before the model.
     """
     offsets, tokens, targets = samples.offsets, samples.tokens, samples.targets
     used = [sum(int(offsets[i + 1] - offsets[i]) - 1 for i in row) for row in rows]
@@ -101,6 +105,7 @@ def collate(
     labels = np.full((len(rows), length), IGNORE_INDEX, dtype=np.int64)
     position_ids = np.zeros((len(rows), length), dtype=np.int64)
     document_ids = np.full((len(rows), length), PAD_DOCUMENT_ID, dtype=np.int64)
+    document_lengths = []
     for b, row in enumerate(rows):
         cursor = 0
         for document, i in enumerate(row):
@@ -111,6 +116,8 @@ def collate(
             labels[b, span] = np.where(targets[start + 1 : end], tokens[start + 1 : end], IGNORE_INDEX)
             position_ids[b, span] = np.arange(n)
             document_ids[b, span] = document
+            if n > 0:
+                document_lengths.append(n)
             cursor += n
         if seq_length is None:  # right padding continues the positions; it is never attended to
             position_ids[b, cursor:] = np.arange(cursor, length)
@@ -121,6 +128,8 @@ def collate(
     }
     if seq_length is not None:
         batch["document_ids"] = torch.from_numpy(document_ids)
+        batch["cu_seqlens"] = cumulative_lengths(document_lengths)
+        batch["max_seqlen"] = torch.tensor(max([0, *document_lengths]))
     return batch
 
 

@@ -1,0 +1,464 @@
+"""Causal self-attention for litsft's model: every kernel behind one function, `attend`.
+
+The model hands each layer's queries, keys and values to `attend` with a `PreparedAttention`: what one
+forward pass needs for one attention pattern, built once per forward by `prepare` and shared by the
+layers. Three patterns:
+
+- plain causal rows (B, T) (each row one sequence; padding only at row ends, never attended to);
+- documents: packed rows joined into one row (1, N) and cut into documents by `Documents` (cumulative
+  lengths, built on the host where the batch is built); a token attends to its own document only;
+- decoding: T new queries against a KV cache of S slots, at known positions.
+
+Each may have a sliding window (Mistral, Qwen2): a query then sees only the `window` latest keys of its
+document, itself included, as transformers' `sliding_window_overlay` (key > query - window).
+
+The kernel is chosen once per run (`choose_kernel`) and named in the log:
+
+| kernel    | device | documents                                                   | windows |
+|-----------|--------|-------------------------------------------------------------|---------|
+| varlen    | CUDA   | torch.nn.attention.varlen flash attention per document      | where varlen_attn takes window_size |
+| flex      | CUDA   | flex_attention with a document block mask                   | yes |
+| mask      | any    | SDPA with an explicit (1, 1, N, N) boolean mask: last resort | yes |
+| segmented | CPU    | documents cut out and attended one length bucket at a time  | yes |
+
+Plain causal rows without a window go to SDPA's causal flash kernel on a GPU and to query chunks on the
+CPU; decoding uses SDPA with a boolean mask everywhere (a few queries: the kernel hardly matters).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+Kernel = Literal["varlen", "flex", "mask", "segmented"]
+KERNEL_DESCRIPTIONS: dict[str, str] = {
+    "varlen": "flash attention per document (torch.nn.attention.varlen)",
+    "flex": "flex_attention with a document block mask",
+    "mask": "scaled_dot_product_attention with a boolean document mask",
+    "segmented": "per-document SDPA in length buckets (CPU)",
+}
+
+
+# ---- document boundaries ------------------------------------------------------------------------------
+@dataclass
+class Documents:
+    """The documents of one row of N tokens: document i is tokens [cu_seqlens[i], cu_seqlens[i + 1]).
+
+    Built on the host (`documents_of_lengths`, from the data loader's `cu_seqlens` and `max_seqlen`), so
+    that no kernel has to read the boundaries back from the device: varlen takes them as they are, the
+    mask and flex kernels turn them into per-token document ids on the device, the CPU cuts documents out
+    with them.
+    """
+
+    cu_seqlens: torch.Tensor
+    """(D + 1,) int32: 0, then the running total of the document lengths."""
+    max_seqlen: int
+    """The longest document (varlen sizes its grid with it)."""
+
+    def to(self, device: torch.device) -> Documents:
+        return Documents(self.cu_seqlens.to(device, non_blocking=True), self.max_seqlen)
+
+
+def cumulative_lengths(lengths: list[int]) -> torch.Tensor:
+    """(D + 1,) int32 cumulative sequence lengths of documents of these lengths."""
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    return cu
+
+
+def documents_of_ids(document_ids: torch.Tensor) -> Documents:
+    """The documents of document_ids (B, T), rows joined in order: every run of equal ids is one document
+    (a row's end padding, id -1, too). Reads the ids on the host: a sync on a GPU. The data loader builds
+    `cu_seqlens` itself; this is for callers that pass document ids alone."""
+    B, T = document_ids.shape
+    flat = document_ids.detach().flatten().cpu()
+    starts = torch.ones(B * T, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1]
+    starts[::T] = True  # every row starts a document
+    start_positions = starts.nonzero().flatten()
+    lengths = torch.diff(start_positions, append=torch.tensor([B * T]))
+    return Documents(cumulative_lengths(lengths.tolist()).to(document_ids.device), int(lengths.max()))
+
+
+def token_document_ids(documents: Documents, num_tokens: int) -> torch.Tensor:
+    """(N,) the document index of every token, on the boundaries' device without a host sync."""
+    positions = torch.arange(num_tokens, device=documents.cu_seqlens.device, dtype=torch.int32)
+    return torch.searchsorted(documents.cu_seqlens[1:], positions, right=True)
+
+
+# ---- choosing the kernel --------------------------------------------------------------------------------
+def _varlen_attn() -> Any | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def varlen_features(function: Any) -> set[str]:
+    """Which optional keyword arguments this torch's varlen_attn takes ("enable_gqa", "window_size",
+    "is_causal"): torch 2.11's has no enable_gqa, so features are read from the signature, not the version."""
+    parameters = inspect.signature(function).parameters
+    return {name for name in ("enable_gqa", "window_size", "is_causal") if name in parameters}
+
+
+@dataclass(frozen=True)
+class KernelSupport:
+    """What this torch offers: varlen_attn's optional keyword arguments (None: no varlen_attn), flex_attention."""
+
+    varlen: frozenset[str] | None
+    flex: bool
+
+    @classmethod
+    def installed(cls) -> KernelSupport:
+        function = _varlen_attn()
+        try:
+            from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+
+            flex = True
+        except ImportError:
+            flex = False
+        return cls(frozenset(varlen_features(function)) if function is not None else None, flex)
+
+
+def choose_kernel(
+    device_type: str,
+    compute_dtype: torch.dtype,
+    windowed: bool,
+    dropout: float,
+    support: KernelSupport | None = None,
+) -> Kernel:
+    """The attention kernel for packed documents on this device, chosen once per run.
+
+    Args:
+        device_type: "cuda", "cpu", ...
+        compute_dtype: The dtype attention runs in (bfloat16 under bf16-mixed); flash kernels need 16 bits.
+        windowed: Whether some layer has a sliding window.
+        dropout: Attention dropout while training; only SDPA (mask, segmented) applies it.
+        support: What torch offers; default: the installed torch's.
+    """
+    if device_type != "cuda":
+        return "segmented" if device_type == "cpu" else "mask"
+    if dropout > 0:
+        return "mask"
+    support = support or KernelSupport.installed()
+    sixteen_bits = compute_dtype in (torch.bfloat16, torch.float16)
+    if support.varlen is not None and sixteen_bits and (not windowed or "window_size" in support.varlen):
+        return "varlen"
+    if support.flex:
+        return "flex"
+    return "mask"
+
+
+# ---- per forward: what the layers share -----------------------------------------------------------------
+@dataclass
+class PreparedAttention:
+    """What `attend` needs for one forward pass and one window, shared by the layers that use it."""
+
+    kernel: Kernel
+    pattern: Literal["causal", "documents", "decode"]
+    window: int | None = None
+    documents: Documents | None = None
+    rows_as_documents: bool = False
+    """Plain causal rows (B, T) with a window, handed to a document kernel as one row of B documents."""
+    mask: torch.Tensor | None = None
+    """Boolean (1, 1, T, S), True where a query may attend: the mask kernel, decoding."""
+    segments: DocumentSegments | None = None
+    block_mask: Any = None
+    cache_positions: torch.Tensor | None = None
+    """Decoding: the cache slots (T,) the new keys and values go to."""
+
+
+def prepare(
+    kernel: Kernel,
+    shape: tuple[int, int],
+    device: torch.device,
+    documents: Documents | None = None,
+    window: int | None = None,
+    cache_positions: torch.Tensor | None = None,
+    cache_length: int = 0,
+) -> PreparedAttention:
+    """Build what the layers share for one forward pass over tokens of `shape` (B, T): `documents` for a
+    packed row (B = 1), `cache_positions` (T,) and `cache_length` S for decoding, neither for plain rows."""
+    if cache_positions is not None:
+        keys = torch.arange(cache_length, device=device)
+        visible = keys[None, :] <= cache_positions[:, None]  # (T, S)
+        if window is not None:
+            visible &= keys[None, :] > cache_positions[:, None] - window
+        return PreparedAttention(
+            kernel, "decode", window, mask=visible[None, None], cache_positions=cache_positions
+        )
+    B, T = shape
+    if documents is None:
+        if window is None or kernel == "segmented":
+            return PreparedAttention(kernel, "causal", window)
+        if kernel == "mask":
+            return PreparedAttention(
+                kernel, "causal", window, mask=document_mask(torch.zeros(T, device=device), window)
+            )
+        # A document kernel applies the window: each row is one document of the joined row.
+        cu_seqlens = torch.arange(0, (B + 1) * T, T, dtype=torch.int32).to(device, non_blocking=True)
+        prepared = prepare(kernel, (1, B * T), device, Documents(cu_seqlens, T), window)
+        prepared.rows_as_documents = True
+        return prepared
+    prepared = PreparedAttention(kernel, "documents", window, documents=documents)
+    if kernel == "segmented":
+        prepared.segments = document_segments(documents)
+    elif kernel == "mask":
+        prepared.mask = document_mask(token_document_ids(documents, T), window)
+    elif kernel == "flex":
+        prepared.block_mask = _document_block_mask(token_document_ids(documents, T), window)
+    return prepared
+
+
+def document_mask(document_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Boolean (B, 1, T, T) mask for document_ids (T,) or (B, T): causal within each document (and
+    within the window), True where a query may attend."""
+    if document_ids.dim() == 1:
+        document_ids = document_ids[None]
+    T = document_ids.shape[1]
+    positions = torch.arange(T, device=document_ids.device)
+    distance = positions[:, None] - positions[None, :]  # (T, T): query - key
+    visible = distance >= 0
+    if window is not None:
+        visible = visible & (distance < window)
+    same_document = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, T)
+    return (same_document & visible)[:, None]
+
+
+def _document_block_mask(document_ids: torch.Tensor, window: int | None) -> Any:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def document_causal(batch: Any, head: Any, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        visible = (document_ids[query] == document_ids[key]) & (query >= key)
+        return visible & (query - key < window) if window is not None else visible
+
+    N = document_ids.shape[0]
+    return create_block_mask(document_causal, None, None, N, N, device=document_ids.device)
+
+
+# ---- the one function --------------------------------------------------------------------------------------
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: PreparedAttention, dropout: float = 0.0
+) -> torch.Tensor:
+    """Causal attention of q (B, H, T, D) over k, v (B, K, S, D) as `prepared` says -> (B, T, H, D).
+
+    K may divide H (grouped-query attention): every kernel serves each kv head to H // K query heads.
+    """
+    if prepared.pattern == "decode":
+        return _sdpa(q, k, v, prepared.mask, dropout)
+    if prepared.rows_as_documents:
+        B, H, T, D = q.shape
+        joined = (x.transpose(1, 2).reshape(1, B * T, x.shape[1], D).transpose(1, 2) for x in (q, k, v))
+        return _attend_documents(*joined, prepared, dropout).reshape(B, T, H, D)
+    if prepared.pattern == "causal":
+        if q.device.type == "cpu":
+            return chunked_causal_attention(q, k, v, dropout, prepared.window).transpose(1, 2)
+        return _sdpa(q, k, v, prepared.mask, dropout)
+    return _attend_documents(q, k, v, prepared, dropout)
+
+
+def _attend_documents(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: PreparedAttention, dropout: float
+) -> torch.Tensor:
+    if prepared.kernel == "segmented":
+        return segmented_attention(q, k, v, prepared.segments, dropout, prepared.window)
+    if prepared.kernel == "varlen":
+        return _varlen(q, k, v, prepared)
+    if prepared.kernel == "flex":
+        return _flex(q, k, v, prepared)
+    return _sdpa(q, k, v, prepared.mask, dropout)
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float
+) -> torch.Tensor:
+    """SDPA, causal when there is no mask -> (B, T, H, D)."""
+    H, K = q.shape[1], k.shape[1]
+    # The kernels that take an explicit mask on a GPU (memory-efficient attention) do not do the
+    # grouping themselves: repeat the kv heads for them.
+    grouped = K != H and (mask is None or q.device.type == "cpu")
+    if K != H and not grouped:
+        k = k.repeat_interleave(H // K, dim=1)
+        v = v.repeat_interleave(H // K, dim=1)
+    y = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, enable_gqa=grouped
+    )
+    return y.transpose(1, 2)
+
+
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    """The 16-bit dtype the flash kernels run in: autocast's (RoPE leaves q and k in fp32 under autocast)."""
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return q.dtype
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: PreparedAttention) -> torch.Tensor:
+    """Flash attention per document: q (1, H, N, D), k, v (1, K, N, D) -> (1, N, H, D)."""
+    varlen_attn = _varlen_attn()
+    assert varlen_attn is not None and prepared.documents is not None
+    _, H, N, D = q.shape
+    K = k.shape[1]
+    dtype = _compute_dtype(q)
+    query, key, value = (x[0].transpose(0, 1).to(dtype) for x in (q, k, v))  # (N, H or K, D)
+    features = varlen_features(varlen_attn)
+    options: dict[str, Any] = {}
+    if "window_size" in features:
+        # flash's window counts the keys left of the query; transformers' window counts the query too.
+        options["window_size"] = (-1 if prepared.window is None else prepared.window - 1, 0)
+    else:
+        options["is_causal"] = True
+    if K != H:
+        if "enable_gqa" in features:
+            options["enable_gqa"] = True
+        else:
+            key, value = (x.repeat_interleave(H // K, dim=1) for x in (key, value))
+    documents = prepared.documents
+    y = varlen_attn(
+        query, key, value, documents.cu_seqlens, documents.cu_seqlens, documents.max_seqlen,
+        documents.max_seqlen, **options,
+    )  # fmt: skip
+    return y[None]  # (1, N, H, D)
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: PreparedAttention) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    dtype = _compute_dtype(q)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    # Outside a compiled region flex_attention runs unfused (and materializes the scores): compile it.
+    function = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
+    y = function(q, k, v, block_mask=prepared.block_mask, enable_gqa=k.shape[1] != q.shape[1])
+    return y.transpose(1, 2)
+
+
+_COMPILED_FLEX: list[Any] = []
+
+
+def _compiled_flex_attention() -> Any:
+    if not _COMPILED_FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED_FLEX.append(torch.compile(flex_attention, dynamic=True))
+    return _COMPILED_FLEX[0]
+
+
+# ---- the CPU: documents one length bucket at a time ------------------------------------------------------
+@dataclass
+class DocumentSegments:
+    """The documents of a packed row, regrouped for causal attention one length bucket at a time.
+
+    Bucket i holds n_i documents padded at the end to length L_i: `gather[i]` (n_i, L_i) are the
+    positions of their tokens (a padding slot repeats the document's first token: causal attention never
+    lets a real token see a later slot, so padding changes nothing), `keep[i]` (m_i,) the flat indices
+    into (n_i * L_i) of the real slots. `order` (N,) puts the concatenated real slots back into row order.
+    """
+
+    gather: list[torch.Tensor]
+    keep: list[torch.Tensor]
+    order: torch.Tensor
+
+
+SEGMENT_BUCKET_RATIO = 0.75
+"""A bucket takes documents down to this share of its longest one: at most 1/0.75^2 = 1.8x the attention
+work of exact per-document attention, in a handful of kernel calls."""
+SEGMENT_MIN_LENGTH = 64
+"""Documents up to this long share one bucket: below it, a kernel call costs more than the padding."""
+
+
+def document_segments(documents: Documents) -> DocumentSegments:
+    """Plan `segmented_attention` from the document boundaries (read on the host: for the CPU)."""
+    cu = documents.cu_seqlens.cpu().long()
+    starts, lengths = cu[:-1], torch.diff(cu)
+    by_length = torch.argsort(lengths, descending=True, stable=True).tolist()
+    length_list = lengths.tolist()
+    buckets: list[list[int]] = []
+    for doc in by_length:
+        longest = length_list[buckets[-1][0]] if buckets else 0
+        if buckets and (length_list[doc] >= SEGMENT_BUCKET_RATIO * longest or longest <= SEGMENT_MIN_LENGTH):
+            buckets[-1].append(doc)
+        else:
+            buckets.append([doc])
+    gather, keep, placed = [], [], []
+    for bucket in buckets:
+        docs = torch.tensor(bucket)
+        L = length_list[bucket[0]]
+        offsets = torch.arange(L)
+        slots = offsets[None, :] < lengths[docs][:, None]  # (n, L)
+        gather.append(starts[docs][:, None] + torch.where(slots, offsets, 0))
+        keep.append(slots.flatten().nonzero().flatten())
+        placed.append(gather[-1].flatten()[keep[-1]])
+    N = int(cu[-1])
+    order = torch.empty(N, dtype=torch.long)
+    order[torch.cat(placed)] = torch.arange(N)
+    return DocumentSegments(gather, keep, order)
+
+
+def segmented_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: DocumentSegments | None,
+    dropout: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention within each document of one row: q (1, H, N, D), k, v (1, K, N, D) -> (1, N, H, D)."""
+    assert segments is not None
+    _, H, N, D = q.shape
+    q = q[0].transpose(0, 1)  # (N, H, D)
+    k, v = (x[0].transpose(0, 1) for x in (k, v))  # (N, K, D)
+    outputs = []
+    for gather, keep in zip(segments.gather, segments.keep):
+        n, L = gather.shape
+        qb, kb, vb = (x[gather].transpose(1, 2) for x in (q, k, v))  # (n, H or K, L, D)
+        y = chunked_causal_attention(qb, kb, vb, dropout, window)
+        outputs.append(y.transpose(1, 2).reshape(n * L, H, D)[keep])
+    return torch.cat(outputs)[segments.order].view(1, N, H, D)
+
+
+QUERY_CHUNK = 96
+"""Queries per SDPA call in `chunked_causal_attention` (measured best on the CPU for head_dim 32, 1 thread)."""
+
+
+def chunked_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, window: int | None = None
+) -> torch.Tensor:
+    """Causal SDPA of q (n, H, L, D) over k, v (n, K, L, D), a chunk of queries at a time -> (n, H, L, D).
+
+    The CPU flash kernel computes every score of an L x L block, masked or not (causal is no faster than
+    full attention there). Queries [a, b) only need keys [0, b) (or [a - window + 1, b) with a window):
+    in c chunks that is (c + 1) / 2c of the work, 20-30% less time for L = 256-512
+    (tests/test_attention.py checks the result against one call).
+    """
+    L = q.shape[2]
+    chunks = -(-L // QUERY_CHUNK)
+    grouped = k.shape[1] != q.shape[1]
+    if chunks == 1 and (window is None or window >= L):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=grouped)
+    bounds = [L * j // chunks for j in range(chunks + 1)]
+    outputs = []
+    sizes = [end - start for start, end in zip(bounds, bounds[1:])]
+    for start, end, q_chunk in zip(bounds, bounds[1:], q.split(sizes, dim=2)):
+        first = 0 if window is None else max(0, start - window + 1)
+        queries = torch.arange(start, end, device=q.device)[:, None]
+        keys = torch.arange(first, end, device=q.device)[None, :]
+        mask = keys <= queries  # the lower-right causal mask
+        if window is not None:
+            mask &= keys > queries - window
+        outputs.append(
+            F.scaled_dot_product_attention(
+                q_chunk,
+                k[:, :, first:end],
+                v[:, :, first:end],
+                attn_mask=mask,
+                dropout_p=dropout,
+                enable_gqa=grouped,
+            )  # fmt: skip
+        )
+    return torch.cat(outputs, dim=2)
