@@ -59,8 +59,9 @@ class TrainConfig:
     """Keep only the newest this-many step checkpoints (older ones are deleted after a new one is complete)."""
     log_interval: int = 1
     """Log metrics every this many optimizer steps."""
-    compile: bool = False
-    """Compile each transformer block with torch.compile (GPU runs; the first steps are slower)."""
+    compile: bool | None = None
+    """Compile each transformer block with torch.compile (the first steps are slower). Default: on for GPU
+    runs, off on CPU (where compiling costs more time than it saves); false turns it off."""
     deterministic: bool = False
     """Bit-identical reruns: torch.use_deterministic_algorithms(True), fixed cuBLAS workspace, no cuDNN
     autotuning. Free on CPU (already deterministic for a fixed --seed, devices and batch sizes); on GPUs
@@ -185,8 +186,17 @@ def with_defaults(run: RunConfig, default_precision: Precision) -> RunConfig:
     return dataclasses.replace(
         run,
         precision=run.precision or default_precision,
-        train=dataclasses.replace(run.train, max_seq_length=max_seq_length),
+        train=dataclasses.replace(
+            run.train,
+            max_seq_length=max_seq_length,
+            compile=compile_enabled(run.train.compile, str(run.accelerator)),
+        ),
     )
+
+
+def compile_enabled(setting: bool | None, device_type: str) -> bool:
+    """Whether to compile the blocks: as --train.compile says, else on CUDA only."""
+    return setting if setting is not None else device_type == "cuda"
 
 
 def accumulation_steps(train: TrainConfig, world_size: int) -> int:

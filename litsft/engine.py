@@ -20,7 +20,8 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-from litsft.args import RunConfig, TrainConfig, accumulation_steps, describe
+from litsft.args import RunConfig, TrainConfig, accumulation_steps, compile_enabled, describe
+from litsft.attention import KERNEL_DESCRIPTIONS, choose_kernel
 from litsft.checkpointer import Checkpointer, TrainState
 from litsft.config import Config
 from litsft.errors import LitsftError
@@ -95,6 +96,7 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
         precision=run.precision,
         seq_len=run.train.max_seq_length,
         trainable=recipe.trainable,
+        adapter_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
     )
     evaluate = functools.partial(validate, fabric, model, val_loader, tokenizer, run, metrics)
     with metrics:
@@ -187,8 +189,19 @@ def setup_model(fabric: Fabric, recipe: Recipe, run: RunConfig) -> nn.Module:
     """Build on the meta device, shard, materialize, then fill: no rank ever holds a full copy it does not need."""
     with torch.device("meta"):
         model = recipe.build_model(run.config)
+    if run.precision in ("bf16-mixed", "16-mixed"):
+        store_frozen_in_compute_dtype(model, COMPUTE_DTYPE[run.precision])
+    config = run.config
+    model.attention_kernel = choose_kernel(
+        fabric.device.type,
+        COMPUTE_DTYPE[run.precision],
+        windowed=config.sliding_window is not None,
+        dropout=config.attention_dropout,
+    )
+    fabric.print(f"Attention: {model.attention_kernel}, {KERNEL_DESCRIPTIONS[model.attention_kernel]}")
+    compile_blocks = compile_enabled(run.train.compile, fabric.device.type)
     if fabric.world_size == 1:  # with more processes, Fabric's setup_module calls parallelize
-        parallelize(model, None, run.fsdp, run.precision, run.train.compile)
+        parallelize(model, None, run.fsdp, run.precision, compile_blocks)
         model.to_empty(device=fabric.device)
         model.tie_weights()
     model = fabric.setup_module(model)
@@ -198,16 +211,42 @@ def setup_model(fabric: Fabric, recipe: Recipe, run: RunConfig) -> nn.Module:
     return model
 
 
+COMPUTE_DTYPE: dict[str, torch.dtype] = {
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+    "16-mixed": torch.float16,
+    "32-true": torch.float32,
+}
+
+
+def store_frozen_in_compute_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Keep frozen parameters (LoRA's base) in the compute dtype under mixed precision. Mixed precision holds
+    fp32 master weights so that small updates are not rounded away; a frozen weight gets no updates, and
+    autocast would cast it to `dtype` at every use anyway (its matmuls see the same values). Stored in
+    `dtype` it takes half the memory and no per-step cast. Trained parameters and their optimizer states
+    stay fp32."""
+    for param in model.parameters():
+        if not param.requires_grad:
+            param.data = param.data.to(dtype)
+
+
 def trainable_memory_report(model: nn.Module, config: Config) -> str:
     """One line comparing what training holds for the trained parameters (fp32 weights, gradients and
-    AdamW's two moments: 16 bytes each) with what full fine-tuning of the same model would hold."""
+    AdamW's two moments: 16 bytes each) with what full fine-tuning of the same model would hold, and the
+    frozen weights' memory (LoRA's base) in the dtype they are stored in."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = [p for p in model.parameters() if not p.requires_grad]  # a tied weight is listed once
     full = config.num_parameters
     mib = 16 / 2**20
-    return (
+    line = (
         f"Trainable parameters: {trainable:,} of {full:,}; params+grads+AdamW state {trainable * mib:,.1f} MiB "
-        f"vs {full * mib:,.1f} MiB for full fine-tuning ({trainable / full:.2%}), before sharding"
+        f"vs {full * mib:,.1f} MiB for full fine-tuning ({trainable / full:.2%})"
     )
+    if frozen:
+        frozen_mib = sum(p.numel() * p.element_size() for p in frozen) / 2**20
+        dtypes = ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in frozen}))
+        line += f"; frozen weights {frozen_mib:,.1f} MiB ({dtypes})"
+    return line + ", before sharding"
 
 
 def total_optimizer_steps(train: TrainConfig, loader: Any, world_size: int) -> int:

@@ -15,7 +15,9 @@ from litsft.config import Config
 from litsft.errors import LitsftError
 
 
-def flops_per_token(config: Config, seq_len: int, trainable: Literal["all", "lora"] = "all") -> float:
+def flops_per_token(
+    config: Config, seq_len: int, trainable: Literal["all", "lora"] = "all", adapter_parameters: int = 0
+) -> float:
     """Training FLOPs per token for one forward and backward pass (PaLM appendix B, as torchtitan counts).
 
     N counts the weights of every matmul: the q/k/v/o and MLP projections and lm_head, which runs even
@@ -29,9 +31,13 @@ def flops_per_token(config: Config, seq_len: int, trainable: Literal["all", "lor
         config: The model's shape.
         seq_len: Tokens per sequence as the attention kernel sees them.
         trainable: "all": forward 2N, backward 4N (input and weight gradients) = 6N. "lora": the base
-            weights are frozen, so the backward skips weight gradients: 2N + 2N = 4N; the low-rank
-            adapters add about 6 * rank * (in + out) per adapted matrix, negligible and not counted.
-            Attention has no weights, so its backward costs twice its forward either way.
+            weights are frozen, so the backward skips weight gradients: 2N + 2N = 4N, less the input
+            gradients of the first block's q, k and v projections (nothing before them trains, so autograd
+            skips them, and the input gradients of their adapters, not counted); each adapter weight is
+            trained: 6 per parameter. Assumes adapters on the first block's q, k and v (all-linear, the
+            default): without them autograd skips that block's attention backward too. Attention has no
+            weights, so its backward costs twice its forward either way.
+        adapter_parameters: LoRA's trained adapter parameters (A and B of every adapted projection).
     """
     C, L, H, K, D = (
         config.hidden_size,
@@ -43,7 +49,11 @@ def flops_per_token(config: Config, seq_len: int, trainable: Literal["all", "lor
     per_block = C * D * (2 * H + 2 * K) + 3 * C * config.intermediate_size
     matmul_weights = L * per_block + config.vocab_size * C
     attention_forward = 4 * L * H * D * seq_len
-    dense = (6 if trainable == "all" else 4) * matmul_weights
+    if trainable == "all":
+        dense = 6 * matmul_weights
+    else:
+        first_block_qkv = C * D * (H + 2 * K)
+        dense = 4 * matmul_weights - 2 * first_block_qkv + 6 * adapter_parameters
     return float(dense + 3 * attention_forward)
 
 

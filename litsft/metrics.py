@@ -272,6 +272,7 @@ class MetricsLogger:
         precision: str,
         seq_len: int,
         trainable: Literal["all", "lora"] = "all",
+        adapter_parameters: int = 0,
         peak_flops: float | None = None,
     ) -> None:
         """Enable throughput, MFU and GPU-memory columns for training `config` (see `flops_per_token`).
@@ -283,12 +284,14 @@ class MetricsLogger:
             precision: Fabric's precision setting, e.g. "bf16-mixed", to look up the peak FLOP/s.
             seq_len: Tokens per training row (the padded or packed block length).
             trainable: "all" for full fine-tuning and pretraining, "lora" for frozen base weights.
+            adapter_parameters: With "lora", the trained adapter parameters.
             peak_flops: Peak FLOP/s of one device, overriding the table (see `device_peak_flops`).
         """
         self._device = device
         self._train_loss.to(device)
         peak = device_peak_flops(device, precision, peak_flops)
-        self._throughput = Throughput(flops_per_token(config, seq_len, trainable), world_size, device, peak)
+        flops = flops_per_token(config, seq_len, trainable, adapter_parameters)
+        self._throughput = Throughput(flops, world_size, device, peak)
 
     def step_done(
         self,

@@ -376,17 +376,6 @@ class Transformer(nn.Module):
             dropout=self.config.attention_dropout,
         )
 
-    def compile_blocks(self) -> None:
-        """torch.compile each block in place (parameter names do not change).
-
-        Dynamic shapes from the first compilation: every packed batch brings a new document layout (the
-        number of real tokens N, the number of documents in `cu_seqlens`, the longest one passed to varlen
-        as an int). Compiled for the first shapes it saw, a block would recompile for the next ones (a
-        guard on each size and on the int); with dynamic=True they are symbols and one graph serves every
-        layout (tests/test_attention.py checks that nothing recompiles). Parameters keep static shapes."""
-        for block in self.blocks:
-            block.compile(dynamic=True)
-
     def setup_kv_caches(self, batch_size: int, max_length: int) -> None:
         param = self.embed.weight
         self.kv_caches = [

@@ -109,8 +109,13 @@ def parallelize(
         for block in model.blocks:
             recompute_in_backward(block)
     if compile_blocks:
+        # Dynamic shapes from the first compilation: every packed batch brings a new document layout (the
+        # number of real tokens, the number of documents in cu_seqlens, the longest one, an int varlen_attn
+        # takes). Compiled for the first shapes it saw, a block would recompile for the next ones; with
+        # dynamic=True they are symbols and one graph serves every layout (tests/test_attention.py checks
+        # that nothing recompiles). Parameters keep static shapes.
         for block in model.blocks:
-            block.compile()
+            block.compile(dynamic=True)
     if mesh is not None:
         fully_shard_blocks(model, mesh, fsdp, precision)
     return model

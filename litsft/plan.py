@@ -11,6 +11,9 @@ ModelParallelStrategy; one process runs without FSDP. The byte counts:
 | bf16-true  | bf16              | bf16      | 2 x bf16                   | none needed  |
 | 32-true    | fp32              | fp32      | 2 x fp32                   | none needed  |
 
+LoRA's frozen base is stored in the compute dtype (bf16 under bf16-mixed: no fp32 master copy, no compute
+copy; litsft.engine.store_frozen_in_compute_dtype); its adapters are stored like trained parameters.
+
 Parameters, gradients and optimizer states are divided by the shard group: every rank for FULL_SHARD and
 SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, one (replicated) for NO_SHARD. On top come
 activations and transients (all-gathered compute-dtype parameters, a chunk of logits, gradient-reduction
@@ -180,8 +183,12 @@ def estimate_memory(
     adapters_per_block = lora_parameters_per_block(config, lora_rank) if lora else 0
     adapters = adapters_per_block * config.num_layers
     trainable = adapters if lora else config.num_parameters
-    # LoRA's frozen base is stored like trainable parameters: fp32 shards under bf16-mixed, bf16 under bf16-true.
-    parameters = math.ceil((config.num_parameters + adapters) * stored / shard)
+    # LoRA's frozen base is stored in the compute dtype (bf16 under bf16-mixed), its adapters like trained
+    # parameters.
+    frozen = config.num_parameters if lora else 0
+    parameters = math.ceil(
+        ((config.num_parameters - frozen) * stored + frozen * compute + adapters * stored) / shard
+    )
     gradients = math.ceil(trainable * stored / shard)
     optimizer_states = math.ceil(trainable * stored * ADAM_STATES_PER_PARAMETER / shard)
 
@@ -198,9 +205,9 @@ def estimate_memory(
 
     block_size = block_parameters(config) + adapters_per_block
     if world_size == 1:
-        # No FSDP: Fabric's autocast casts every weight for its matmul and the cast copies are kept for
-        # the backward pass; with one dtype the parameters are used as they are.
-        gathered = (config.num_parameters + adapters) * compute if stored != compute else 0
+        # No FSDP: Fabric's autocast casts every fp32 weight for its matmul and the cast copies are kept for
+        # the backward pass; with one dtype the parameters are used as they are (LoRA's frozen base too).
+        gathered = ((config.num_parameters - frozen) + adapters) * compute if stored != compute else 0
         reduce_buffers = 0
     else:
         # The root is never resharded (litsft/parallel.py), SHARD_GRAD_OP keeps every block unsharded
@@ -258,7 +265,8 @@ def plan(
         micro_batch_size: Sequences per device per forward pass.
         max_seq_length: Tokens per sequence.
         activation_checkpointing: Recompute each block in the backward pass instead of keeping its activations.
-        lora: Train LoRA adapters on q, k, v and o instead of all parameters.
+        lora: Train LoRA adapters on q, k, v and o instead of all parameters, the frozen base stored in the
+            compute dtype.
         lora_rank: Rank of the LoRA adapters.
         accumulation_steps: Micro-batches per optimizer step on each device (global batch size / (micro batch
             size x devices x nodes)); above 1, gradients stay alive through the next forward pass.

@@ -13,7 +13,7 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from litsft.errors import LitsftError
-from litsft.model import loss_positions_of
+from litsft.model import model_inputs
 
 
 def next_micro_batches(
@@ -85,13 +85,14 @@ def raise_if_diverged(skipped_steps: torch.Tensor, step: int) -> None:
         )
 
 
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """The model's inputs of a CPU micro-batch, on `device`, with the flat indices of the labels that carry a
-    loss: found here on the CPU, so the model can skip the output head elsewhere without waiting for the device."""
-    names = ("input_ids", "position_ids", "document_ids", "labels")
-    inputs = {name: batch[name] for name in names if name in batch}
-    inputs["loss_positions"] = loss_positions_of(batch["labels"])
-    return {name: tensor.to(device, non_blocking=True) for name, tensor in inputs.items()}
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
+    """The model's inputs of a CPU micro-batch (`model_inputs`: packed rows joined, their documents, the flat
+    indices of the labels that carry a loss, all found here on the host), on `device`."""
+    inputs = model_inputs(batch)
+    return {
+        name: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value.to(device)
+        for name, value in inputs.items()
+    }
 
 
 def _input_token_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:

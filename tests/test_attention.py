@@ -26,6 +26,8 @@ from litsft.config import Config
 from litsft.data.loader import collate
 from litsft.data.samples import Samples
 from litsft.model import Transformer, model_inputs, rope_cos_sin
+from litsft.args import FSDPConfig
+from litsft.parallel import parallelize
 
 CPU = torch.device("cpu")
 
@@ -344,7 +346,7 @@ def test_flex_glue_equals_the_mask_path_on_the_cpu(monkeypatch):
 
 
 def test_new_document_layouts_do_not_recompile(monkeypatch):
-    """Compiled as the engine compiles them (`compile_blocks`), blocks fed a new document layout every step (other
+    """Compiled as the engine compiles them (`parallelize`), blocks fed a new document layout every step (other
     boundaries, another number of documents, another longest one, another number of real tokens) compile once."""
     import torch._dynamo
 
@@ -353,7 +355,7 @@ def test_new_document_layouts_do_not_recompile(monkeypatch):
     torch.manual_seed(0)
     model = Transformer(Config.from_name("tiny-llama"))
     model.attention_kernel = "varlen"
-    model.compile_blocks()
+    parallelize(model, None, FSDPConfig(), "bf16-mixed", compile_blocks=True)
     layouts = [[[20, 1, 9, 1, 6], [1, 30, 3]], [[40], [12, 12]], [[5, 5, 5, 5, 5, 5, 5], [47]], [[3], [2, 2]]]
     with torch._dynamo.config.patch(error_on_recompile=True):
         for seed, rows in enumerate(layouts):

@@ -237,3 +237,78 @@ def test_adapter_dropout_drops_p_of_the_inputs_and_keeps_the_mean():
     assert torch.equal(dropout(x), y)  # the default generator decides: seeding reproduces the mask
     assert not torch.equal(dropout(x), y)
     assert torch.equal(dropout.eval()(x), x)
+
+
+# ---- a lean base under mixed precision ------------------------------------------------------------------
+@pytest.mark.parametrize("tied", [False, True])
+def test_frozen_base_in_bf16_trains_like_the_fp32_base(tied):
+    """Under bf16-mixed the engine stores the frozen base in bf16 (no fp32 copy, no per-step cast) and keeps
+    the adapters fp32: loss and adapter gradients equal those of the fp32 base under the same autocast within
+    bf16 rounding (the matmuls saw bf16 weights before too; only norms and embedding rows are rounded now)."""
+    from litsft.engine import store_frozen_in_compute_dtype
+
+    reference = apply_lora(base_model(tied), LoRAConfig(rank=4, alpha=8, dropout=0.0))
+    with torch.no_grad():  # adapters away from zero, so that B's gradients depend on A and the base
+        for name, param in reference.named_parameters():
+            if "lora_" in name:
+                param.normal_(std=0.1)
+    lean = copy.deepcopy(reference)
+    store_frozen_in_compute_dtype(lean, torch.bfloat16)
+    assert {p.dtype for p in lean.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in lean.parameters() if p.requires_grad} == {torch.float32}
+    frozen_bytes = sum(p.numel() * p.element_size() for p in lean.parameters() if not p.requires_grad)
+    assert frozen_bytes * 2 == sum(p.numel() * 4 for p in reference.parameters() if not p.requires_grad)
+    # The fp32 base holding bf16-rounded values: rounding the base is all that the lean storage changes.
+    rounded = copy.deepcopy(reference)
+    with torch.no_grad():
+        for param in rounded.parameters():
+            if not param.requires_grad:
+                param.copy_(param.to(torch.bfloat16).float())
+    labels = TOKENS.roll(-1, dims=1)
+    results = []
+    for model in (reference, lean, rounded):
+        model.train()
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = model(TOKENS, labels=labels) / labels.numel()
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        results.append((loss.detach(), grads))
+    (loss, grads), (lean_loss, lean_grads), (rounded_loss, rounded_grads) = results
+    assert torch.equal(lean_loss, rounded_loss)
+    assert all(torch.equal(lean_grads[name], rounded_grads[name]) for name in grads)
+    torch.testing.assert_close(lean_loss, loss, atol=0, rtol=1e-3)
+    for name, grad in grads.items():
+        assert lean_grads[name].dtype == torch.float32
+        # bf16 rounding of norms and embeddings: a few percent of the largest gradient at most.
+        assert (lean_grads[name] - grad).abs().max() <= 0.05 * grad.abs().max(), name
+
+
+def test_engine_stores_the_lora_base_in_bf16_under_bf16_mixed(tmp_path):
+    """setup_model as finetune_lora runs it: bf16 base, fp32 adapters, and the memory line says so."""
+    from lightning.fabric import Fabric
+
+    from litsft.args import RunConfig
+    from litsft.engine import Recipe, setup_model
+
+    config = Config.from_name("tiny-llama")
+    messages = []
+    for precision in ("bf16-mixed", "32-true"):
+        fabric = Fabric(accelerator="cpu", devices=1, precision=precision)
+        fabric.print = messages.append
+        recipe = Recipe(
+            name="finetune_lora",
+            build_model=lambda c: apply_lora(Transformer(c), LoRAConfig()),
+            initialize=lambda model: model.init_weights(),
+            save_final=lambda model, path: None,
+            trainable="lora",
+        )
+        run = RunConfig(config=config, tokenizer_dir=None, data=None, out_dir=tmp_path, precision=precision)
+        model = setup_model(fabric, recipe, run).module
+        frozen = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+        assert {p.dtype for p in model.parameters() if not p.requires_grad} == {frozen}
+        assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+        assert model.lm_head.weight is model.embed.weight or not config.tie_word_embeddings
+    frozen = config.num_parameters
+    assert f"frozen weights {frozen * 2 / 2**20:,.1f} MiB (bfloat16)" in messages[1]
+    assert f"frozen weights {frozen * 4 / 2**20:,.1f} MiB (float32)" in messages[3]
+    assert messages[0] == messages[2] == "Attention: segmented, per-document SDPA in length buckets (CPU)"

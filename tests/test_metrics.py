@@ -27,7 +27,8 @@ def test_flops_per_token_hand_count():
     # Per layer: q 4*4 + k 4*2 + v 4*2 + o 4*4 = 48, MLP 3*4*6 = 72 -> 120; 2 layers + lm_head 10*4 -> N = 280.
     # Attention: 12 * layers 2 * (heads 2 * head_dim 2) * seq_len 8 = 768.
     assert flops_per_token(TINY, seq_len=8) == 6 * 280 + 768
-    assert flops_per_token(TINY, seq_len=8, trainable="lora") == 4 * 280 + 768
+    # LoRA: the first block's q, k, v (4*4 + 4*2 + 4*2 = 32) get no input gradient.
+    assert flops_per_token(TINY, seq_len=8, trainable="lora") == 4 * 280 - 2 * 32 + 768
 
 
 @pytest.mark.parametrize("tie_word_embeddings", [False, True])
@@ -37,13 +38,41 @@ def test_flops_per_token_matches_torch_flop_counter(trainable, tie_word_embeddin
     model = Transformer(config)
     if trainable == "lora":  # frozen base: only input gradients flow back through the blocks
         model.requires_grad_(False)
-        model.embed.register_forward_hook(lambda module, args, output: output.requires_grad_())
+        # ... from the first block's q, k, v on (adapters there make them need gradients; their inputs,
+        # the embeddings, need none).
+        for projection in (
+            model.blocks[0].attn.q_proj,
+            model.blocks[0].attn.k_proj,
+            model.blocks[0].attn.v_proj,
+        ):
+            projection.register_forward_hook(lambda module, args, output: output.requires_grad_())
     batch, seq_len = 2, 16
     input_ids = torch.randint(0, config.vocab_size, (batch, seq_len))
     # The math backend runs attention as bmm, which the counter sees (CPU's fused kernel it does not).
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(input_ids).sum().backward()
     assert counter.get_total_flops() / (batch * seq_len) == flops_per_token(config, seq_len, trainable)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q", "k", "v", "o"], ["q", "k", "v", "down", "lm_head"]])
+def test_lora_flops_per_token_count_what_runs(targets):
+    """A LoRA model as it trains: frozen base (4 per weight), the first block's q/k/v input gradients
+    skipped, 6 per adapter weight. The adapters on the first block's q, k, v skip their A's input gradient
+    too (2 * rank * hidden_size each, left out of the count: 0.01% of a 1B model's)."""
+    from litsft.lora import LoRAConfig, apply_lora
+
+    config = Config.from_name("tiny-llama")
+    lora = LoRAConfig(rank=4, dropout=0.0, targets=targets)
+    model = apply_lora(Transformer(config), lora)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    batch, seq_len = 2, 16
+    input_ids = torch.randint(0, config.vocab_size, (batch, seq_len))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(input_ids).sum().backward()
+    skipped_adapter_input = 3 * 2 * lora.rank * config.hidden_size
+    expected = flops_per_token(config, seq_len, "lora", adapters) - skipped_adapter_input
+    assert counter.get_total_flops() / (batch * seq_len) == expected
+    assert flops_per_token(config, seq_len, "lora", adapters) > flops_per_token(config, seq_len, "lora")
 
 
 @pytest.mark.parametrize(

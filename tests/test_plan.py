@@ -107,7 +107,8 @@ def test_lora_trains_only_the_adapters():
     estimate = estimate_memory(Config.from_name("Llama-2-7b-hf"), devices=8, lora=True, lora_rank=8)
     adapters = 32 * 8 * 4 * (4096 + 4096)  # rank 8 on q, k, v, o: 8,388,608
     assert adapters == 8_388_608
-    assert estimate.parameters == (LLAMA_2_7B + adapters) * 4 // 8
+    # bf16-mixed: the frozen base in bf16 (2 bytes), the adapters in fp32 (4 bytes).
+    assert estimate.parameters == (LLAMA_2_7B * 2 + adapters * 4) // 8
     assert estimate.gradients == adapters * 4 // 8
     assert estimate.optimizer_states == adapters * 8 // 8
 
@@ -194,3 +195,18 @@ def test_plan_rejects_zero_devices():
     with pytest.raises(LitsftError) as error:
         plan("tiny-llama", devices=0)
     assert str(error.value) == "--devices must be at least 1, got 0"
+
+
+def test_lora_base_in_bf16_on_one_gpu():
+    """bf16-mixed LoRA on one device: the frozen base takes 2 bytes per parameter and needs no compute copy;
+    peak memory is below full fine-tuning's by more than the fp32 base copy."""
+    config = Config.from_name("Llama-3.2-1B")
+    N = config.num_parameters
+    adapters = 16 * 16 * ((2048 + 2048) + 2 * (2048 + 512) + (2048 + 2048))  # rank 16 on q, k, v, o
+    lora = estimate_memory(config, lora=True, lora_rank=16, max_seq_length=4096)
+    full = estimate_memory(config, max_seq_length=4096)
+    assert lora.parameters == N * 2 + adapters * 4
+    logits = LOSS_CHUNK_TOKENS * config.vocab_size * (2 + 12)
+    assert lora.transients == adapters * 2 + logits  # autocast casts the fp32 adapters only
+    assert full.transients == N * 2 + logits
+    assert full.total - lora.total > N * 4
