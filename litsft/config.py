@@ -113,6 +113,10 @@ class Config:
                 f"{self.name}: rope_scaling type {rope_type!r} is not supported; "
                 f"supported types are {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise LitsftError(
+                f"{self.name}: sliding_window={self.sliding_window} must be at least 1 (or null for none)"
+            )
 
     def attention_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (counting from 0), or None for full causal attention."""

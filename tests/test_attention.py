@@ -163,7 +163,7 @@ def test_varlen_features_come_from_the_signature():
     assert varlen_features(varlen_2_13) == {"window_size", "enable_gqa"}
 
 
-def test_the_engine_names_the_kernel_the_model_uses():
+def test_the_model_chooses_a_kernel_at_its_first_forward_when_none_was_set():
     model = Transformer(Config.from_name("tiny-llama"))
     assert model.attention_kernel is None
     model(torch.randint(0, 512, (1, 8)), document_ids=torch.zeros(1, 8, dtype=torch.long))

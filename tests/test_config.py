@@ -224,3 +224,51 @@ def test_list_models_prints_names_with_parameter_counts(capsys):
     assert rows["Llama-2-13b-hf"] == "13.0B"
     assert rows["Llama-3.1-405B"] == "406B"
     assert rows["SmolLM2-135M"] == "135M"
+
+
+@pytest.mark.parametrize(
+    ("hf_changes", "expected"),
+    [
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 16}, (16, 0)),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": None}, (None, 0)),
+        (
+            {"architectures": ["Qwen2ForCausalLM"], "sliding_window": 16},
+            (None, 0),
+        ),  # use_sliding_window false
+        ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 16}, (16, 3)),
+        (
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "use_sliding_window": True,
+                "sliding_window": 16,
+                "max_window_layers": 1,
+                "layer_types": ["full_attention"] + ["sliding_attention"] * 3,
+            },
+            (16, 1),
+        ),  # fmt: skip
+        (
+            {"architectures": ["LlamaForCausalLM"], "use_sliding_window": True, "sliding_window": 16},
+            (None, 0),
+        ),
+    ],
+)
+def test_sliding_window_is_read_as_transformers_reads_it(hf_changes, expected):
+    """Mistral windows every layer; Qwen2 only with use_sliding_window, from layer max_window_layers on (or
+    from the first "sliding_attention" of layer_types); Llama never."""
+    hf = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_window_layers": 3, **hf_changes}  # fmt: skip
+    config = Config.from_hf_config(hf)
+    assert (config.sliding_window, config.max_window_layers) == expected
+    windows = [config.attention_window(i) for i in range(4)]
+    assert windows == [expected[0] if i >= expected[1] else None for i in range(4)]
+    exported = config.to_hf_config()
+    if expected[0] is not None and hf["architectures"] == ["Qwen2ForCausalLM"]:
+        assert exported["use_sliding_window"] and exported["max_window_layers"] == expected[1]
+
+
+def test_sliding_layers_before_full_ones_are_refused():
+    hf = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "use_sliding_window": True, "sliding_window": 8,
+          "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
+    with pytest.raises(LitsftError, match="sliding layers must come last"):
+        Config.from_hf_config(hf)
