@@ -171,6 +171,9 @@ class PreparedAttention:
     block_mask: Any = None
     cache_positions: torch.Tensor | None = None
     """Decoding: the cache slots (T,) the new keys and values go to."""
+    varlen_attn: Any = None
+    """torch's varlen_attn and the optional arguments it takes, looked up here, outside compiled code."""
+    varlen_features: frozenset[str] = frozenset()
 
 
 def prepare(
@@ -206,7 +209,10 @@ def prepare(
         prepared.rows_as_documents = True
         return prepared
     prepared = PreparedAttention(kernel, "documents", window, documents=documents)
-    if kernel == "segmented":
+    if kernel == "varlen":
+        prepared.varlen_attn = _varlen_attn()
+        prepared.varlen_features = frozenset(varlen_features(prepared.varlen_attn))
+    elif kernel == "segmented":
         prepared.segments = document_segments(documents)
     elif kernel == "mask":
         prepared.mask = document_mask(token_document_ids(documents, T), window)
@@ -301,13 +307,11 @@ def _compute_dtype(q: torch.Tensor) -> torch.dtype:
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: PreparedAttention) -> torch.Tensor:
     """Flash attention per document: q (1, H, N, D), k, v (1, K, N, D) -> (1, N, H, D)."""
-    varlen_attn = _varlen_attn()
-    assert varlen_attn is not None and prepared.documents is not None
-    _, H, N, D = q.shape
-    K = k.shape[1]
+    varlen_attn, features, documents = prepared.varlen_attn, prepared.varlen_features, prepared.documents
+    assert varlen_attn is not None and documents is not None
+    H, K = q.shape[1], k.shape[1]
     dtype = _compute_dtype(q)
     query, key, value = (x[0].transpose(0, 1).to(dtype) for x in (q, k, v))  # (N, H or K, D)
-    features = varlen_features(varlen_attn)
     options: dict[str, Any] = {}
     if "window_size" in features:
         # flash's window counts the keys left of the query; transformers' window counts the query too.
@@ -319,7 +323,6 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: Prepare
             options["enable_gqa"] = True
         else:
             key, value = (x.repeat_interleave(H // K, dim=1) for x in (key, value))
-    documents = prepared.documents
     y = varlen_attn(
         query, key, value, documents.cu_seqlens, documents.cu_seqlens, documents.max_seqlen,
         documents.max_seqlen, **options,

@@ -349,9 +349,11 @@ def test_new_document_layouts_do_not_recompile(monkeypatch):
     """Compiled as the engine compiles them (`parallelize`), blocks fed a new document layout every step (other
     boundaries, another number of documents, another longest one, another number of real tokens) compile once."""
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     monkeypatch.setattr(attention, "_varlen_attn", lambda: varlen_2_13)
     torch._dynamo.reset()
+    counters.clear()
     torch.manual_seed(0)
     model = Transformer(Config.from_name("tiny-llama"))
     model.attention_kernel = "varlen"
@@ -364,6 +366,9 @@ def test_new_document_layouts_do_not_recompile(monkeypatch):
             with torch.autocast("cpu", torch.bfloat16):
                 loss = model(**inputs)
             loss.backward()
+    assert not counters["graph_break"], dict(
+        counters["graph_break"]
+    )  # each block is one graph, attention included
     torch._dynamo.reset()
 
 
