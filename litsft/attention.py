@@ -48,8 +48,8 @@ KERNEL_DESCRIPTIONS: dict[str, str] = {
 class Documents:
     """The documents of one row of N tokens: document i is tokens [cu_seqlens[i], cu_seqlens[i + 1]).
 
-    Built on the host (`documents_of_lengths`, from the data loader's `cu_seqlens` and `max_seqlen`), so
-    that no kernel has to read the boundaries back from the device: varlen takes them as they are, the
+    Built on the host (the data loader's collate writes `cu_seqlens` and `max_seqlen`; `documents_of_ids`
+    finds them from document ids), so that no kernel has to read the boundaries back from the device: varlen takes them as they are, the
     mask and flex kernels turn them into per-token document ids on the device, the CPU cuts documents out
     with them.
     """
