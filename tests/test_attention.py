@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from litsft import attention
+from litsft.args import FSDPConfig
 from litsft.attention import (
     KernelSupport,
     choose_kernel,
@@ -26,7 +27,6 @@ from litsft.config import Config
 from litsft.data.loader import collate
 from litsft.data.samples import Samples
 from litsft.model import Transformer, model_inputs, rope_cos_sin
-from litsft.args import FSDPConfig
 from litsft.parallel import parallelize
 
 CPU = torch.device("cpu")
