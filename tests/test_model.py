@@ -12,7 +12,7 @@ from litsft.config import Config
 from litsft.convert import convert_from_hf
 from litsft.generate import generate_tokens
 from litsft.model import RMSNorm, Transformer
-from litsft.weight_files import load_checkpoint_state_dict
+from litsft.storage.model_folder import load_model_state_dict
 
 
 def test_loss_runs_the_head_on_labelled_positions_only_and_matches_the_full_logits():
@@ -96,7 +96,7 @@ def _converted(tmp_path, kind):
     hf_model = tiny_hf_model(kind)
     convert_from_hf(save_tiny_hf(hf_model, tmp_path / "hf"), tmp_path / "litsft")
     model = Transformer(Config.from_checkpoint(tmp_path / "litsft")).eval()
-    model.load_state_dict(load_checkpoint_state_dict(tmp_path / "litsft"))
+    model.load_state_dict(load_model_state_dict(tmp_path / "litsft"))
     return hf_model, model
 
 
