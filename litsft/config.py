@@ -122,14 +122,26 @@ class Config:
         """The sliding window of layer `layer` (counting from 0), or None for full causal attention."""
         return self.sliding_window if layer >= self.max_window_layers else None
 
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each linear layer, keyed by its LoRA target name: the seven of one
+        block (as litsft.model builds them) and lm_head. The one source of the parameter, FLOP and LoRA
+        adapter counts (`num_parameters`, litsft.flops)."""
+        C, D, inter = self.hidden_size, self.head_dim, self.intermediate_size
+        q, kv = self.num_heads * D, self.num_kv_heads * D
+        return {
+            "q": (C, q), "k": (C, kv), "v": (C, kv), "o": (q, C),
+            "gate": (C, inter), "up": (C, inter), "down": (inter, C),
+            "lm_head": (C, self.vocab_size),
+        }  # fmt: skip
+
     @property
     def num_parameters(self) -> int:
         """Parameter count, tied embeddings counted once."""
-        attn = self.hidden_size * self.head_dim * (self.num_heads * 2 + self.num_kv_heads * 2)
-        attn += self.head_dim * (self.num_heads + 2 * self.num_kv_heads) * self.qkv_bias
-        attn += self.hidden_size * self.out_bias + 2 * self.head_dim * self.qk_norm
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        block = attn + mlp + 2 * self.hidden_size
+        shapes = self.linear_shapes()
+        weights = sum(fan_in * fan_out for target, (fan_in, fan_out) in shapes.items() if target != "lm_head")
+        biases = self.head_dim * (self.num_heads + 2 * self.num_kv_heads) * self.qkv_bias
+        biases += self.hidden_size * self.out_bias + 2 * self.head_dim * self.qk_norm  # qk_norm: two norms
+        block = weights + biases + 2 * self.hidden_size  # two RMSNorms
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * block + embeddings + self.hidden_size
 

@@ -1,12 +1,15 @@
 """FLOP accounting: the training FLOPs of one token, the peak FLOP/s of a device, and MFU.
 
-Pure arithmetic over a `Config` and a device name; `litsft.metrics` uses it for the MFU column, and
-benchmarks use it to compare runs.
+Pure arithmetic over a `Config` and a device name; `litsft.metrics` uses it for the MFU column,
+`litsft.plan` for LoRA's adapter count, and benchmarks use it to compare runs. Every count reads the model's
+linear layers from `Config.linear_shapes`, the same table `Config.num_parameters` sums.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Iterable
 from typing import Literal
 
 import torch
@@ -39,22 +42,27 @@ def flops_per_token(
             weights, so its backward costs twice its forward either way.
         adapter_parameters: LoRA's trained adapter parameters (A and B of every adapted projection).
     """
-    C, L, H, K, D = (
-        config.hidden_size,
-        config.num_layers,
-        config.num_heads,
-        config.num_kv_heads,
-        config.head_dim,
-    )
-    per_block = C * D * (2 * H + 2 * K) + 3 * C * config.intermediate_size
-    matmul_weights = L * per_block + config.vocab_size * C
+    shapes = config.linear_shapes()
+    L, H, D = config.num_layers, config.num_heads, config.head_dim
+    per_block = sum(fan_in * fan_out for target, (fan_in, fan_out) in shapes.items() if target != "lm_head")
+    matmul_weights = L * per_block + math.prod(shapes["lm_head"])
     attention_forward = 4 * L * H * D * seq_len
     if trainable == "all":
         dense = 6 * matmul_weights
     else:
-        first_block_qkv = C * D * (H + 2 * K)
+        first_block_qkv = sum(math.prod(shapes[target]) for target in ("q", "k", "v"))
         dense = 4 * matmul_weights - 2 * first_block_qkv + 6 * adapter_parameters
     return float(dense + 3 * attention_forward)
+
+
+def lora_parameters(config: Config, targets: Iterable[str], rank: int) -> int:
+    """Trained parameters of LoRA adapters on `targets` (q, k, v, o, gate, up, down in every block, lm_head
+    once): A (rank x in) and B (out x rank) per adapted projection, as litsft.lora.apply_lora makes them."""
+    shapes = config.linear_shapes()
+    targets = list(targets)
+    per_block = sum(rank * sum(shapes[t]) for t in targets if t != "lm_head")
+    head = rank * sum(shapes["lm_head"]) if "lm_head" in targets else 0
+    return config.num_layers * per_block + head
 
 
 # Dense (no 2:4 sparsity) peak tensor-core FLOP/s per GPU, from NVIDIA's datasheets. An entry matches

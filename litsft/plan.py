@@ -1,6 +1,9 @@
 """Memory planner: the device memory one training step needs, per device, worked out before launching it.
 
-Pure arithmetic over a `Config`, modelling the engine in litsft/parallel.py: FSDP2 `fully_shard` on every
+`plan`, the `litsft plan` command, takes a recipe's own options (litsft.args' FSDPConfig and TrainConfig,
+litsft.lora's LoRAConfig), so a recipe's YAML plans the run it describes. `estimate_memory` is pure
+arithmetic over a `Config`, LoRA adapters counted by litsft.flops.lora_parameters on the targets the run
+adapts, modelling the engine in litsft/parallel.py: FSDP2 `fully_shard` on every
 transformer block and on the root (embeddings, final norm, output head), through Fabric's
 ModelParallelStrategy; one process runs without FSDP. The byte counts:
 
@@ -35,10 +38,24 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from litsft.args import Precision, ShardingStrategy
+from litsft.args import (
+    MAX_DEFAULT_SEQ_LENGTH,
+    Accelerator,
+    EvalConfig,
+    FSDPConfig,
+    LogConfig,
+    OptimizerConfig,
+    Precision,
+    ShardingStrategy,
+    TrainConfig,
+    accumulation_steps,
+)
 from litsft.config import Config, format_count
 from litsft.errors import LitsftError
+from litsft.flops import lora_parameters
+from litsft.lora import LoRAConfig
 
 # (bytes of a stored parameter, bytes of a parameter as the matmuls see it). Gradients and AdamW's two
 # states take the stored dtype: FSDP2 reduces gradients in fp32 (reduce_dtype) into the fp32 shards.
@@ -126,35 +143,33 @@ def block_parameters(config: Config) -> int:
     return (config.num_parameters - root_parameters(config)) // config.num_layers
 
 
-def lora_parameters_per_block(config: Config, lora_rank: int) -> int:
-    """A (rank x in) and B (out x rank) for the q, k, v and o projections."""
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    C = config.hidden_size
-    return lora_rank * ((C + q) + 2 * (C + kv) + (q + C))
-
-
 def block_activation_bytes_per_token(
-    config: Config, compute_bytes: int, lora: bool = False, lora_rank: int = 8
+    config: Config, compute_bytes: int, lora: LoRAConfig | None = None
 ) -> int:
     """Bytes one block saves for the backward pass per token, counted from litsft/model.py's Block.
 
     Assumes a fused attention kernel (flash or memory-efficient: no (T, T) matrix is saved) and that a
-    linear layer keeps its input only when its weight is trained (autograd saves what a gradient needs).
+    linear layer keeps its input only when a weight that reads it is trained (autograd saves what a
+    gradient needs): under LoRA, a frozen projection without an adapter keeps nothing.
     """
     C, inter = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     c = compute_bytes
+    targets = set(lora.target_list) if lora is not None else set()
+    mlp_input_kept = lora is None or bool(targets & {"gate", "up"})
     # RMSNorm keeps its fp32 upcast input; its output is kept by the linear layers that read it.
     attn_norm = 4 * C + c * C
-    mlp_norm = 4 * C + (0 if lora else c * C)  # LoRA: frozen gate/up projections do not keep their input
+    mlp_norm = 4 * C + (c * C if mlp_input_kept else 0)
     # SDPA keeps q, k, v (k and v repeated to all heads), its output and a fp32 logsumexp per head;
     # o_proj keeps its (contiguous) input.
     attention = 5 * q * c + 4 * config.num_heads
     qk_norm = (q + kv) * (4 + c) if config.qk_norm else 0
     # SwiGLU: gate output (silu's input), silu output, up output, and their product (down_proj's input,
-    # not kept when down_proj is frozen).
-    mlp = (3 if lora else 4) * inter * c
-    adapters = 4 * lora_rank * c if lora else 0  # LoRA A outputs, kept by B
+    # kept only when down_proj's weight or adapter trains).
+    mlp = (4 if lora is None or "down" in targets else 3) * inter * c
+    adapters = (
+        len(targets - {"lm_head"}) * lora.rank * c if lora is not None else 0
+    )  # each A's output, kept by its B
     return attn_norm + mlp_norm + attention + qk_norm + mlp + adapters
 
 
@@ -167,11 +182,11 @@ def estimate_memory(
     micro_batch_size: int = 1,
     max_seq_length: int = 2048,
     activation_checkpointing: bool = False,
-    lora: bool = False,
-    lora_rank: int = 8,
+    lora: LoRAConfig | None = None,
     accumulation_steps: int = 1,
 ) -> MemoryEstimate:
-    """Per-device bytes of one training step with AdamW; see the module docstring for the model."""
+    """Per-device bytes of one training step with AdamW; see the module docstring for the model. `lora`:
+    train adapters on its targets (litsft.flops.lora_parameters counts them) instead of every weight."""
     if precision not in PARAMETER_BYTES:
         raise LitsftError(
             f"precision {precision!r} is not supported; choose one of {', '.join(PARAMETER_BYTES)}"
@@ -180,12 +195,15 @@ def estimate_memory(
     world_size = devices * num_nodes
     shard = shard_group_size(devices, num_nodes, sharding_strategy) if world_size > 1 else 1
 
-    adapters_per_block = lora_parameters_per_block(config, lora_rank) if lora else 0
-    adapters = adapters_per_block * config.num_layers
-    trainable = adapters if lora else config.num_parameters
+    targets = lora.target_list if lora is not None else []
+    adapters = lora_parameters(config, targets, lora.rank) if lora is not None else 0
+    # lm_head's adapter sits in the root, which stays gathered; the blocks' adapters are gathered per block.
+    head_adapter = lora_parameters(config, ["lm_head"], lora.rank) if "lm_head" in targets else 0
+    adapters_per_block = (adapters - head_adapter) // config.num_layers
+    trainable = adapters if lora is not None else config.num_parameters
     # LoRA's frozen base is stored in the compute dtype (bf16 under bf16-mixed), its adapters like trained
     # parameters.
-    frozen = config.num_parameters if lora else 0
+    frozen = config.num_parameters if lora is not None else 0
     parameters = math.ceil(
         ((config.num_parameters - frozen) * stored + frozen * compute + adapters * stored) / shard
     )
@@ -193,7 +211,7 @@ def estimate_memory(
     optimizer_states = math.ceil(trainable * stored * ADAM_STATES_PER_PARAMETER / shard)
 
     tokens = micro_batch_size * max_seq_length
-    per_block = block_activation_bytes_per_token(config, compute, lora, lora_rank) * tokens
+    per_block = block_activation_bytes_per_token(config, compute, lora) * tokens
     if activation_checkpointing:
         # Each block keeps only its input; one block's activations come back during its recomputation.
         blocks = config.num_layers * tokens * config.hidden_size * compute + per_block
@@ -217,10 +235,10 @@ def estimate_memory(
             if sharding_strategy == "SHARD_GRAD_OP"
             else min(PREFETCHED_BLOCKS, config.num_layers)
         )
-        gathered = (held * block_size + root_parameters(config)) * compute
+        gathered = (held * block_size + root_parameters(config) + head_adapter) * compute
         # One block's unsharded gradients (compute dtype) and their copy in the reduce dtype. The root's
         # gradients are reduced at the very end of backward, when the activations are gone.
-        reduce_buffers = (adapters_per_block if lora else block_size) * (compute + stored)
+        reduce_buffers = (adapters_per_block if lora is not None else block_size) * (compute + stored)
     logits = min(LOSS_CHUNK_TOKENS, tokens) * config.vocab_size * (compute + LOGIT_EXTRA_BYTES)
     transients = gathered + reduce_buffers + logits
     return MemoryEstimate(
@@ -240,64 +258,90 @@ def fits(estimate: MemoryEstimate, device_memory: int) -> bool:
     return estimate.total <= device_memory * USABLE_FRACTION
 
 
+def load_model_config(checkpoint_dir: str) -> Config:
+    """The model a recipe's checkpoint_dir names: a litsft checkpoint directory, or else the named config of its
+    last part (Llama-3.1-8B, meta-llama/Llama-3.1-8B or checkpoints/meta-llama/Llama-3.1-8B before the
+    recipe has downloaded it)."""
+    if Path(checkpoint_dir).is_dir():
+        return Config.from_checkpoint(checkpoint_dir)
+    return Config.from_name(Path(checkpoint_dir).name)
+
+
 def plan(
-    model: str,
+    checkpoint_dir: str,
     devices: int = 1,
     num_nodes: int = 1,
-    sharding_strategy: ShardingStrategy = "FULL_SHARD",
-    precision: Precision = "bf16-mixed",
-    micro_batch_size: int = 1,
-    max_seq_length: int = 2048,
-    activation_checkpointing: bool = False,
-    lora: bool = False,
-    lora_rank: int = 8,
-    accumulation_steps: int = 1,
+    precision: Precision | None = None,
+    lora: LoRAConfig | None = None,
+    fsdp: FSDPConfig = FSDPConfig(),
+    train: TrainConfig | None = None,
     device_memory: str | None = None,
+    out_dir: Path | None = None,
+    data: Any = None,
+    accelerator: Accelerator = "auto",
+    resume: Any = "auto",
+    seed: int = 1337,
+    eval: EvalConfig | None = None,
+    optimizer: OptimizerConfig | None = None,
+    log: LogConfig | None = None,
 ) -> None:
     """Estimate the memory per device of a training run, and whether it fits.
 
+    Takes a recipe's options (and its YAML: `litsft plan --config config_hub/finetune_lora/llama-3.1-8b.yaml`).
+
     Args:
-        model: A named config (`litsft list_models`) or a litsft checkpoint directory.
+        checkpoint_dir: The model: a named config (`litsft list_models`), a hub id or a litsft checkpoint
+            directory.
         devices: Devices (GPUs) per node.
         num_nodes: Number of nodes.
-        sharding_strategy: FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD, as in training.
-        precision: bf16-mixed, bf16-true, 16-mixed or 32-true, as in training.
-        micro_batch_size: Sequences per device per forward pass.
-        max_seq_length: Tokens per sequence.
-        activation_checkpointing: Recompute each block in the backward pass instead of keeping its activations.
-        lora: Train LoRA adapters on q, k, v and o instead of all parameters, the frozen base stored in the
-            compute dtype.
-        lora_rank: Rank of the LoRA adapters.
-        accumulation_steps: Micro-batches per optimizer step on each device (global batch size / (micro batch
-            size x devices x nodes)); above 1, gradients stay alive through the next forward pass.
+        precision: bf16-mixed, bf16-true, 16-mixed or 32-true, as in training (default: bf16-mixed, what a
+            recipe picks on a GPU with bf16).
+        lora: Plan finetune_lora: train adapters on these targets (default all-linear), the frozen base
+            stored in the compute dtype. Without it, finetune_full (every parameter trained).
+        fsdp: Sharding strategy and activation checkpointing, as in training (cpu_offload is not modelled).
+        train: Micro batch size, global batch size and sequence length, as in training. Default: one row of
+            the model's context length (at most 2048 tokens) per device and step, no gradient accumulation.
         device_memory: Memory of one device, e.g. 80GB or 80GiB, for a fits / does not fit verdict.
+        out_dir: Read from a recipe's YAML and not used: it does not change the memory a step needs.
+        data: Not used, as out_dir.
+        accelerator: Not used, as out_dir.
+        resume: Not used, as out_dir.
+        seed: Not used, as out_dir.
+        eval: Not used, as out_dir.
+        optimizer: Not used, as out_dir (AdamW's two states are always counted).
+        log: Not used, as out_dir.
     """
-    for name, value in (
-        ("devices", devices),
-        ("num_nodes", num_nodes),
-        ("micro_batch_size", micro_batch_size),
-        ("max_seq_length", max_seq_length),
-        ("lora_rank", lora_rank),
-        ("accumulation_steps", accumulation_steps),
-    ):
+    for name, value in (("devices", devices), ("num_nodes", num_nodes)):
         if value < 1:
             raise LitsftError(f"--{name} must be at least 1, got {value}")
     memory = parse_memory_size(device_memory) if device_memory is not None else None
-    config = Config.from_checkpoint(model) if Path(model).is_dir() else Config.from_name(model)
-    estimate = estimate_memory(
-        config, devices, num_nodes, sharding_strategy, precision, micro_batch_size, max_seq_length,
-        activation_checkpointing, lora, lora_rank, accumulation_steps,
-    )  # fmt: skip
+    config = load_model_config(checkpoint_dir)
     world_size = devices * num_nodes
-    shard = shard_group_size(devices, num_nodes, sharding_strategy) if world_size > 1 else 1
-    method = f"LoRA rank {lora_rank}" if lora else "full fine-tuning"
-    layout = f"{sharding_strategy}, shard group {shard}" if world_size > 1 else "one process, no FSDP"
+    micro_batch_size = train.micro_batch_size if train is not None else 1
+    max_seq_length = (train.max_seq_length if train is not None else None) or min(
+        config.max_position_embeddings, MAX_DEFAULT_SEQ_LENGTH
+    )
+    precision = precision or "bf16-mixed"
+    estimate = estimate_memory(
+        config, devices, num_nodes, fsdp.sharding_strategy, precision, micro_batch_size, max_seq_length,
+        fsdp.activation_checkpointing, lora, accumulation_steps(train, world_size) if train is not None else 1,
+    )  # fmt: skip
+    shard = shard_group_size(devices, num_nodes, fsdp.sharding_strategy) if world_size > 1 else 1
+    method = (
+        f"LoRA rank {lora.rank} on {', '.join(lora.target_list)}" if lora is not None else "full fine-tuning"
+    )
+    layout = f"{fsdp.sharding_strategy}, shard group {shard}" if world_size > 1 else "one process, no FSDP"
     print(f"{config.name} ({format_count(config.num_parameters)} parameters), {method}, {precision}")
     print(f"{devices} device(s) x {num_nodes} node(s): {layout}")
-    checkpointing = "with" if activation_checkpointing else "without"
+    checkpointing = "with" if fsdp.activation_checkpointing else "without"
     print(
         f"micro batch {micro_batch_size} x {max_seq_length} tokens, {checkpointing} activation checkpointing"
     )
+    print_estimate(estimate, memory, device_memory)
+
+
+def print_estimate(estimate: MemoryEstimate, memory: int | None, device_memory: str | None) -> None:
+    """The breakdown table and, given a device memory, the verdict."""
     peak = (
         "gradients + activations + transients"
         if estimate.accumulating

@@ -1,16 +1,17 @@
 import inspect
-from typing import get_args
+from pathlib import Path
 
 import pytest
 
-from litsft import parallel
+from litsft.__main__ import main
+from litsft.args import FSDPConfig, TrainConfig
 from litsft.config import Config
 from litsft.errors import LitsftError
-from litsft.model import chunked_cross_entropy
+from litsft.flops import lora_parameters
+from litsft.lora import LoRAConfig, apply_lora
+from litsft.model import Transformer, chunked_cross_entropy
 from litsft.plan import (
     LOSS_CHUNK_TOKENS,
-    Precision,
-    ShardingStrategy,
     block_activation_bytes_per_token,
     block_parameters,
     estimate_memory,
@@ -25,9 +26,31 @@ LLAMA_2_70B = 68_976_648_192
 GB = 10**9
 
 
-def test_choices_match_the_engine():
-    assert get_args(ShardingStrategy) == get_args(parallel.ShardingStrategy)
-    assert get_args(Precision) == get_args(parallel.Precision)
+LORA_QKVO = LoRAConfig(targets=["q", "k", "v", "o"])
+
+
+def test_plan_takes_the_recipes_options():
+    """Every option of finetune_full and finetune_lora is an option of plan, of the same type, so a recipe's
+    YAML is a plan's YAML."""
+    from litsft.recipes import finetune_full, finetune_lora
+
+    planned = inspect.signature(plan).parameters
+    for recipe in (finetune_full, finetune_lora):
+        for name, parameter in inspect.signature(recipe.setup).parameters.items():
+            assert name in planned, (recipe.__name__, name)
+            if name in ("devices", "num_nodes", "fsdp", "precision", "lora"):
+                assert planned[name].annotation == parameter.annotation or (
+                    name == "lora" and planned[name].annotation == "LoRAConfig | None"
+                ), name
+
+
+def test_lora_parameters_match_the_model():
+    config = Config.from_name("tiny-llama")
+    for targets in (["q", "k", "v", "o"], "all-linear", ["down", "lm_head"]):
+        lora = LoRAConfig(rank=4, targets=targets)
+        model = apply_lora(Transformer(config), lora)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        assert lora_parameters(config, lora.target_list, lora.rank) == trained, targets
 
 
 def test_loss_chunk_matches_the_model():
@@ -96,17 +119,25 @@ def test_70b_on_8x80gb():
     four_nodes = estimate_memory(config, devices=8, num_nodes=4, activation_checkpointing=True)
     assert four_nodes.parameters + four_nodes.gradients + four_nodes.optimizer_states == LLAMA_2_70B // 2
     assert fits(four_nodes, 80 * GB)
-    # LoRA in bf16-true: the frozen base is 2 bytes per parameter, 17.2 GB per device.
-    lora = estimate_memory(config, devices=8, precision="bf16-true", lora=True, activation_checkpointing=True)
-    adapters = 80 * 8 * ((8192 + 8192) + 2 * (8192 + 1024) + (8192 + 8192))
+    # LoRA in bf16-true: the frozen base is 2 bytes per parameter, 17.2 GB per device. Rank-8 adapters on
+    # all-linear (LoRAConfig's default), per block: q and o 8192 + 8192, k and v 8192 + 1024, gate and up
+    # 8192 + 28672, down 28672 + 8192.
+    lora = estimate_memory(
+        config, devices=8, precision="bf16-true", lora=LoRAConfig(), activation_checkpointing=True
+    )
+    adapters = 80 * 8 * (2 * (8192 + 8192) + 2 * (8192 + 1024) + 3 * (8192 + 28672))
+    assert adapters == 103_546_880
     assert lora.parameters == (LLAMA_2_70B + adapters) * 2 // 8
     assert fits(lora, 80 * GB)
 
 
 def test_lora_trains_only_the_adapters():
-    estimate = estimate_memory(Config.from_name("Llama-2-7b-hf"), devices=8, lora=True, lora_rank=8)
-    adapters = 32 * 8 * 4 * (4096 + 4096)  # rank 8 on q, k, v, o: 8,388,608
-    assert adapters == 8_388_608
+    estimate = estimate_memory(Config.from_name("Llama-2-7b-hf"), devices=8, lora=LoRAConfig(rank=8))
+    # Rank 8 on all-linear: q, k, v, o are 4096 x 4096, gate and up 4096 -> 11008, down 11008 -> 4096.
+    adapters = 32 * 8 * (4 * (4096 + 4096) + 3 * (4096 + 11008))
+    assert adapters == 19_988_480
+    qkvo = estimate_memory(Config.from_name("Llama-2-7b-hf"), devices=8, lora=LORA_QKVO)
+    assert qkvo.gradients == 32 * 8 * 4 * (4096 + 4096) * 4 // 8  # 8,388,608 adapters on q, k, v, o
     # bf16-mixed: the frozen base in bf16 (2 bytes), the adapters in fp32 (4 bytes).
     assert estimate.parameters == (LLAMA_2_7B * 2 + adapters * 4) // 8
     assert estimate.gradients == adapters * 4 // 8
@@ -119,9 +150,12 @@ def test_llama_block_activations_by_hand():
     attention = 5 * 4096 * 2 + 4 * 32  # q, k, v, attention output, o_proj input + logsumexp
     mlp = 4 * 11008 * 2  # gate, silu, up, product
     assert block_activation_bytes_per_token(config, 2) == norms + attention + mlp == 178_304
-    # LoRA: frozen MLP projections keep neither the MLP norm output nor the product; adapters keep A's output.
-    lora = block_activation_bytes_per_token(config, 2, lora=True, lora_rank=8)
+    # LoRA on q, k, v, o: frozen MLP projections keep neither the MLP norm output nor the product; each
+    # adapter keeps A's output.
+    lora = block_activation_bytes_per_token(config, 2, LORA_QKVO)
     assert lora == 178_304 - 2 * 4096 - 2 * 11008 + 4 * 8 * 2
+    # All-linear: the MLP adapters train, so both inputs stay; seven A outputs.
+    assert block_activation_bytes_per_token(config, 2, LoRAConfig()) == 178_304 + 7 * 8 * 2
 
 
 def test_activation_checkpointing_keeps_block_inputs_and_one_block():
@@ -176,7 +210,7 @@ def test_parse_memory_size():
 
 
 def test_plan_prints_breakdown_and_verdict(capsys):
-    plan("Llama-2-7b-hf", devices=8, sharding_strategy="NO_SHARD", device_memory="80GB")
+    plan("Llama-2-7b-hf", devices=8, fsdp=FSDPConfig(sharding_strategy="NO_SHARD"), device_memory="80GB")
     out = capsys.readouterr().out
     assert "Llama-2-7b-hf (6.74B parameters), full fine-tuning, bf16-mixed" in out
     assert "optimizer states      50.21" in out.splitlines()
@@ -202,11 +236,40 @@ def test_lora_base_in_bf16_on_one_gpu():
     peak memory is below full fine-tuning's by more than the fp32 base copy."""
     config = Config.from_name("Llama-3.2-1B")
     N = config.num_parameters
-    adapters = 16 * 16 * ((2048 + 2048) + 2 * (2048 + 512) + (2048 + 2048))  # rank 16 on q, k, v, o
-    lora = estimate_memory(config, lora=True, lora_rank=16, max_seq_length=4096)
+    # Rank 16 on all-linear: q and o 2048 + 2048, k and v 2048 + 512, gate, up and down 2048 + 8192.
+    adapters = 16 * 16 * (2 * (2048 + 2048) + 2 * (2048 + 512) + 3 * (2048 + 8192))
+    assert adapters == 11_272_192
+    lora = estimate_memory(config, lora=LoRAConfig(rank=16), max_seq_length=4096)
     full = estimate_memory(config, max_seq_length=4096)
     assert lora.parameters == N * 2 + adapters * 4
     logits = LOSS_CHUNK_TOKENS * config.vocab_size * (2 + 12)
     assert lora.transients == adapters * 2 + logits  # autocast casts the fp32 adapters only
     assert full.transients == N * 2 + logits
     assert full.total - lora.total > N * 4
+
+
+def test_plan_reads_a_recipe_yaml(capsys):
+    """`litsft plan --config` plans what the recipe's YAML runs: 4 devices, FULL_SHARD with activation
+    checkpointing, rank-16 all-linear adapters, micro batch 4 x 2048, 64 / (4 x 4) = 4 accumulation steps."""
+    path = Path(__file__).parents[1] / "config_hub/finetune_lora/llama-3.1-8b.yaml"
+    main(["plan", "--config", str(path), "--device_memory", "80GB"])
+    out = capsys.readouterr().out
+    expected = estimate_memory(
+        Config.from_name("Llama-3.1-8B"), devices=4, micro_batch_size=4, max_seq_length=2048,
+        activation_checkpointing=True, lora=LoRAConfig(rank=16), accumulation_steps=4,
+    )  # fmt: skip
+    assert out.startswith(
+        "Llama-3.1-8B (8.03B parameters), LoRA rank 16 on q, k, v, o, gate, up, down, bf16-mixed"
+    )
+    assert "gradients + activations + transients" in out  # accumulating
+    assert out.strip().endswith(
+        f"fits: {expected.total / 2**30:.2f} GiB needed, 67.06 GiB usable of 80GB (90%)"
+    )
+
+
+def test_plan_refuses_a_global_batch_the_recipe_refuses():
+    with pytest.raises(LitsftError) as error:
+        plan("tiny-llama", devices=8, train=TrainConfig(global_batch_size=16, micro_batch_size=4))
+    assert str(error.value).startswith(
+        "--train.global_batch_size=16 is not divisible by --train.micro_batch_size=4"
+    )
