@@ -135,10 +135,15 @@ class Config:
         }  # fmt: skip
 
     @property
+    def block_linear_weights(self) -> int:
+        """Weights of one block's seven linear layers (biases and norms not counted)."""
+        shapes = self.linear_shapes()
+        return sum(fan_in * fan_out for target, (fan_in, fan_out) in shapes.items() if target != "lm_head")
+
+    @property
     def num_parameters(self) -> int:
         """Parameter count, tied embeddings counted once."""
-        shapes = self.linear_shapes()
-        weights = sum(fan_in * fan_out for target, (fan_in, fan_out) in shapes.items() if target != "lm_head")
+        weights = self.block_linear_weights
         biases = self.head_dim * (self.num_heads + 2 * self.num_kv_heads) * self.qkv_bias
         biases += self.hidden_size * self.out_bias + 2 * self.head_dim * self.qk_norm  # qk_norm: two norms
         block = weights + biases + 2 * self.hidden_size  # two RMSNorms

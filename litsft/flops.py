@@ -44,8 +44,7 @@ def flops_per_token(
     """
     shapes = config.linear_shapes()
     L, H, D = config.num_layers, config.num_heads, config.head_dim
-    per_block = sum(fan_in * fan_out for target, (fan_in, fan_out) in shapes.items() if target != "lm_head")
-    matmul_weights = L * per_block + math.prod(shapes["lm_head"])
+    matmul_weights = L * config.block_linear_weights + math.prod(shapes["lm_head"])
     attention_forward = 4 * L * H * D * seq_len
     if trainable == "all":
         dense = 6 * matmul_weights
