@@ -1,0 +1,27 @@
+"""Test-run ordering: the longest files first.
+
+pytest-xdist (`-n 3 --dist loadfile`) hands test files to its workers in collection order. The demo test alone
+runs the whole main job (minutes); collected in alphabetical order it started near the end and became the tail
+of the run while the other workers sat idle. Starting the long files first lets the short ones fill in around them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+LONGEST_FIRST = (
+    "test_demo.py",
+    "test_fault_injection.py",
+    "test_docs.py",
+    "test_engine.py",
+    "test_reliability.py",
+    "test_hub.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order inside a file, and of the other files, is unchanged
