@@ -3,6 +3,8 @@
 pytest-xdist (`-n 3 --dist loadfile`) hands test files to its workers in collection order. The demo test alone
 runs the whole main job (minutes); collected in alphabetical order it started near the end and became the tail
 of the run while the other workers sat idle. Starting the long files first lets the short ones fill in around them.
+xdist's loadfile scheduler would otherwise re-sort the files by how many tests each holds (most first), which puts
+the one-test demo file last again; `--no-loadscope-reorder` is set here so the README's command needs no extra flag.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ LONGEST_FIRST = (
     "test_reliability.py",
     "test_hub.py",
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # present when pytest-xdist is installed
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
