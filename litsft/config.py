@@ -358,32 +358,11 @@ def close_model_names(name: str, limit: int = 5) -> list[str]:
     return list(dict.fromkeys(contained + similar))[:limit]
 
 
+# Tiny models for tests and the demo: shapes that exercise GQA, biases and norms in seconds on a CPU.
+TINY = dict(vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0, torch_dtype="float32")
 _register(
-    # Tiny models for tests and the demo: shapes that exercise GQA, biases and norms in seconds on a CPU.
-    Config(
-        name="tiny-llama",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=176,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        max_position_embeddings=1024,
-        rope_theta=10000.0,
-        torch_dtype="float32",
-    ),
-    Config(
-        name="demo-llama",
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=352,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        max_position_embeddings=1024,
-        rope_theta=10000.0,
-        torch_dtype="float32",
-    ),
+    _model("tiny-llama", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=176, **TINY),
+    _model("demo-llama", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=352, **TINY),
 )
 
 # Llama 2: meta-llama/Llama-2-{7,13,70}b-hf and -chat-hf (the same config.json); fp16 weights.

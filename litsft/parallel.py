@@ -58,11 +58,15 @@ def build_fabric(
         return Fabric(accelerator=accelerator, devices=1, num_nodes=1, precision=precision)
 
     def parallelize_for_strategy(model: nn.Module, fabric_mesh: DeviceMesh) -> nn.Module:
-        mesh = data_parallel_mesh(fsdp.sharding_strategy, num_nodes, devices, accelerator)
+        mesh = data_parallel_mesh(fsdp.sharding_strategy, fabric_mesh, num_nodes, devices)
         return parallelize(model, mesh, fsdp, precision, compile_blocks)
 
+    # Every rank is a data-parallel replica (no tensor parallelism), which is also what Fabric's
+    # distributed-sampler arguments are then computed from.
     strategy = ModelParallelStrategy(
-        parallelize_fn=parallelize_for_strategy, data_parallel_size=num_nodes, tensor_parallel_size=devices
+        parallelize_fn=parallelize_for_strategy,
+        data_parallel_size=devices * num_nodes,
+        tensor_parallel_size=1,
     )
     # Fabric's autocast would cast inside every op; with FSDP2 the cast happens once per all-gather
     # (MixedPrecisionPolicy below), so Fabric only needs to know about true-precision modes.
@@ -77,9 +81,12 @@ def build_fabric(
 
 
 def data_parallel_mesh(
-    strategy: ShardingStrategy, num_nodes: int, devices: int, device_type: str
+    strategy: ShardingStrategy, fabric_mesh: DeviceMesh, num_nodes: int, devices: int
 ) -> DeviceMesh:
-    world_size = num_nodes * devices
+    """The mesh FSDP2 shards on, from Fabric's (data_parallel=world size, tensor_parallel=1) mesh.
+
+    FSDP2 reads a 1-D mesh as "shard over these ranks" and a 2-D one as (replicate, shard)."""
+    device_type = fabric_mesh.device_type
     if device_type == "cpu":
         # Fabric materializes the sharded model with each module's reset_parameters(), a random op on
         # DTensors, and torch warns once per rank that DTensor random ops are incomplete on CPU meshes.
@@ -88,11 +95,12 @@ def data_parallel_mesh(
         warnings.filterwarnings(
             "ignore", message="DTensor random operators may not have complete support on cpu device mesh"
         )
-    if strategy == "HYBRID_SHARD":
-        return init_device_mesh(device_type, (num_nodes, devices), mesh_dim_names=("replicate", "shard"))
     if strategy == "NO_SHARD":
-        return init_device_mesh(device_type, (world_size, 1), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+        return fabric_mesh  # (world size, 1): replicate everywhere, shards of one rank
+    if strategy == "HYBRID_SHARD":
+        # Fabric's mesh has no node dimension, so the (nodes, devices per node) one is made here.
+        return init_device_mesh(device_type, (num_nodes, devices), mesh_dim_names=("replicate", "shard"))
+    return fabric_mesh["data_parallel"]
 
 
 def parallelize(

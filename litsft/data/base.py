@@ -170,18 +170,7 @@ class SFTDataModule(DataOptions, DataModule):
     def train_dataloader(
         self, rank: int, world_size: int, micro_batch_size: int, global_batch_size: int
     ) -> SFTLoader:
-        loader = SFTLoader(
-            self.train_samples,
-            self.max_seq_length,
-            self.packing,
-            self.tokenizer.pad_id,
-            rank,
-            world_size,
-            micro_batch_size,
-            global_batch_size,
-            self.data_seed,
-            self.num_workers,
-        )
+        loader = self._loader(self.train_samples, rank, world_size, micro_batch_size, global_batch_size)
         if len(loader) == 0:
             count = (
                 f"the {len(self.train_samples)} training samples fill fewer packed rows than"
@@ -196,18 +185,31 @@ class SFTDataModule(DataOptions, DataModule):
     def val_dataloader(self, rank: int, world_size: int, micro_batch_size: int) -> SFTLoader | None:
         if self.val_samples is None or len(self.val_samples) == 0:
             return None
+        return self._loader(
+            self.val_samples, rank, world_size, micro_batch_size, world_size * micro_batch_size, shuffle=False
+        )
+
+    def _loader(
+        self,
+        samples: Samples,
+        rank: int,
+        world_size: int,
+        micro_batch_size: int,
+        global_batch_size: int,
+        shuffle: bool = True,
+    ) -> SFTLoader:
         return SFTLoader(
-            self.val_samples,
+            samples,
             self.max_seq_length,
             self.packing,
             self.tokenizer.pad_id,
             rank,
             world_size,
             micro_batch_size,
-            world_size * micro_batch_size,
+            global_batch_size,
             self.data_seed,
             self.num_workers,
-            shuffle=False,
+            shuffle=shuffle,
         )
 
     # ---- cache -----------------------------------------------------------------------------------
