@@ -1,6 +1,6 @@
 """Test-run ordering: the longest files first.
 
-pytest-xdist (`-n 3 --dist loadfile`) hands test files to its workers in collection order. The demo test alone
+pytest-xdist (`-n 4 --dist loadfile`) hands test files to its workers in collection order. The demo test alone
 runs the whole main job (minutes); collected in alphabetical order it started near the end and became the tail
 of the run while the other workers sat idle. Starting the long files first lets the short ones fill in around them.
 xdist's loadfile scheduler would otherwise re-sort the files by how many tests each holds (most first), which puts
