@@ -10,7 +10,7 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from litsft.args import RunConfig
-from litsft.step import to_device
+from litsft.step import sum_over_ranks, to_device
 
 
 @torch.no_grad()
@@ -30,7 +30,7 @@ def validate(
         batch = to_device(batch, fabric.device)
         totals[0] += model(**batch)
         totals[1] += batch["loss_positions"].numel()
-    totals = fabric.all_reduce(totals, reduce_op="sum")
+    totals = sum_over_ranks(fabric, totals)
     sample = generate_sample(model, tokenizer, run)
     model.train()
     if totals[1] > 0:

@@ -50,7 +50,7 @@ def train_step(
         ],
         device=device,
     )
-    counts = fabric.all_reduce(counts, reduce_op="sum")
+    counts = sum_over_ranks(fabric, counts)
     target_tokens = counts[0].clamp(min=1)
     # Each rank's summed loss is divided by the *global* target-token count, so every token weighs the same
     # whatever the packing, micro-batch size or number of ranks. FSDP averages gradients over ranks, which
@@ -70,8 +70,18 @@ def train_step(
     getattr(optimizer, "optimizer", optimizer).found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    loss = fabric.all_reduce(loss_sum, reduce_op="sum") / target_tokens
+    loss = sum_over_ranks(fabric, loss_sum) / target_tokens
     return loss, grad_norm, counts[0], counts[1]
+
+
+def sum_over_ranks(fabric: Fabric, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` summed over every rank, in place. Not `fabric.all_reduce`: Lightning runs a barrier before each
+    reduction (`_sync_ddp` in lightning/fabric/utilities/distributed.py), and on NCCL a barrier's wait
+    synchronizes the CUDA stream (`WorkNCCL::synchronize` in torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp),
+    so the host would stop and wait for the device twice a step. A plain all-reduce is queued like a kernel."""
+    if fabric.world_size > 1:
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+    return tensor
 
 
 def raise_if_diverged(skipped_steps: torch.Tensor, step: int) -> None:
