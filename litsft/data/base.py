@@ -221,8 +221,7 @@ class SFTDataModule(DataOptions, DataModule):
             "template": self.chat_format.template,
             "mask_prompt": self.mask_prompt,
         }
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-        return self.cache_root / "sft" / digest
+        return self.cache_root / "sft" / digest_of(key)[:24]
 
     def _load(self, warn: bool) -> tuple[Samples, Samples | None]:
         splits = {}

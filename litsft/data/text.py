@@ -9,8 +9,6 @@ different global batches, unlike SFT data (litsft/data/loader.py).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 import random
@@ -204,8 +202,7 @@ class TextFiles(DataOptions, StreamingDataModule):
             "files": [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in files],
             "tokenizer": tokenizer_fingerprint(self.tokenizer),
         }
-        digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]
-        return self.cache_root / "text" / digest / split
+        return self.cache_root / "text" / digest_of(key)[:24] / split
 
     def prepare(self) -> None:
         splits = self.splits()
