@@ -258,17 +258,51 @@ def test_sliding_window_is_read_as_transformers_reads_it(hf_changes, expected):
     hf = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_window_layers": 3, **hf_changes}  # fmt: skip
     config = Config.from_hf_config(hf)
-    assert (config.sliding_window, config.max_window_layers) == expected
+    assert config.sliding_window == expected[0]
     windows = [config.attention_window(i) for i in range(4)]
     assert windows == [expected[0] if i >= expected[1] else None for i in range(4)]
     exported = config.to_hf_config()
     if expected[0] is not None and hf["architectures"] == ["Qwen2ForCausalLM"]:
         assert exported["use_sliding_window"] and exported["max_window_layers"] == expected[1]
+    assert Config.from_hf_config(json.loads(json.dumps(exported))) == config
 
 
-def test_sliding_layers_before_full_ones_are_refused():
+def test_sliding_layers_in_any_order_are_read_per_layer():
+    """Gemma-style layouts (sliding layers before full ones) are read layer by layer and written back as
+    layer_types, which max_window_layers cannot say."""
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
     hf = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-          "num_hidden_layers": 2, "num_attention_heads": 4, "use_sliding_window": True, "sliding_window": 8,
-          "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
-    with pytest.raises(LitsftError, match="sliding layers must come last"):
-        Config.from_hf_config(hf)
+          "num_hidden_layers": 4, "num_attention_heads": 4, "use_sliding_window": True, "sliding_window": 8,
+          "layer_types": layer_types}  # fmt: skip
+    config = Config.from_hf_config(hf)
+    assert [config.attention_window(i) for i in range(4)] == [8, None, 8, None]
+    exported = config.to_hf_config()
+    assert exported["layer_types"] == layer_types
+    assert Config.from_hf_config(exported) == config
+    assert type(hf_config_object(config)).__name__ == "Qwen2Config"
+
+
+def test_layer_types_of_the_wrong_length_are_refused():
+    with pytest.raises(
+        LitsftError, match="layer_types must name full_attention or sliding_attention for each"
+    ):
+        Config.from_name("tiny-llama", sliding_window=4, layer_types=["sliding_attention"])
+
+
+def test_checkpoint_configs_written_with_max_window_layers_still_load(tmp_path):
+    config = Config.from_name(
+        "tiny-llama", sliding_window=4, layer_types=["full_attention", "sliding_attention"]
+    )
+    values = dataclasses.asdict(config)
+    del values["layer_types"]
+    (tmp_path / "litsft_config.json").write_text(json.dumps({**values, "max_window_layers": 1}))
+    assert Config.from_checkpoint(tmp_path) == config
+
+
+def test_unregistered_architecture_is_refused_with_the_supported_list():
+    with pytest.raises(LitsftError) as error:
+        Config.from_hf_config({"architectures": ["GPTNeoXForCausalLM"], "vocab_size": 8})
+    assert str(error.value) == (
+        "unsupported architecture 'GPTNeoXForCausalLM'; litsft supports LlamaForCausalLM, MistralForCausalLM, "
+        "Qwen2ForCausalLM, Qwen3ForCausalLM"
+    )
