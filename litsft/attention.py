@@ -249,39 +249,91 @@ def _document_block_mask(document_ids: torch.Tensor, window: int | None) -> Any:
 
 # ---- the one function --------------------------------------------------------------------------------------
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: PreparedAttention, dropout: float = 0.0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prepared: PreparedAttention,
+    dropout: float = 0.0,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of q (B, H, T, D) over k, v (B, K, S, D) as `prepared` says -> (B, T, H, D).
 
     K may divide H (grouped-query attention): every kernel serves each kv head to H // K query heads.
+    `scale` multiplies the scores (None: 1/sqrt(D)); `softcap` c, when set, caps them smoothly to
+    c * tanh(score / c) before the softmax (Gemma 2). Soft-capping runs in flex's score_mod on the flex
+    kernel and as explicit masked attention everywhere else (varlen and SDPA's fused kernels cannot apply it).
     """
-    if prepared.pattern == "decode":
-        return _sdpa(q, k, v, prepared.mask, dropout)
     if prepared.rows_as_documents:
         B, H, T, D = q.shape
         joined = (x.transpose(1, 2).reshape(1, B * T, x.shape[1], D).transpose(1, 2) for x in (q, k, v))
-        return _attend_documents(*joined, prepared, dropout).reshape(B, T, H, D)
+        return _attend_documents(*joined, prepared, dropout, scale, softcap).reshape(B, T, H, D)
+    if softcap is not None and prepared.pattern != "documents":
+        mask = prepared.mask
+        if mask is None:  # plain causal rows
+            mask = document_mask(torch.zeros(q.shape[2], device=q.device), prepared.window)
+        return softcapped_attention(q, k, v, mask, dropout, scale, softcap)
+    if prepared.pattern == "decode":
+        return _sdpa(q, k, v, prepared.mask, dropout, scale)
     if prepared.pattern == "causal":
         if q.device.type == "cpu":
-            return chunked_causal_attention(q, k, v, dropout, prepared.window).transpose(1, 2)
-        return _sdpa(q, k, v, prepared.mask, dropout)
-    return _attend_documents(q, k, v, prepared, dropout)
+            return chunked_causal_attention(q, k, v, dropout, prepared.window, scale).transpose(1, 2)
+        return _sdpa(q, k, v, prepared.mask, dropout, scale)
+    return _attend_documents(q, k, v, prepared, dropout, scale, softcap)
 
 
 def _attend_documents(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: PreparedAttention, dropout: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prepared: PreparedAttention,
+    dropout: float,
+    scale: float | None,
+    softcap: float | None,
 ) -> torch.Tensor:
-    if prepared.kernel == "segmented":
-        return segmented_attention(q, k, v, prepared.segments, dropout, prepared.window)
-    if prepared.kernel == "varlen":
-        return _varlen(q, k, v, prepared)
     if prepared.kernel == "flex":
-        return _flex(q, k, v, prepared)
-    return _sdpa(q, k, v, prepared.mask, dropout)
+        return _flex(q, k, v, prepared, scale, softcap)
+    if softcap is not None:
+        assert prepared.documents is not None
+        mask = prepared.mask
+        if mask is None:
+            mask = document_mask(token_document_ids(prepared.documents, q.shape[2]), prepared.window)
+        return softcapped_attention(q, k, v, mask, dropout, scale, softcap)
+    if prepared.kernel == "segmented":
+        return segmented_attention(q, k, v, prepared.segments, dropout, prepared.window, scale)
+    if prepared.kernel == "varlen":
+        return _varlen(q, k, v, prepared, scale)
+    return _sdpa(q, k, v, prepared.mask, dropout, scale)
+
+
+def softcapped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    dropout: float,
+    scale: float | None,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention with soft-capped scores, written out: q (B, H, T, D), k, v (B, K, S, D), mask (B or 1, 1,
+    T, S) True where a query may attend -> (B, T, H, D). Materializes the (B, H, T, S) scores."""
+    H, K, D = q.shape[1], k.shape[1], q.shape[-1]
+    if K != H:
+        k, v = (x.repeat_interleave(H // K, dim=1) for x in (k, v))
+    scores = (q @ k.transpose(-2, -1)).float() * (scale if scale is not None else D**-0.5)  # (B, H, T, S)
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = F.dropout(torch.softmax(scores, dim=-1), dropout).to(v.dtype)
+    return (weights @ v).transpose(1, 2)
 
 
 def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout: float,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """SDPA, causal when there is no mask -> (B, T, H, D)."""
     H, K = q.shape[1], k.shape[1]
@@ -292,7 +344,7 @@ def _sdpa(
         k = k.repeat_interleave(H // K, dim=1)
         v = v.repeat_interleave(H // K, dim=1)
     y = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, enable_gqa=grouped
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scale, enable_gqa=grouped
     )
     return y.transpose(1, 2)
 
@@ -305,14 +357,16 @@ def _compute_dtype(q: torch.Tensor) -> torch.dtype:
     return q.dtype
 
 
-def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: PreparedAttention) -> torch.Tensor:
+def _varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: PreparedAttention, scale: float | None
+) -> torch.Tensor:
     """Flash attention per document: q (1, H, N, D), k, v (1, K, N, D) -> (1, N, H, D)."""
     varlen_attn, features, documents = prepared.varlen_attn, prepared.varlen_features, prepared.documents
     assert varlen_attn is not None and documents is not None
     H, K = q.shape[1], k.shape[1]
     dtype = _compute_dtype(q)
     query, key, value = (x[0].transpose(0, 1).to(dtype) for x in (q, k, v))  # (N, H or K, D)
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {} if scale is None else {"scale": scale}
     if "window_size" in features:
         # flash's window counts the keys left of the query; transformers' window counts the query too.
         options["window_size"] = (-1 if prepared.window is None else prepared.window - 1, 0)
@@ -330,14 +384,29 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: Prepare
     return y[None]  # (1, N, H, D)
 
 
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: PreparedAttention) -> torch.Tensor:
+def _flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prepared: PreparedAttention,
+    scale: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
     from torch.nn.attention.flex_attention import flex_attention
+
+    score_mod = None
+    if softcap is not None:
+
+        def score_mod(score: torch.Tensor, batch: Any, head: Any, query: Any, key: Any) -> torch.Tensor:
+            return softcap * torch.tanh(score / softcap)
 
     dtype = _compute_dtype(q)
     q, k, v = (x.to(dtype) for x in (q, k, v))
     # Outside a compiled region flex_attention runs unfused (and materializes the scores): compile it.
     function = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
-    y = function(q, k, v, block_mask=prepared.block_mask, enable_gqa=k.shape[1] != q.shape[1])
+    y = function(
+        q, k, v, score_mod, block_mask=prepared.block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
     return y.transpose(1, 2)
 
 
@@ -410,6 +479,7 @@ def segmented_attention(
     segments: DocumentSegments | None,
     dropout: float,
     window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention within each document of one row: q (1, H, N, D), k, v (1, K, N, D) -> (1, N, H, D)."""
     assert segments is not None
@@ -420,7 +490,7 @@ def segmented_attention(
     for gather, keep in zip(segments.gather, segments.keep):
         n, L = gather.shape
         qb, kb, vb = (x[gather].transpose(1, 2) for x in (q, k, v))  # (n, H or K, L, D)
-        y = chunked_causal_attention(qb, kb, vb, dropout, window)
+        y = chunked_causal_attention(qb, kb, vb, dropout, window, scale)
         outputs.append(y.transpose(1, 2).reshape(n * L, H, D)[keep])
     return torch.cat(outputs)[segments.order].view(1, N, H, D)
 
@@ -430,7 +500,12 @@ QUERY_CHUNK = 96
 
 
 def chunked_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, window: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout: float,
+    window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal SDPA of q (n, H, L, D) over k, v (n, K, L, D), a chunk of queries at a time -> (n, H, L, D).
 
@@ -443,7 +518,9 @@ def chunked_causal_attention(
     chunks = -(-L // QUERY_CHUNK)
     grouped = k.shape[1] != q.shape[1]
     if chunks == 1 and (window is None or window >= L):
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=grouped)
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=grouped
+        )
     bounds = [L * j // chunks for j in range(chunks + 1)]
     outputs = []
     sizes = [end - start for start, end in zip(bounds, bounds[1:])]
@@ -461,6 +538,7 @@ def chunked_causal_attention(
                 v[:, :, first:end],
                 attn_mask=mask,
                 dropout_p=dropout,
+                scale=scale,
                 enable_gqa=grouped,
             )  # fmt: skip
         )

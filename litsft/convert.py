@@ -1,7 +1,8 @@
 """Every translation of a litsft folder to or from another layout, streaming one tensor at a time:
 Hugging Face -> litsft model folder (`convert_from_hf`), litsft model folder -> Hugging Face
 (`convert_to_hf`), and a LoRA folder -> a merged litsft model folder (`merge_lora`), a merged Hugging
-Face checkpoint, or a PEFT adapter (`convert_to_hf --lora_format`). The tensor name mapping lives here.
+Face checkpoint, or a PEFT adapter (`convert_to_hf --lora_format`). The tensor names are the model family's
+(`Family.weights`, litsft.families).
 
 Everything is checked before anything is written (architecture, files, tensor names and shapes, read from
 file headers, the tokenizer), and the output is built in a staging directory that is renamed at the end,
@@ -21,6 +22,7 @@ import torch
 
 from litsft.config import Config
 from litsft.errors import LitsftError
+from litsft.families import FAMILIES, WeightMap, family_of
 from litsft.lora import MODULE_OF_TARGET, iter_merged_tensors, merged_config
 from litsft.model import Transformer
 from litsft.storage.files import publish_atomically, read_json, write_json
@@ -50,54 +52,10 @@ _HUB_CACHE_PATH = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshot
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
-# litsft name -> Hugging Face name; "{i}" is the layer index. The reverse map is derived below.
-HF_NAME_TEMPLATES: dict[str, str] = {
-    "embed.weight": "model.embed_tokens.weight",
-    "blocks.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blocks.{i}.attn.q_proj.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blocks.{i}.attn.q_proj.bias": "model.layers.{i}.self_attn.q_proj.bias",
-    "blocks.{i}.attn.k_proj.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blocks.{i}.attn.k_proj.bias": "model.layers.{i}.self_attn.k_proj.bias",
-    "blocks.{i}.attn.v_proj.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blocks.{i}.attn.v_proj.bias": "model.layers.{i}.self_attn.v_proj.bias",
-    "blocks.{i}.attn.o_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blocks.{i}.attn.o_proj.bias": "model.layers.{i}.self_attn.o_proj.bias",
-    "blocks.{i}.attn.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-    "blocks.{i}.attn.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
-    "blocks.{i}.mlp_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blocks.{i}.mlp.gate_proj.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blocks.{i}.mlp.up_proj.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blocks.{i}.mlp.down_proj.weight": "model.layers.{i}.mlp.down_proj.weight",
-    "norm.weight": "model.norm.weight",
-    "lm_head.weight": "lm_head.weight",
-}
-LITSFT_NAME_TEMPLATES: dict[str, str] = {hf: litsft for litsft, hf in HF_NAME_TEMPLATES.items()}
-# Old transformers versions saved RoPE's inverse frequencies; litsft recomputes them from the config.
-IGNORED_HF_NAME = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
-
-def _rename(name: str, templates: dict[str, str]) -> str | None:
-    """Translate `name` with `templates`, or None when no template matches."""
-    match = _LAYER_INDEX.search(name)
-    template = _LAYER_INDEX.sub(".{i}.", name, count=1) if match else name
-    target = templates.get(template)
-    if target is None:
-        return None
-    return target.format(i=match.group(1)) if match else target
-
-
-def hf_name(litsft_name: str) -> str:
-    """The Hugging Face name of a litsft parameter name."""
-    name = _rename(litsft_name, HF_NAME_TEMPLATES)
-    if name is None:
-        raise KeyError(f"no Hugging Face name for litsft parameter {litsft_name!r}")
-    return name
-
-
-def litsft_name(hf_name: str) -> str | None:
-    """The litsft name of a Hugging Face tensor name, or None when litsft has no such parameter."""
-    return _rename(hf_name, LITSFT_NAME_TEMPLATES)
+def weight_map(config: Config) -> WeightMap:
+    """The Hugging Face weight names of `config`'s family."""
+    return family_of(config.hf_architecture).weights
 
 
 def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
@@ -150,12 +108,12 @@ def convert_hf_directory(
     The manifest records where the weights came from: `hf_model_id`, else `name`, else a hub id read from a
     hub cache path, else the directory."""
     config = _read_hf_config(hf_dir, name)
-    names = _check_hf_tensors(hf_dir, config)  # litsft name -> HF name
+    names = _check_hf_tensors(hf_dir, config)  # HF name -> the litsft names it holds
     has_tokenizer = _check_hf_tokenizer(hf_dir, config)
     if dtype != "auto":
         config.torch_dtype = dtype
     with publish_atomically(out_dir, "the converted checkpoint") as tmp_dir:
-        tensors = ((names[hf], tensor) for hf, tensor in iter_tensors(hf_dir, names))
+        tensors = weight_map(config).from_hf(iter_tensors(hf_dir, names), expected_shapes(config))
         source = hf_model_id or name or _hub_id_of_cache_path(hf_dir) or str(hf_dir.resolve())
         save_model_folder(_cast(tensors, dtype), config, tmp_dir, hf_dir, max_shard_size, hf_source=source)
         for file_name, text in (extra_files or {}).items():
@@ -226,12 +184,12 @@ def write_hf_checkpoint(
         generation = {key: value for key, value in generation.items() if value is not None}
         write_json(out_dir / "generation_config.json", generation)
     # transformers re-ties lm_head to the embeddings itself; a stored copy would only cost disk.
-    tensors = (
-        (hf_name(name), tensor)
+    stored = (
+        (name, tensor)
         for name, tensor in named_tensors
         if not (config.tie_word_embeddings and name == "lm_head.weight")
     )
-    write_safetensors(tensors, out_dir, max_shard_size)
+    write_safetensors(weight_map(config).to_hf(stored, torch.cat), out_dir, max_shard_size)
 
 
 # ---- LoRA folders ----------------------------------------------------------------------------------------
@@ -289,10 +247,16 @@ def _merged_base(folder: LoRAFolder) -> Iterator[tuple[Iterator[tuple[str, torch
     folder.check_base(fingerprint.hexdigest())
 
 
-def peft_name(litsft_name: str) -> str:
+def peft_name(litsft_name: str, weights: WeightMap) -> str:
     """`blocks.0.attn.q_proj.lora_A.weight` -> `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
     module, adapter, suffix = litsft_name.rsplit(".", 2)
-    return f"base_model.model.{hf_name(module + '.weight').removesuffix('.weight')}.{adapter}.{suffix}"
+    hf_module = weights.hf_name(module + ".weight")
+    if len(weights.litsft_names(hf_module) or ()) > 1:
+        raise LitsftError(
+            f"{module} is part of the fused Hugging Face tensor {hf_module!r}, which a PEFT adapter cannot "
+            "split; export with --lora_format merged instead"
+        )
+    return f"base_model.model.{hf_module.removesuffix('.weight')}.{adapter}.{suffix}"
 
 
 def export_peft_adapter(lora_checkpoint_dir: Path, out_dir: Path, base_model_name_or_path: str = "") -> None:
@@ -318,7 +282,8 @@ def export_peft_adapter(lora_checkpoint_dir: Path, out_dir: Path, base_model_nam
             write_hf_checkpoint(
                 iter_model_tensors(folder.base_dir), base_config, tmp_dir / "base", folder.base_dir
             )
-        adapters = {peft_name(name): tensor for name, tensor in folder.adapters.items()}
+        weights = weight_map(Config.from_checkpoint(folder.base_dir))
+        adapters = {peft_name(name, weights): tensor for name, tensor in folder.adapters.items()}
         save_safetensors(adapters, tmp_dir / PEFT_ADAPTER_NAME)
         write_json(tmp_dir / PEFT_CONFIG_NAME, _peft_config(folder, base_name))
         copy_tokenizer_files(Path(lora_checkpoint_dir), tmp_dir)
@@ -385,24 +350,36 @@ def _check_hf_tokenizer(hf_dir: Path, config: Config) -> bool:
     return True
 
 
-def _check_hf_tensors(hf_dir: Path, config: Config) -> dict[str, str]:
-    """Check the HF checkpoint's tensors against `config`; returns HF name -> litsft name of those to convert."""
+def _check_hf_tensors(hf_dir: Path, config: Config) -> dict[str, tuple[str, ...]]:
+    """Check the HF checkpoint's tensors against `config`; returns HF name -> the litsft names it holds (one,
+    or the parts of a fused tensor), for the tensors to convert."""
     infos = tensor_infos(hf_dir)
     files = weight_file_map(hf_dir)
-    names: dict[str, str] = {}
+    weights = weight_map(config)
+    expected = expected_shapes(config)
+    names: dict[str, tuple[str, ...]] = {}
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
     for name in infos:
-        target = litsft_name(name)
+        targets = weights.litsft_names(name)
         # Tied checkpoints sometimes store lm_head anyway; it is the embedding, so it is dropped.
-        if IGNORED_HF_NAME.fullmatch(name) or (config.tie_word_embeddings and target == "lm_head.weight"):
+        if weights.is_ignored(name) or (config.tie_word_embeddings and targets == ("lm_head.weight",)):
             continue
-        if target is None:
+        if targets is None:
             raise LitsftError(
                 f"{files[name]}: tensor {name!r} has no counterpart in litsft's {config.hf_architecture}; "
-                "litsft converts only plain Llama/Mistral/Qwen2/Qwen3 checkpoints"
+                f"litsft converts only checkpoints of the architectures it supports: {', '.join(FAMILIES)}"
             )
-        names[name] = target
-    found = {target: (infos[name][0], str(files[name])) for name, target in names.items()}
-    _check_shapes(found, config, str(hf_dir), hf_name)
+        names[name] = targets
+        shape = infos[name][0]
+        rows = [expected[target][0] if target in expected else 0 for target in targets]
+        if len(targets) > 1 and sum(rows) != shape[0]:
+            raise LitsftError(
+                f"{files[name]}: fused tensor {name!r} has {shape[0]} rows but the config's {', '.join(targets)} "
+                f"need {sum(rows)}; the config does not match the weights, restore the original config"
+            )
+        for target, size in zip(targets, rows):
+            found[target] = ((size, *shape[1:]) if len(targets) > 1 else shape, str(files[name]))
+    _check_shapes(found, config, str(hf_dir), weights.hf_name)
     return names
 
 

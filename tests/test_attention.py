@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from litsft import attention
 from litsft.args import FSDPConfig
 from litsft.attention import (
+    Documents,
     KernelSupport,
     choose_kernel,
     chunked_causal_attention,
@@ -256,10 +257,12 @@ _varlen_op.register_autograd(
 
 
 def varlen_2_13(
-    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
 ):
-    """torch 2.13's signature: windows and grouped kv heads."""
+    """torch 2.13's signature: windows, grouped kv heads and a scale."""
     assert query.dtype in (torch.bfloat16, torch.float16) and window_size[1] == 0
+    if scale is not None:  # the same scores under the default 1/sqrt(D)
+        query = query * (scale * query.shape[-1] ** 0.5)
     if not enable_gqa:
         assert query.shape[1] == key.shape[1]
     return _varlen_op(query, key, value, cu_seq_q, max_q, window_size[0], enable_gqa)
@@ -396,3 +399,66 @@ def test_flash_kernels_equal_the_mask_path_on_a_gpu(kernel, window):
     batch = _packed_batch(0, ROWS)
     expected = _loss_and_grads(model, batch, "mask", torch.bfloat16)
     _assert_same(_loss_and_grads(model, batch, kernel, torch.bfloat16), expected, atol=2e-2, rtol=2e-2)
+
+
+def _reference_attention(q, k, v, lengths, window, scale, softcap):
+    """Written out one document at a time: q (1, H, N, D), k, v (1, K, N, D) -> (1, N, H, D)."""
+    H, K = q.shape[1], k.shape[1]
+    k, v = (x.repeat_interleave(H // K, dim=1) for x in (k, v))
+    outputs, start = [], 0
+    for length in lengths:
+        doc = slice(start, start + length)
+        scores = q[0, :, doc] @ k[0, :, doc].transpose(-2, -1) * scale  # (H, L, L)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        query, key = torch.arange(length)[:, None], torch.arange(length)[None, :]
+        visible = (key <= query) & ((query - key < window) if window is not None else True)
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        outputs.append((weights @ v[0, :, doc]).transpose(0, 1))  # (L, H, D)
+        start += length
+    return torch.cat(outputs)[None]
+
+
+@pytest.mark.parametrize("kernel", ["segmented", "mask", "varlen", "flex"])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("softcap", [None, 0.5])
+def test_scale_and_softcap_on_every_kernel_equal_attention_written_out(monkeypatch, kernel, window, softcap):
+    """An explicit scale (not 1/sqrt(D)) and Gemma 2's logit soft-cap, on packed documents and on plain rows:
+    the same numbers from every kernel (varlen routes soft-capped layers to the mask path; flex applies the
+    cap in score_mod), as attention written out document by document."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: varlen_2_13)
+    monkeypatch.setattr(attention, "_compiled_flex_attention", lambda: flex_attention)
+    torch.manual_seed(0)
+    lengths, scale = [9, 1, 14], 0.7  # scores of this size: the cap changes them
+    N = sum(lengths)
+    q, k, v = torch.randn(1, 4, N, 8), torch.randn(1, 2, N, 8), torch.randn(1, 2, N, 8)
+    expected = _reference_attention(q, k, v, lengths, window, scale, softcap)
+    documents = Documents(cumulative_lengths(lengths), max(lengths))
+    prepared = prepare(kernel, (1, N), CPU, documents, window)
+    bf16 = kernel == "varlen"  # flash kernels run in 16 bits: under autocast, as in training
+    with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        got = attention.attend(q, k, v, prepared, scale=scale, softcap=softcap)
+    torch.testing.assert_close(got.float(), expected, atol=5e-2 if bf16 else 1e-5, rtol=0)
+    # Plain rows (B, T): each row one sequence.
+    rows = prepare(kernel, (2, 7), CPU, window=window)
+    q, k, v = torch.randn(2, 4, 7, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        got = attention.attend(q, k, v, rows, scale=scale, softcap=softcap).float()
+    for row in range(2):
+        row_expected = _reference_attention(
+            q[row : row + 1], k[row : row + 1], v[row : row + 1], [7], window, scale, softcap
+        )
+        torch.testing.assert_close(got[row : row + 1], row_expected, atol=5e-2 if bf16 else 1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("softcap", [None, 0.5])
+def test_scale_and_softcap_in_decoding(softcap):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    prepared = prepare("mask", (1, 1), CPU, cache_positions=torch.tensor([3]), cache_length=6)
+    got = attention.attend(q, k, v, prepared, scale=0.7, softcap=softcap)
+    full_q = torch.cat([torch.zeros(1, 4, 3, 8), q, torch.zeros(1, 4, 2, 8)], dim=2)
+    expected = _reference_attention(full_q, k, v, [6], None, 0.7, softcap)[:, 3:4]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
