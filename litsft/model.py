@@ -4,8 +4,8 @@ Shapes in comments: B batch, T query length, S key length, H query heads, K kv h
 C hidden size, V vocab size, N tokens of a packed row.
 
 Packed batches: the data loader's rows (B, T) hold several documents each, padded at the end. For the
-loss they are joined into one row (1, N) of their N real tokens (`without_padding`: no layer computes
-padding) with `Documents`, the cumulative lengths of the documents, built on the host; attention is then
+loss they are joined into one row (1, N) of their N real tokens (litsft.batch's `without_padding`: no layer
+computes padding) with `Documents`, the cumulative lengths of the documents, built on the host; attention is then
 causal *within* each document only. How attention does that (flash attention per document on a GPU,
 length buckets on the CPU, ...) is litsft.attention's business: the model calls `attend`.
 """
@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from litsft.attention import (
     Documents,
@@ -30,7 +28,10 @@ from litsft.attention import (
     documents_of_ids,
     prepare,
 )
+from litsft.batch import loss_positions_of, without_padding
 from litsft.config import Config
+from litsft.families import family_of
+from litsft.loss import chunked_cross_entropy
 
 
 class RMSNorm(nn.Module):
@@ -187,69 +188,9 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def _chunk_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden).float()  # (N, V)
-    return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
-
-
-def without_padding(
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    document_ids: torch.Tensor,
-    labels: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """A packed batch (B, T) as one row (1, N) of its N real tokens, dropping the padding (document id -1)
-    that fills the ends of rows, so that no layer computes it. Document ids are made unique across rows,
-    so that the last document of one row and the first of the next stay apart. Reads the ids on the host
-    (a sync on a GPU: the engine does this on the host before moving the batch, `model_inputs`)."""
-    B, T = document_ids.shape
-    real = (document_ids >= 0).flatten()
-    if bool(real.all()) or not bool(real.any()):  # nothing to drop, or an all-padding filler batch
-        return input_ids, position_ids, document_ids, labels
-    if position_ids is None:
-        position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-    document_ids = document_ids + T * torch.arange(B, device=document_ids.device)[:, None]
-    return tuple(x.flatten()[real][None] for x in (input_ids, position_ids, document_ids, labels))
-
-
-def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """The model's keyword arguments for a collated host batch: packed rows joined into one row of their
-    real tokens with the loader's `Documents` (so the device never reports boundaries back to the host),
-    and the flat indices of the labels that carry a loss (`loss_positions_of`)."""
-    names = ("input_ids", "position_ids", "document_ids", "labels")
-    inputs: dict[str, Any] = {name: batch[name] for name in names if name in batch}
-    if "cu_seqlens" in batch and int(batch["cu_seqlens"][-1]) > 0:
-        input_ids, position_ids, _, labels = without_padding(
-            inputs["input_ids"], inputs.get("position_ids"), inputs.pop("document_ids"), inputs["labels"]
-        )
-        inputs.update(input_ids=input_ids, position_ids=position_ids, labels=labels)
-        inputs["documents"] = Documents(batch["cu_seqlens"], int(batch["max_seqlen"]))
-    inputs["loss_positions"] = loss_positions_of(inputs["labels"])
-    return inputs
-
-
-def loss_positions_of(labels: torch.Tensor) -> torch.Tensor:
-    """Flat indices of the labels (B, T) that carry a loss (are not -100)."""
-    return (labels.flatten() != -100).nonzero().flatten()
-
-
-def chunked_cross_entropy(
-    hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, chunk_size: int = 2048
-) -> torch.Tensor:
-    """Summed cross-entropy of head(hidden (N, C)) against labels (N,), `chunk_size` tokens at a time.
-
-    Each chunk's logits are recomputed in the backward pass instead of kept, so the full (N, V) fp32
-    logits (2 GiB for one 4k sequence with a 128k vocabulary) never exist.
-    """
-    if hidden.shape[0] <= chunk_size:
-        return _chunk_cross_entropy(hidden, head, labels)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden.shape[0], chunk_size):
-        end = start + chunk_size
-        total = total + checkpoint(
-            _chunk_cross_entropy, hidden[start:end], head, labels[start:end], use_reentrant=False
-        )
-    return total
+BLOCK_VARIANTS: dict[str, type[nn.Module]] = {"pre_norm": Block}
+"""The blocks a family can name (`Family.block`): "pre_norm", Llama's norm -> attention -> norm -> MLP, each
+added to the residual stream."""
 
 
 class Transformer(nn.Module):
@@ -257,7 +198,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        block = BLOCK_VARIANTS[family_of(config.hf_architecture).block]
+        self.blocks = nn.ModuleList(block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()

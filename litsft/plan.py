@@ -71,7 +71,7 @@ PREFETCHED_BLOCKS = 2
 """Blocks whose unsharded parameters are alive at once when resharding after forward: the block being
 computed and the next one, all-gathered ahead (FSDP2's implicit prefetch)."""
 LOSS_CHUNK_TOKENS = 2048
-"""litsft.model.chunked_cross_entropy runs the output head over this many tokens at a time and recomputes
+"""litsft.loss.chunked_cross_entropy runs the output head over this many tokens at a time and recomputes
 each chunk in the backward pass, so only one chunk of logits exists (a test keeps the two equal)."""
 LOGIT_EXTRA_BYTES = 12
 """Per logit of a loss chunk, beyond the compute-dtype logits: the fp32 copy, the fp32 log-softmax and,

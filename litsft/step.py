@@ -12,8 +12,8 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
+from litsft.batch import model_inputs
 from litsft.errors import LitsftError
-from litsft.model import model_inputs
 
 
 def next_micro_batches(

@@ -24,10 +24,11 @@ from litsft.attention import (
     token_document_ids,
     varlen_features,
 )
+from litsft.batch import model_inputs
 from litsft.config import Config
 from litsft.data.loader import collate
 from litsft.data.samples import Samples
-from litsft.model import Transformer, model_inputs, rope_cos_sin
+from litsft.model import Transformer, rope_cos_sin
 from litsft.parallel import parallelize
 
 CPU = torch.device("cpu")

@@ -9,7 +9,8 @@ from litsft.config import Config
 from litsft.errors import LitsftError
 from litsft.flops import lora_parameters
 from litsft.lora import LoRAConfig, apply_lora
-from litsft.model import Transformer, chunked_cross_entropy
+from litsft.loss import chunked_cross_entropy
+from litsft.model import Transformer
 from litsft.plan import (
     LOSS_CHUNK_TOKENS,
     block_activation_bytes_per_token,
