@@ -40,6 +40,7 @@ from harness import (
 
 from litsft.config import Config
 from litsft.metrics import device_peak_flops, flops_per_token
+from litsft.sizes import num_parameters
 
 LLAMA_3_2_1B = "Llama-3.2-1B"
 SHAPE_FIELDS = (
@@ -152,7 +153,7 @@ def main(args: argparse.Namespace) -> None:
     data = write_mixed_length_data(args.work_dir / "train.json", 20_000, max_words=4000)
     print(machine_description(), "|", torch.cuda.get_device_name())
     print(
-        f"{config.num_parameters / 1e9:.2f}B parameters, 1 GPU, bf16-mixed, packed rows of {args.max_seq_length}, "
+        f"{num_parameters(config) / 1e9:.2f}B parameters, 1 GPU, bf16-mixed, packed rows of {args.max_seq_length}, "
         f"micro batch 1, {args.steps} steps ({args.warmup} warm-up left out)",
         flush=True,
     )

@@ -57,6 +57,7 @@ def main() -> None:
 
     from litsft.config import Config
     from litsft.model import Transformer
+    from litsft.sizes import num_parameters
     from litsft.storage.model_folder import save_model_folder
 
     work = Path(tempfile.mkdtemp(prefix="litsft-load-memory-"))
@@ -66,10 +67,10 @@ def main() -> None:
     model = Transformer(config)
     model.init_weights(0)
     save_model_folder(model.state_dict().items(), config, work / "checkpoint")
-    size_mib = config.num_parameters * 4 / 2**20
+    size_mib = num_parameters(config) * 4 / 2**20
     del model
     print(
-        f"model: {config.num_parameters / 1e6:.1f}M parameters, {size_mib:.0f} MiB in fp32; 2 ranks on this CPU"
+        f"model: {num_parameters(config) / 1e6:.1f}M parameters, {size_mib:.0f} MiB in fp32; 2 ranks on this CPU"
     )
     growth = {}
     for strategy in ("NO_SHARD", "FULL_SHARD"):

@@ -27,6 +27,7 @@ from harness import machine_description, make_checkpoint, run_litsft, training_r
 
 from litsft.config import Config
 from litsft.plan import estimate_memory
+from litsft.sizes import num_parameters
 
 SHAPE = dict(num_layers=8, hidden_size=768, intermediate_size=2048, num_heads=12, num_kv_heads=4, head_dim=64)
 BASELINE_SHAPE = dict(
@@ -62,7 +63,7 @@ def main(args: argparse.Namespace) -> None:
     config = Config.from_checkpoint(model)
     print(machine_description())
     print(
-        f"{config.num_parameters / 1e6:.1f}M parameters, 2 processes, 32-true, micro batch 1 x "
+        f"{num_parameters(config) / 1e6:.1f}M parameters, 2 processes, 32-true, micro batch 1 x "
         f"{args.max_seq_length} tokens, {args.steps} steps, MALLOC_MMAP_THRESHOLD_=131072"
     )
     print(

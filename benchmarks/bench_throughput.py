@@ -32,6 +32,7 @@ from harness import (
 
 from litsft.config import Config
 from litsft.flops import flops_per_token
+from litsft.sizes import num_parameters
 
 RUNS = (
     ("full", 1, "NO_SHARD"),
@@ -62,7 +63,7 @@ def main(args: argparse.Namespace) -> None:
     peak = matmul_flops_per_second(args.threads)
     print(machine_description())
     print(
-        f"{config.name}, {config.num_parameters / 1e6:.2f}M parameters, packed rows of {args.max_seq_length}, "
+        f"{config.name}, {num_parameters(config) / 1e6:.2f}M parameters, packed rows of {args.max_seq_length}, "
         f"32-true, micro batch 4, global batch 8, {args.threads} thread(s) per process, "
         f"measured matmul peak {peak / 1e9:.1f} GFLOP/s per process"
     )

@@ -31,7 +31,7 @@ COMMANDS: dict[str, str] = {
     "generate": "litsft.generate:generate",
     "prepare": "litsft.data.prepare:prepare",
     "plan": "litsft.plan:plan",
-    "list_models": "litsft.config:list_models",
+    "list_models": "litsft.sizes:list_models",
     "demo": "litsft.demo:demo",
 }
 USAGE_ERROR_EXIT_CODE = 2

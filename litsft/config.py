@@ -139,34 +139,6 @@ class Config:
             return None
         return self.sliding_window
 
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each linear layer, keyed by its LoRA target name: the seven of one
-        block (as litsft.model builds them) and lm_head. The one source of the parameter, FLOP and LoRA
-        adapter counts (`num_parameters`, litsft.flops)."""
-        C, D, inter = self.hidden_size, self.head_dim, self.intermediate_size
-        q, kv = self.num_heads * D, self.num_kv_heads * D
-        return {
-            "q": (C, q), "k": (C, kv), "v": (C, kv), "o": (q, C),
-            "gate": (C, inter), "up": (C, inter), "down": (inter, C),
-            "lm_head": (C, self.vocab_size),
-        }  # fmt: skip
-
-    @property
-    def block_linear_weights(self) -> int:
-        """Weights of one block's seven linear layers (biases and norms not counted)."""
-        shapes = self.linear_shapes()
-        return sum(fan_in * fan_out for target, (fan_in, fan_out) in shapes.items() if target != "lm_head")
-
-    @property
-    def num_parameters(self) -> int:
-        """Parameter count, tied embeddings counted once."""
-        weights = self.block_linear_weights
-        biases = self.head_dim * (self.num_heads + 2 * self.num_kv_heads) * self.qkv_bias
-        biases += self.hidden_size * self.out_bias + 2 * self.head_dim * self.qk_norm  # qk_norm: two norms
-        block = weights + biases + 2 * self.hidden_size  # two RMSNorms
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * block + embeddings + self.hidden_size
-
     # ---- named configs -------------------------------------------------------------------------
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> Config:
@@ -310,10 +282,3 @@ def format_count(count: int) -> str:
             decimals = 2 if value < 10 else 1 if value < 100 else 0
             return f"{value:.{decimals}f}{suffix}"
     return str(count)
-
-
-def list_models() -> None:
-    """Print the named model configs with their parameter counts."""
-    width = max(len(name) for name in NAMED_CONFIGS)
-    for name, config in NAMED_CONFIGS.items():
-        print(f"{name:<{width}}  {format_count(config.num_parameters):>6}  {config.hf_architecture}")

@@ -30,6 +30,7 @@ from litsft.faults import fault_point
 from litsft.optimizer import build_optimizer, learning_rate
 from litsft.parallel import parallelize
 from litsft.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
+from litsft.sizes import num_parameters
 from litsft.step import next_micro_batches, raise_if_diverged, train_step
 from litsft.storage import training_checkpoint as checkpoint
 from litsft.storage.files import publish_atomically
@@ -236,7 +237,7 @@ def trainable_memory_report(model: nn.Module, config: Config) -> str:
     frozen weights' memory (LoRA's base) in the dtype they are stored in."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = [p for p in model.parameters() if not p.requires_grad]  # a tied weight is listed once
-    full = config.num_parameters
+    full = num_parameters(config)
     mib = 16 / 2**20
     line = (
         f"Trainable parameters: {trainable:,} of {full:,}; params+grads+AdamW state {trainable * mib:,.1f} MiB "

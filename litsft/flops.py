@@ -1,13 +1,13 @@
 """FLOP accounting: the training FLOPs of one token, the peak FLOP/s of a device, and MFU.
 
-Pure arithmetic over a `Config` and a device name; `litsft.metrics` uses it for the MFU column,
-`litsft.plan` for LoRA's adapter count, and benchmarks use it to compare runs. Every count reads the model's
-linear layers from `Config.linear_shapes`, the same table `Config.num_parameters` sums.
+Counts over the model as built (litsft.sizes reads it off `Transformer(config)` on the meta device) and a
+device name; `litsft.metrics` uses it for the MFU column, `litsft.plan` for LoRA's adapter count, and
+benchmarks use it to compare runs. tests/test_metrics.py holds the counts against torch's FlopCounterMode
+for every family.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable
 from typing import Literal
@@ -16,6 +16,7 @@ import torch
 
 from litsft.config import Config
 from litsft.errors import LitsftError
+from litsft.sizes import model_sizes
 
 
 def flops_per_token(
@@ -23,12 +24,13 @@ def flops_per_token(
 ) -> float:
     """Training FLOPs per token for one forward and backward pass (PaLM appendix B, as torchtitan counts).
 
-    N counts the weights of every matmul: the q/k/v/o and MLP projections and lm_head, which runs even
-    when tied to the embedding; the embedding lookup is a gather and costs none. Norms, biases, RoPE and
-    softmax are elementwise and left out. Attention scores and their weighted sum add 4 * L * H * D * T
-    per token in the forward pass, counted over the full `seq_len` T, causal mask or not, so numbers
-    compare with other reports. Pass the length the attention kernel processes: the padded or packed
-    block length (litsft's masked SDPA computes the whole block even for packed documents).
+    N counts the weights of every matmul: each block's linear layers and lm_head, which runs even when
+    tied to the embedding; the embedding lookup is a gather and costs none. Norms, biases, RoPE and
+    softmax are elementwise and left out. Attention scores and their weighted sum add 4 * H * D * keys per
+    token and layer in the forward pass, where keys is `seq_len`, or the layer's sliding window when that is
+    shorter (a query never sees more keys), counted over the full square, causal mask or not, so numbers
+    compare with other reports. Pass the length the attention kernel processes: a document's length for the
+    document kernels, the padded or packed block length for the mask kernel.
 
     Args:
         config: The model's shape.
@@ -42,26 +44,27 @@ def flops_per_token(
             weights, so its backward costs twice its forward either way.
         adapter_parameters: LoRA's trained adapter parameters (A and B of every adapted projection).
     """
-    shapes = config.linear_shapes()
-    L, H, D = config.num_layers, config.num_heads, config.head_dim
-    matmul_weights = L * config.block_linear_weights + math.prod(shapes["lm_head"])
-    attention_forward = 4 * L * H * D * seq_len
+    sizes = model_sizes(config)
+    attention_forward = sum(
+        4 * layer.attention_width * min(seq_len, layer.window or seq_len) for layer in sizes.layers
+    )
     if trainable == "all":
-        dense = 6 * matmul_weights
+        dense = 6 * sizes.matmul_weights
     else:
-        first_block_qkv = sum(math.prod(shapes[target]) for target in ("q", "k", "v"))
-        dense = 4 * matmul_weights - 2 * first_block_qkv + 6 * adapter_parameters
+        first = sizes.layers[0].linear
+        first_block_qkv = sum(first[target][0] * first[target][1] for target in ("q", "k", "v"))
+        dense = 4 * sizes.matmul_weights - 2 * first_block_qkv + 6 * adapter_parameters
     return float(dense + 3 * attention_forward)
 
 
 def lora_parameters(config: Config, targets: Iterable[str], rank: int) -> int:
     """Trained parameters of LoRA adapters on `targets` (q, k, v, o, gate, up, down in every block, lm_head
     once): A (rank x in) and B (out x rank) per adapted projection, as litsft.lora.apply_lora makes them."""
-    shapes = config.linear_shapes()
+    sizes = model_sizes(config)
     targets = list(targets)
-    per_block = sum(rank * sum(shapes[t]) for t in targets if t != "lm_head")
-    head = rank * sum(shapes["lm_head"]) if "lm_head" in targets else 0
-    return config.num_layers * per_block + head
+    blocks = sum(rank * sum(layer.linear[t]) for layer in sizes.layers for t in targets if t != "lm_head")
+    head = rank * sum(sizes.lm_head) if "lm_head" in targets else 0
+    return blocks + head
 
 
 # Dense (no 2:4 sparsity) peak tensor-core FLOP/s per GPU, from NVIDIA's datasheets. An entry matches

@@ -56,6 +56,7 @@ from litsft.config import Config, format_count
 from litsft.errors import LitsftError
 from litsft.flops import lora_parameters
 from litsft.lora import LoRAConfig
+from litsft.sizes import model_sizes, num_parameters
 
 # (bytes of a stored parameter, bytes of a parameter as the matmuls see it). Gradients and AdamW's two
 # states take the stored dtype: FSDP2 reduces gradients in fp32 (reduce_dtype) into the fp32 shards.
@@ -134,26 +135,27 @@ def shard_group_size(devices: int, num_nodes: int, sharding_strategy: ShardingSt
 
 def root_parameters(config: Config) -> int:
     """Parameters outside the blocks: embeddings (and the untied output head) plus the final norm."""
-    return (
-        config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2) + config.hidden_size
-    )
+    return model_sizes(config).root_parameters
 
 
 def block_parameters(config: Config) -> int:
-    return (config.num_parameters - root_parameters(config)) // config.num_layers
+    """Parameters of the largest block: what FSDP gathers at once for one block."""
+    return max(layer.parameters for layer in model_sizes(config).layers)
 
 
 def block_activation_bytes_per_token(
     config: Config, compute_bytes: int, lora: LoRAConfig | None = None
 ) -> int:
-    """Bytes one block saves for the backward pass per token, counted from litsft/model.py's Block.
+    """Bytes one block saves for the backward pass per token, for the widths of the model as built
+    (litsft.sizes; the largest block where they differ) and the tensors litsft/model.py's Block keeps.
 
     Assumes a fused attention kernel (flash or memory-efficient: no (T, T) matrix is saved) and that a
     linear layer keeps its input only when a weight that reads it is trained (autograd saves what a
     gradient needs): under LoRA, a frozen projection without an adapter keeps nothing.
     """
-    C, inter = config.hidden_size, config.intermediate_size
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    layer = max(model_sizes(config).layers, key=lambda layer: layer.parameters)
+    C, inter = layer.linear["q"][0], layer.linear["gate"][1]
+    q, kv = layer.attention_width, layer.kv_width
     c = compute_bytes
     targets = set(lora.target_list) if lora is not None else set()
     mlp_input_kept = lora is None or bool(targets & {"gate", "up"})
@@ -163,7 +165,7 @@ def block_activation_bytes_per_token(
     # SDPA keeps q, k, v (k and v repeated to all heads), its output and a fp32 logsumexp per head;
     # o_proj keeps its (contiguous) input.
     attention = 5 * q * c + 4 * config.num_heads
-    qk_norm = (q + kv) * (4 + c) if config.qk_norm else 0
+    qk_norm = (q + kv) * (4 + c) if layer.qk_norm else 0
     # SwiGLU: gate output (silu's input), silu output, up output, and their product (down_proj's input,
     # kept only when down_proj's weight or adapter trains).
     mlp = (4 if lora is None or "down" in targets else 3) * inter * c
@@ -200,12 +202,12 @@ def estimate_memory(
     # lm_head's adapter sits in the root, which stays gathered; the blocks' adapters are gathered per block.
     head_adapter = lora_parameters(config, ["lm_head"], lora.rank) if "lm_head" in targets else 0
     adapters_per_block = (adapters - head_adapter) // config.num_layers
-    trainable = adapters if lora is not None else config.num_parameters
+    trainable = adapters if lora is not None else num_parameters(config)
     # LoRA's frozen base is stored in the compute dtype (bf16 under bf16-mixed), its adapters like trained
     # parameters.
-    frozen = config.num_parameters if lora is not None else 0
+    frozen = num_parameters(config) if lora is not None else 0
     parameters = math.ceil(
-        ((config.num_parameters - frozen) * stored + frozen * compute + adapters * stored) / shard
+        ((num_parameters(config) - frozen) * stored + frozen * compute + adapters * stored) / shard
     )
     gradients = math.ceil(trainable * stored / shard)
     optimizer_states = math.ceil(trainable * stored * ADAM_STATES_PER_PARAMETER / shard)
@@ -225,7 +227,7 @@ def estimate_memory(
     if world_size == 1:
         # No FSDP: Fabric's autocast casts every fp32 weight for its matmul and the cast copies are kept for
         # the backward pass; with one dtype the parameters are used as they are (LoRA's frozen base too).
-        gathered = ((config.num_parameters - frozen) + adapters) * compute if stored != compute else 0
+        gathered = ((num_parameters(config) - frozen) + adapters) * compute if stored != compute else 0
         reduce_buffers = 0
     else:
         # The root is never resharded (litsft/parallel.py), SHARD_GRAD_OP keeps every block unsharded
@@ -331,7 +333,7 @@ def plan(
         f"LoRA rank {lora.rank} on {', '.join(lora.target_list)}" if lora is not None else "full fine-tuning"
     )
     layout = f"{fsdp.sharding_strategy}, shard group {shard}" if world_size > 1 else "one process, no FSDP"
-    print(f"{config.name} ({format_count(config.num_parameters)} parameters), {method}, {precision}")
+    print(f"{config.name} ({format_count(num_parameters(config))} parameters), {method}, {precision}")
     print(f"{devices} device(s) x {num_nodes} node(s): {layout}")
     checkpointing = "with" if fsdp.activation_checkpointing else "without"
     print(

@@ -20,6 +20,7 @@ from litsft.lora import (
     merged_config,
 )
 from litsft.model import Transformer
+from litsft.sizes import num_parameters
 from litsft.storage.lora_folder import save_lora_folder
 from litsft.storage.model_folder import load_model_state_dict, save_model_folder
 
@@ -309,7 +310,7 @@ def test_engine_stores_the_lora_base_in_bf16_under_bf16_mixed(tmp_path):
         assert {p.dtype for p in model.parameters() if not p.requires_grad} == {frozen}
         assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
         assert model.lm_head.weight is model.embed.weight or not config.tie_word_embeddings
-    frozen = config.num_parameters
+    frozen = num_parameters(config)
     assert f"frozen weights {frozen * 2 / 2**20:,.1f} MiB (bfloat16)" in messages[1]
     assert f"frozen weights {frozen * 4 / 2**20:,.1f} MiB (float32)" in messages[3]
     assert messages[0] == messages[2] == "Attention: segmented, per-document SDPA in length buckets (CPU)"

@@ -100,7 +100,10 @@ def _converted(tmp_path, kind):
     return hf_model, model
 
 
-@pytest.mark.parametrize(("kind", "windowed_layers"), [("mistral-window", [0, 1]), ("qwen2-window", [1])])
+@pytest.mark.parametrize(
+    ("kind", "windowed_layers"),
+    [("mistral-window", [0, 1]), ("qwen2-window", [1]), ("qwen2-window-first", [0])],
+)
 @pytest.mark.parametrize("kernel", ["segmented", "mask"])
 def test_sliding_window_matches_transformers(tmp_path, kind, windowed_layers, kernel):
     """Mistral's sliding_window on every layer, Qwen2's from max_window_layers on: logits equal transformers'

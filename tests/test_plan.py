@@ -21,6 +21,7 @@ from litsft.plan import (
     plan,
     root_parameters,
 )
+from litsft.sizes import num_parameters
 
 LLAMA_2_7B = 6_738_415_616
 LLAMA_2_70B = 68_976_648_192
@@ -236,7 +237,7 @@ def test_lora_base_in_bf16_on_one_gpu():
     """bf16-mixed LoRA on one device: the frozen base takes 2 bytes per parameter and needs no compute copy;
     peak memory is below full fine-tuning's by more than the fp32 base copy."""
     config = Config.from_name("Llama-3.2-1B")
-    N = config.num_parameters
+    N = num_parameters(config)
     # Rank 16 on all-linear: q and o 2048 + 2048, k and v 2048 + 512, gate, up and down 2048 + 8192.
     adapters = 16 * 16 * (2 * (2048 + 2048) + 2 * (2048 + 512) + 3 * (2048 + 8192))
     assert adapters == 11_272_192

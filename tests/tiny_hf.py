@@ -69,6 +69,17 @@ TINY_HF_MODELS: dict[str, tuple[PretrainedConfig, type[PreTrainedModel]]] = {
         ),
         Qwen2ForCausalLM,
     ),
+    # Qwen2 with the window on the first layer only: sliding layers before full ones, as Gemma 2 and 3 have.
+    "qwen2-window-first": (
+        Qwen2Config(
+            **_SHAPES,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        Qwen2ForCausalLM,
+    ),
     # Qwen3: q/k norms and a head_dim that is not hidden_size // num_heads.
     "qwen3": (Qwen3Config(**_SHAPES, head_dim=32, tie_word_embeddings=False), Qwen3ForCausalLM),
 }
