@@ -339,3 +339,67 @@ def test_token_weighted_mean_all_reduces_over_a_process_group(tmp_path):
         assert worker.exitcode == 0
     assert computed[0] == pytest.approx(GLOBAL_MEAN, rel=1e-6)
     assert computed[1] == pytest.approx(GLOBAL_MEAN, rel=1e-6)
+
+
+def _tiny_of_family(architecture: str) -> Config:
+    """A tiny model of each registered family, its features (biases, q/k norms, tying, GQA, head_dim,
+    windows) kept from its first named config."""
+    import dataclasses
+
+    from litsft.config import NAMED_CONFIGS
+    from litsft.families import FAMILIES
+
+    config = NAMED_CONFIGS[next(iter(FAMILIES[architecture].named_configs))]
+    explicit_head_dim = config.head_dim != config.hidden_size // config.num_heads
+    return dataclasses.replace(
+        config, num_layers=2, num_heads=4, num_kv_heads=2, hidden_size=32, head_dim=16 if explicit_head_dim else 0,
+        intermediate_size=48, vocab_size=96, rope_scaling=None,
+    )  # fmt: skip
+
+
+def _every_family():
+    from litsft.families import FAMILIES
+
+    return list(FAMILIES)
+
+
+@pytest.mark.parametrize("architecture", _every_family())
+@pytest.mark.parametrize("trainable", ["all", "lora"])
+def test_counts_of_every_family_equal_what_torch_counts(architecture, trainable):
+    """FLOPs per token against FlopCounterMode, parameters against sum(p.numel()), LoRA adapters against the
+    adapted model's trained parameters, for a tiny model of every registered family."""
+    from litsft.flops import lora_parameters
+    from litsft.lora import LoRAConfig, apply_lora
+    from litsft.sizes import num_parameters
+
+    config = _tiny_of_family(architecture)
+    model = Transformer(config)
+    assert num_parameters(config) == sum(p.numel() for p in model.parameters())
+    adapters = 0
+    if trainable == "lora":
+        lora = LoRAConfig(rank=2, dropout=0.0, targets="all-linear")
+        model = apply_lora(model, lora)
+        adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        assert lora_parameters(config, lora.target_list, lora.rank) == adapters
+    batch, seq_len = 2, 16
+    input_ids = torch.randint(0, config.vocab_size, (batch, seq_len))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(input_ids).sum().backward()
+    skipped_adapter_input = 3 * 2 * 2 * config.hidden_size if trainable == "lora" else 0  # see above
+    expected = flops_per_token(config, seq_len, trainable, adapters) - skipped_adapter_input
+    assert counter.get_total_flops() / (batch * seq_len) == expected
+
+
+def test_attention_flops_stop_at_each_layers_window():
+    """A query attends to at most `window` keys: a windowed layer's attention counts the window, not the
+    sequence; a full layer the sequence."""
+    full = Config.from_name("tiny-llama")
+    one_windowed = Config.from_name(
+        "tiny-llama", sliding_window=4, layer_types=["full_attention", "sliding_attention"]
+    )
+    both = Config.from_name("tiny-llama", sliding_window=4)
+    width = full.num_heads * full.head_dim
+    assert flops_per_token(full, 16) - flops_per_token(full, 0) == 2 * 3 * 4 * width * 16  # two layers
+    assert flops_per_token(one_windowed, 16) - flops_per_token(full, 16) == -3 * 4 * width * (16 - 4)
+    assert flops_per_token(both, 16) - flops_per_token(full, 16) == -2 * 3 * 4 * width * (16 - 4)
+    assert flops_per_token(both, 3) == flops_per_token(full, 3)  # shorter than the window
