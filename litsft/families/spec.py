@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from litsft.errors import LitsftError
@@ -84,14 +85,19 @@ class WeightMap:
                 yield fused_name, concatenate([held[part] for part in parts])
                 del pending[fused_name]
         if pending:
-            missing = sorted(set(self.litsft_names(n) or ()) - pending[n].keys() for n in pending)
+            missing = [
+                part
+                for fused in pending
+                for part in self.litsft_names(fused) or ()
+                if part not in pending[fused]
+            ]
             raise KeyError(f"parts of fused tensors never came: {missing}")
 
-    @property
+    @cached_property
     def _litsft_of_hf(self) -> dict[str, str]:
         return {hf: litsft for litsft, hf in self.names.items()}
 
-    @property
+    @cached_property
     def _fused_of_part(self) -> dict[str, str]:
         return {part: fused for fused, parts in self.fused.items() for part in parts}
 
