@@ -222,7 +222,7 @@ class Transformer(nn.Module):
         on a GPU makes the host wait.
 
         Packed rows: either `documents` with the row (1, N) of real tokens they describe (what the engine
-        passes, built on the host by `model_inputs`), or `document_ids` (B, T), -1 on padding, from which
+        passes, built on the host by litsft.batch.model_inputs), or `document_ids` (B, T), -1 on padding, from which
         the same are found here (reading the ids: a host sync on a GPU)."""
         if documents is None and document_ids is not None:
             if labels is not None:

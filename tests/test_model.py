@@ -106,7 +106,7 @@ def _converted(tmp_path, kind):
 )
 @pytest.mark.parametrize("kernel", ["segmented", "mask"])
 def test_sliding_window_matches_transformers(tmp_path, kind, windowed_layers, kernel):
-    """Mistral's sliding_window on every layer, Qwen2's from max_window_layers on: logits equal transformers'
+    """Mistral's sliding_window on every layer, Qwen2's on the layers layer_types names: logits equal transformers'
     at twice the window, for plain rows and for the same sequences packed as documents of one row."""
     hf_model, model = _converted(tmp_path, kind)
     config = model.config
