@@ -217,20 +217,22 @@ class GenerationTag(jinja2.ext.Extension):
 
 def render_chat_template(
     template: str,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     variables: dict[str, str],
     source: str,
     fix: str,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """Render a chat template the way transformers does. `source` names the template and `fix` says what to
-    do instead, for the one-line error a broken template gives."""
+    do instead, for the one-line error a broken template gives. `tools` are JSON schemas, passed as
+    transformers' `apply_chat_template(tools=...)` passes them."""
     # Like transformers: keys whose value is None are dropped, many templates print "None" otherwise.
     messages = [{key: value for key, value in message.items() if value is not None} for message in messages]
     try:
         return _compile_chat_template(template).render(
             messages=messages,
-            tools=None,
+            tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **variables,

@@ -13,6 +13,10 @@ from litsft.data.records import read_conversations
 from litsft.errors import LitsftError
 from litsft.tokenizer import Tokenizer
 
+SHAPES = (
+    "each record needs 'messages', 'conversations' (ShareGPT), 'instruction' and 'output' (and optionally "
+    "'input'), 'prompt' and 'completion', or 'text'; --data.field_map maps other field names"
+)
 GOOD = {"instruction": "Add.", "input": "1 + 2", "output": "3"}
 GOOD_LINE = json.dumps(GOOD)
 
@@ -26,8 +30,7 @@ BAD_DATA = {
     "missing_field": (
         "train.jsonl",
         f'{GOOD_LINE}\n\n{{"instruction": "a"}}\n'.encode(),
-        "line 3: the record has no 'output'; each record needs 'instruction' and 'output' (and optionally "
-        "'input'), or 'messages'",
+        f"line 3: the record has no 'output'; {SHAPES}",
     ),
     "wrong_type": (
         "train.jsonl",
@@ -37,8 +40,7 @@ BAD_DATA = {
     "not_an_object": (
         "train.jsonl",
         b'["a", "b"]\n',
-        "line 1: a record must be a JSON object, got a list; "
-        "each record needs 'instruction' and 'output' (and optionally 'input'), or 'messages'",
+        f"line 1: a record must be a JSON object, got a list; {SHAPES}",
     ),
     "empty_file": ("train.jsonl", b"\n  \n", "is empty; add at least one record"),
     "empty_list": ("train.json", b"[]", "holds no records; add at least one record"),
@@ -50,8 +52,7 @@ BAD_DATA = {
     "json_list_missing_field": (
         "train.json",
         f'[\n  {GOOD_LINE},\n  {GOOD_LINE},\n  {{"input": "x",\n   "output": "y"}}\n]'.encode(),
-        "line 4: the record has no 'instruction'; each record needs 'instruction' and 'output' (and optionally "
-        "'input'), or 'messages'",
+        f"line 4: the record has no 'instruction'; {SHAPES}",
     ),
     "json_list_syntax": (
         "train.json",
@@ -66,7 +67,7 @@ BAD_DATA = {
     "bad_role": (
         "train.jsonl",
         b'{"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "yo"}]}',
-        "line 1: messages[0].role is 'human'; use one of system, user, assistant",
+        "line 1: messages[0].role is 'human'; use one of system, user, assistant, tool",
     ),
     "messages_not_a_list": (
         "train.jsonl",

@@ -16,15 +16,33 @@ the reply is the newest, which is what the model sees when it writes that reply.
 from __future__ import annotations
 
 from itertools import chain
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from litsft.errors import LitsftError
 from litsft.tokenizer import Tokenizer, render_chat_template
 
-Message = dict[str, str]
-"""{"role": "system" | "user" | "assistant", "content": str}"""
+Message = dict[str, Any]
+"""{"role": "system" | "user" | "assistant" | "tool", "content": str, ...}: also `tool_calls`, a reasoning field
+(`reasoning_content` / `thinking`), `name` and `tool_call_id`, handed to the template as they are."""
+
+TEXT_ROLE = "text"
+"""The role of the one message of a plain-text record: trained on every token, without a template."""
+
+
+class Conversation(list):
+    """A conversation's messages, and the tool schemas (`tools`) offered to the model in it, which the chat
+    template renders where the model expects them (as transformers' `apply_chat_template(tools=...)`)."""
+
+    def __init__(self, messages: list[Message] = (), tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(messages)
+        self.tools = tools
+
+
+def tools_of(messages: list[Message]) -> list[dict[str, Any]] | None:
+    return getattr(messages, "tools", None)
+
 
 PromptStyle = Literal["chatml", "llama3", "alpaca", "plain"]
 
@@ -113,8 +131,14 @@ class ChatFormat:
             if key not in self._variables and token_id is not None:
                 self._variables[key] = tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
-        """The conversation as text; with add_generation_prompt, ready for the model to write the reply."""
+    def render(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The conversation as text; with add_generation_prompt, ready for the model to write the reply.
+        `tools` defaults to the conversation's own (a `Conversation`'s `tools`)."""
         return render_chat_template(
             self.template,
             messages,
@@ -122,12 +146,16 @@ class ChatFormat:
             self._variables,
             source=f"the {self.name} chat template",
             fix="choose another --data.prompt_style",
+            tools=tools if tools is not None else tools_of(messages),
         )
 
     def encode_prompt(self, messages: list[Message]) -> list[int]:
         """Token ids of a prompt for generation, as the model saw prompts in training."""
         text = self.render(messages, add_generation_prompt=True)
         return self._with_bos(self.tokenizer.encode(text, add_bos=False))
+
+    def _eos_text(self) -> str:
+        return self._variables.get("eos_token", "")
 
     def tokenize(self, messages: list[Message]) -> tuple[np.ndarray, np.ndarray]:
         """Token ids (int32) of the whole conversation, and a bool array: True where the token is a
@@ -192,46 +220,54 @@ class ChatFormat:
     def samples(self, messages: list[Message]) -> list[Sample]:
         """The texts a conversation trains as, each with its loss spans: the whole conversation when the
         template renders it incrementally, else one sample per reply (turn by turn), else the whole
-        conversation with each reply found by search."""
-        text = self.render(messages)
+        conversation with each reply found by search. A plain-text record is its text and eos, all trained."""
+        if len(messages) == 1 and messages[0]["role"] == TEXT_ROLE:
+            text = messages[0]["content"] + self._eos_text()
+            return [(text, [(0, len(text))])]
+        tools = tools_of(messages)
+        text = self.render(messages, tools=tools)
         if not self.mask_prompt:
             return [(text, [(0, len(text))])]
-        spans = self._assistant_spans(messages, text)
+        spans = self._assistant_spans(messages, text, tools)
         if spans is not None:
             return [(text, spans)]
-        return self._turn_by_turn(messages) or [(text, self._searched_spans(messages, text))]
+        return self._turn_by_turn(messages, tools) or [(text, self._searched_spans(messages, text))]
 
-    def _assistant_spans(self, messages: list[Message], text: str) -> list[tuple[int, int]] | None:
+    def _assistant_spans(
+        self, messages: list[Message], text: str, tools: list[dict[str, Any]] | None
+    ) -> list[tuple[int, int]] | None:
         """Each reply's span in `text`; None when an earlier render is not a prefix of the whole."""
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt = self._render_or_empty(messages[:i])
-            turn = text if i + 1 == len(messages) else self.render(messages[: i + 1])
+            prompt = self._render_or_empty(messages[:i], tools)
+            turn = text if i + 1 == len(messages) else self.render(messages[: i + 1], tools=tools)
             if not (text.startswith(prompt) and text.startswith(turn) and len(prompt) <= len(turn)):
                 return None
             spans.append(_reply_span(prompt, turn))
         return spans
 
-    def _turn_by_turn(self, messages: list[Message]) -> list[Sample] | None:
+    def _turn_by_turn(
+        self, messages: list[Message], tools: list[dict[str, Any]] | None
+    ) -> list[Sample] | None:
         """One sample per reply: the conversation up to it, as rendered when it is the newest turn. None
         when even that render does not start with the prompt before the reply."""
         samples = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt = self._render_or_empty(messages[:i])
-            turn = self.render(messages[: i + 1])
+            prompt = self._render_or_empty(messages[:i], tools)
+            turn = self.render(messages[: i + 1], tools=tools)
             if not turn.startswith(prompt):
                 return None
             samples.append((turn, [_reply_span(prompt, turn)]))
         return samples
 
-    def _render_or_empty(self, messages: list[Message]) -> str:
+    def _render_or_empty(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> str:
         # Some templates index messages[0], so a reply that opens the conversation has an empty prompt.
         try:
-            return self.render(messages, add_generation_prompt=True)
+            return self.render(messages, add_generation_prompt=True, tools=tools)
         except LitsftError:
             return ""
 
@@ -244,7 +280,7 @@ class ChatFormat:
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            content = message["content"].strip()
+            content = (message.get("content") or "").strip()
             start = text.find(content, cursor)
             if start < 0:
                 raise LitsftError(

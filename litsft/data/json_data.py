@@ -7,18 +7,19 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from litsft.data.base import SFTDataModule, file_fingerprint
+from litsft.data.base import SFTDataModule, digest_of, file_fingerprint
 from litsft.data.chat import Message
-from litsft.data.records import EXTENSIONS, read_conversations
+from litsft.data.records import EXTENSIONS, RecordOptions, read_conversations
 from litsft.errors import LitsftError
 
 
 @dataclass(kw_only=True)
-class JSON(SFTDataModule):
+class JSON(RecordOptions, SFTDataModule):
     """Records from a .json / .jsonl file, or from a directory holding train.json(l) and val.json(l).
 
-    A record is {"instruction", "input" (optional), "output", "system" (optional)} or
-    {"messages": [{"role", "content"}, ...]}; see litsft/data/records.py.
+    A record is OpenAI-style {"messages": [...]} (with tools and reasoning), ShareGPT {"conversations":
+    [{"from", "value"}, ...]}, Alpaca {"instruction", "input", "output"}, {"prompt", "completion"} or
+    {"text"}, detected per record or set with --data.record_shape; see litsft/data/records.py.
     """
 
     json_path: Path
@@ -39,8 +40,14 @@ class JSON(SFTDataModule):
             raise LitsftError(
                 f"--data.json_path {path} does not exist; pass a .json/.jsonl file or a directory"
             )
+        record_format = self.record_format()
         return {
-            split: (file_fingerprint(file), partial(read_conversations, file))
+            split: (
+                file_fingerprint(file)
+                if record_format.is_default
+                else f"{file_fingerprint(file)}:{digest_of(record_format.identity())}",
+                partial(read_conversations, file, record_format=record_format),
+            )
             for split, file in files.items()
             if file is not None
         }

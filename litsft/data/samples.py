@@ -5,7 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,9 +75,12 @@ class Samples:
         return cls(*arrays)
 
 
-def tokenize_conversations(conversations: list[list[Message]], chat_format: ChatFormat) -> Samples:
+def tokenize_conversations(conversations: Sequence[list[Message]], chat_format: ChatFormat) -> Samples:
     """Render and tokenize every conversation (no truncation), in worker processes for large sets. A
-    conversation that cannot be masked is named by its record (`Conversations.where`, file and line)."""
+    conversation that cannot be masked is named by its record (`Conversations.where`, file and line).
+
+    `conversations` is any sequence that slices: a list, or a lazy view over a dataset's rows (see
+    hf_dataset.py), of which only one chunk of CHUNK_SIZE conversations per process is held at a time."""
     try:
         return _tokenize_all(conversations, chat_format)
     except ConversationError as err:
@@ -85,9 +88,9 @@ def tokenize_conversations(conversations: list[list[Message]], chat_format: Chat
         raise LitsftError(f"{where}: {err.problem}") from None
 
 
-def _tokenize_all(conversations: list[list[Message]], chat_format: ChatFormat) -> Samples:
-    chunks = [conversations[i : i + CHUNK_SIZE] for i in range(0, len(conversations), CHUNK_SIZE)]
-    processes = min(len(chunks), os.cpu_count() or 1, MAX_PROCESSES)
+def _tokenize_all(conversations: Sequence[list[Message]], chat_format: ChatFormat) -> Samples:
+    num_chunks = -(-len(conversations) // CHUNK_SIZE)
+    processes = min(num_chunks, os.cpu_count() or 1, MAX_PROCESSES)
     # Forking while other threads run (the training launcher's, the out_dir lock's heartbeat, gloo's) can
     # deadlock the children on a lock one of those threads held: fork only from a single-threaded process
     # (`litsft prepare`); inside a run, tokenizers' own thread pool still parallelizes encoding.
@@ -95,14 +98,14 @@ def _tokenize_all(conversations: list[list[Message]], chat_format: ChatFormat) -
     if processes > 1 and can_fork:
         global _WORK
         # Forked workers inherit the conversations and the compiled template instead of pickling them.
-        _WORK = (chunks, chat_format)
+        _WORK = (conversations, chat_format)
         try:
             with multiprocessing.get_context("fork").Pool(processes) as pool:
-                parts = pool.map(_tokenize_chunk, range(len(chunks)))
+                parts = pool.map(_tokenize_chunk, range(num_chunks))
         finally:
             _WORK = None
     else:
-        parts = [_tokenize_chunk_of(chunks, index, chat_format) for index in range(len(chunks))]
+        parts = [_tokenize_chunk_of(conversations, index, chat_format) for index in range(num_chunks)]
     if not parts:
         return Samples(np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(1, dtype=np.int64))
     # A conversation trained turn by turn gives several samples: count samples, not conversations.
@@ -118,19 +121,19 @@ def _tokenize_all(conversations: list[list[Message]], chat_format: ChatFormat) -
 
 CHUNK_SIZE = 10_000
 MAX_PROCESSES = 16
-_WORK: tuple[list[list[list[Message]]], ChatFormat] | None = None
+_WORK: tuple[Sequence[list[Message]], ChatFormat] | None = None
 
 
 def _tokenize_chunk(index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    chunks, chat_format = _WORK
-    return _tokenize_chunk_of(chunks, index, chat_format)
+    conversations, chat_format = _WORK
+    return _tokenize_chunk_of(conversations, index, chat_format)
 
 
 def _tokenize_chunk_of(
-    chunks: list[list[list[Message]]], index: int, chat_format: ChatFormat
+    conversations: Sequence[list[Message]], index: int, chat_format: ChatFormat
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     try:
-        return chat_format.tokenize_many(chunks[index])
+        return chat_format.tokenize_many(conversations[index * CHUNK_SIZE : (index + 1) * CHUNK_SIZE])
     except ConversationError as err:  # its index within the chunk, made an index into all conversations
         raise ConversationError(index * CHUNK_SIZE + err.index, err.problem) from None
 
