@@ -1,9 +1,10 @@
 """Training data: one interface (DataModule) and its modules, selected on the command line with
-`--data JSON`, `--data Demo`, `--data TextFiles` or `--data LitData`."""
+`--data JSON`, `--data HFDataset`, `--data Demo`, `--data TextFiles` or `--data LitData`."""
 
 from litsft.data.base import DataModule, Loader, SFTDataModule
 from litsft.data.chat import PROMPT_STYLES, ChatFormat, PromptStyle
 from litsft.data.demo import Demo, build_demo_tokenizer, exact_match, write_demo_corpus
+from litsft.data.hf_dataset import HFDataset
 from litsft.data.json_data import JSON
 from litsft.data.loader import IGNORE_INDEX, SFTLoader
 from litsft.data.text import LitData, StreamingLoader, TextFiles
@@ -15,6 +16,7 @@ __all__ = [
     "ChatFormat",
     "DataModule",
     "Demo",
+    "HFDataset",
     "LitData",
     "Loader",
     "PromptStyle",

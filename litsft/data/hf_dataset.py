@@ -1,0 +1,192 @@
+"""`--data HFDataset`: records loaded through Hugging Face `datasets`, from the Hub by name or from local
+parquet / arrow / csv / json(l) files, folders of them, or a folder written by `save_to_disk`.
+
+`datasets` downloads (honouring HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE) and converts the records once into
+its own memory-mapped cache (HF_HOME/datasets). Rank 0 tokenizes from there into litsft's cache; the other
+ranks find the same dataset in the `datasets` cache and the tokens in litsft's. Rows are converted to
+conversations one chunk at a time (`DatasetConversations`), so a large set never holds every row's Python
+objects at once. `datasets` is imported only when data is loaded: it is slow to import.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from litsft.data.base import SFTDataModule, digest_of
+from litsft.data.chat import Conversation, Message
+from litsft.data.records import RecordFormat, RecordOptions, to_conversation
+from litsft.errors import LitsftError
+
+# The `datasets` builder that reads each local file type.
+BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "json"}
+# Fields the record shapes read (records.py); other columns are not decoded.
+RECORD_FIELDS = (
+    "messages",
+    "conversations",
+    "tools",
+    "instruction",
+    "input",
+    "output",
+    "system",
+    "prompt",
+    "completion",
+    "text",
+)
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")
+
+
+@dataclass(kw_only=True)
+class HFDataset(RecordOptions, SFTDataModule):
+    """Records from a Hugging Face dataset, by hub id or local path, in any record shape (see records.py)."""
+
+    path: str
+    """A hub dataset id (e.g. BAAI/Infinity-Instruct), a local .parquet / .arrow / .csv / .json / .jsonl
+    file, a folder of such files, or a folder written by `datasets`' save_to_disk."""
+    name: str | None = None
+    """The dataset's configuration (subset), e.g. 0625 for BAAI/Infinity-Instruct."""
+    split: str = "train"
+    """The split to train on."""
+    val_split: str | None = None
+    """A split to validate on (e.g. test); None holds out val_split_fraction of the training split."""
+    revision: str | None = None
+    """A branch, tag or commit of a hub dataset; default its main branch."""
+    data_files: list[str] | None = None
+    """Only these files (glob patterns) of the dataset, e.g. ["0625/*.parquet"]."""
+
+    def sources(self) -> dict[str, tuple[str, Callable[[], Sequence[list[Message]]]]]:
+        if "_sources" not in self.__dict__:  # loading is not free, even from the cache: once per instance
+            record_format = self.record_format()
+            splits = {"train": self.split, **({"val": self.val_split} if self.val_split else {})}
+            self._sources = {}
+            for role, split in splits.items():
+                dataset = self._load_split(split)
+                identity = digest_of(
+                    {"dataset": dataset._fingerprint, "split": split, "records": record_format.identity()}
+                )
+                where = f"{self.path}{f' ({self.name})' if self.name else ''} split {split}"
+                read = partial(DatasetConversations, dataset, where, record_format)
+                self._sources[role] = (f"hf:{identity}", read)
+        return self._sources
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Loaded datasets stay with this process; another process loads them again from the cache.
+        return {key: value for key, value in self.__dict__.items() if key != "_sources"}
+
+    def _load_split(self, split: str) -> Any:
+        """The `datasets.Dataset` of one split, with only the columns the record shapes read."""
+        import datasets
+
+        path = Path(self.path)
+        try:
+            if path.is_dir() and _saved_to_disk(path):
+                dataset = _pick_split(datasets.load_from_disk(str(path)), split, self.path)
+            elif path.is_file():
+                builder = BUILDERS.get(path.suffix)
+                if builder is None:
+                    raise LitsftError(
+                        f"--data.path {path} is a {path.suffix or 'extensionless'} file; use a "
+                        f"{', '.join(BUILDERS)} file or a folder of them"
+                    )
+                dataset = datasets.load_dataset(builder, data_files={split: str(path)}, split=split)
+            elif path.is_dir() or (_HUB_ID.fullmatch(self.path) and path.suffix not in BUILDERS):
+                dataset = datasets.load_dataset(
+                    self.path, name=self.name, split=split, revision=self.revision, data_files=self.data_files
+                )
+            else:
+                raise LitsftError(
+                    f"--data.path {self.path} is neither an existing file or folder nor a hub dataset id "
+                    "(org/name); check the path"
+                )
+        except Exception as err:
+            raise _load_error(err, self.path, self.name, split) from None
+        wanted = set(RECORD_FIELDS) | set((self.field_map or {}).values())
+        return dataset.select_columns([column for column in dataset.column_names if column in wanted])
+
+
+class DatasetConversations(Sequence):
+    """A dataset's rows as conversations, converted a slice at a time (what tokenizing asks for)."""
+
+    def __init__(self, dataset: Any, name: str, record_format: RecordFormat) -> None:
+        self.dataset, self.name, self.record_format = dataset, name, record_format
+
+    def __len__(self) -> int:
+        return self.dataset.num_rows
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, int):
+            return self[index : index + 1][0]
+        start, stop, step = index.indices(len(self))
+        if step != 1:
+            raise IndexError("DatasetConversations slices with step 1 only")
+        columns = self.dataset[start:stop]  # {column: [values]}: one arrow read for the whole slice
+        names = list(columns)
+        return [
+            self._conversation(dict(zip(names, values)), start + offset)
+            for offset, values in enumerate(zip(*columns.values()))
+        ]
+
+    def _conversation(self, record: dict[str, Any], row: int) -> Conversation:
+        return to_conversation(record, self.where(row), self.record_format)
+
+    def where(self, index: int) -> str:
+        """The dataset and row of conversation `index`, for error messages."""
+        return f"{self.name} row {index}"
+
+
+def _saved_to_disk(path: Path) -> bool:
+    """A folder written by Dataset.save_to_disk or DatasetDict.save_to_disk."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def _pick_split(loaded: Any, split: str, path: str) -> Any:
+    if not hasattr(loaded, "keys"):  # a single Dataset: it is the split asked for
+        return loaded
+    if split not in loaded:
+        raise LitsftError(f"{path} has no split {split!r}; it has {', '.join(loaded)}; pass --data.split")
+    return loaded[split]
+
+
+def _load_error(err: Exception, path: str, name: str | None, split: str) -> Exception:
+    """One line for a dataset that cannot be loaded, naming the fix."""
+    from datasets.exceptions import DatasetNotFoundError
+    from huggingface_hub import constants
+
+    if isinstance(err, LitsftError):
+        return err
+    message = _first_line(err)
+    if isinstance(err, DatasetNotFoundError) and "gated" in message:
+        return LitsftError(
+            f"{path} is a gated dataset: accept its conditions on its dataset page, then set HF_TOKEN to a "
+            "token of that account"
+        )
+    if isinstance(err, DatasetNotFoundError):
+        return LitsftError(
+            f"--data.path {path} is not a local path and {constants.ENDPOINT} has no dataset {path} (or it is "
+            "private: set HF_TOKEN); check the name"
+        )
+    if constants.is_offline_mode() and isinstance(err, ConnectionError):
+        config = f" (config {name})" if name else ""
+        return LitsftError(
+            f"HF_HUB_OFFLINE is set and {path}{config} was never loaded on this machine; load it once where "
+            "the hub is reachable (the `datasets` cache in HF_HOME keeps it), or unset HF_HUB_OFFLINE"
+        )
+    if isinstance(err, ConnectionError):
+        return LitsftError(
+            f"cannot reach {constants.ENDPOINT} to load {path} ({message}); check the network (HF_ENDPOINT "
+            "names a mirror) and run the same command again"
+        )
+    if isinstance(err, ValueError) and ("BuilderConfig" in message or "Config name" in message):
+        return LitsftError(f"{path} has no config {name!r}: {message}; pass one of them as --data.name")
+    if isinstance(err, ValueError) and "split" in message.lower():
+        return LitsftError(f"{path} has no split {split!r}: {message}; pass --data.split")
+    return LitsftError(f"loading {path} failed: {message}")
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

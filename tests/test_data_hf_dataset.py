@@ -1,0 +1,205 @@
+"""`--data HFDataset` (litsft/data/hf_dataset.py): the same records from the hub, parquet, arrow, a
+save_to_disk folder, CSV and JSON give the same tokens and loss masks; hub, gated and offline cases fail in one
+line. Hub datasets come from tests/hub_server.py, in process: `datasets` and huggingface_hub read their
+endpoint, cache and offline settings at import, so `hub_settings` sets those module constants."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hub_server import LocalHub
+from tiny_datasets import CONFIG, as_messages, sharegpt_rows, write_infinity_instruct, write_json
+from tiny_tokenizer import write_tiny_tokenizer
+
+from litsft.data import JSON, HFDataset
+from litsft.errors import LitsftError
+from litsft.tokenizer import Tokenizer
+
+REPO = "BAAI/Infinity-Instruct"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tokenizer")
+    write_tiny_tokenizer(directory, chat_template="chatml")
+    return Tokenizer(directory)
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A local hub serving an Infinity-Instruct-shaped dataset, and `datasets` pointed at it."""
+    with LocalHub() as hub:
+        hub_settings(monkeypatch, hub.url, tmp_path / "hf-home", offline=False)
+        yield hub
+
+
+def hub_settings(monkeypatch, url: str, home: Path, offline: bool) -> None:
+    """What HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE set when `datasets` and huggingface_hub are imported."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_TOKEN", "")
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}"
+    )
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", url)
+    monkeypatch.setattr(
+        datasets.config, "HUB_DATASETS_URL", url + "/datasets/{repo_id}/resolve/{revision}/{path}"
+    )
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", home / "datasets")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", offline)
+
+
+def prepared(data, tokenizer, max_seq_length: int = 256):
+    data.connect(tokenizer, max_seq_length, seed=0)
+    data.prepare()
+    data.setup()
+    return data
+
+
+def assert_same_samples(first, second) -> None:
+    for name in ("tokens", "targets", "offsets"):
+        np.testing.assert_array_equal(getattr(first.train_samples, name), getattr(second.train_samples, name))
+
+
+def test_every_source_of_the_same_records_gives_the_same_tokens_and_masks(hub, tmp_path, tokenizer):
+    import datasets
+
+    rows = sharegpt_rows(12, max_turns=1)  # one exchange each, so that CSV columns can hold them too
+    hub.add_dataset(REPO, write_infinity_instruct(tmp_path / "repo", rows))
+    options = {"cache_dir": tmp_path / "cache", "val_split_fraction": 0.0}
+    reference = prepared(
+        JSON(json_path=write_json(tmp_path / "messages.json", as_messages(rows)), **options), tokenizer
+    )
+
+    table = datasets.Dataset.from_list(rows)
+    table.to_parquet(tmp_path / "train.parquet")
+    table.save_to_disk(tmp_path / "saved")
+    arrow_file = next((tmp_path / "saved").glob("*.arrow"))
+    with open(tmp_path / "train.csv", "w", newline="") as file:  # Alpaca-like columns of other names
+        writer = csv.DictWriter(file, ["system_prompt", "question", "answer"])
+        writer.writeheader()
+        for row in rows:
+            by_role = {m["from"]: m["value"] for m in row["conversations"]}
+            writer.writerow(
+                {
+                    "system_prompt": by_role.get("system", ""),
+                    "question": by_role["human"],
+                    "answer": by_role["gpt"],
+                }
+            )
+    csv_fields = {"system": "system_prompt", "instruction": "question", "output": "answer"}
+
+    sources = {
+        "sharegpt json": JSON(json_path=write_json(tmp_path / "sharegpt.json", rows), **options),
+        "hub": HFDataset(path=REPO, name=CONFIG, **options),
+        "parquet": HFDataset(path=str(tmp_path / "train.parquet"), **options),
+        "arrow": HFDataset(path=str(arrow_file), **options),
+        "save_to_disk": HFDataset(path=str(tmp_path / "saved"), **options),
+        "csv": HFDataset(path=str(tmp_path / "train.csv"), field_map=csv_fields, **options),
+    }
+    for name, data in sources.items():
+        print(name)
+        assert_same_samples(prepared(data, tokenizer), reference)
+    assert len(reference.train_samples) == len(rows)
+
+
+def first_batch(data, tokenizer):
+    prepared(data, tokenizer)
+    return next(iter(data.train_dataloader(rank=0, world_size=1, micro_batch_size=2, global_batch_size=2)))
+
+
+def test_infinity_instruct_from_the_hub_batches_as_the_same_records_written_as_messages(
+    hub, tmp_path, tokenizer
+):
+    rows = sharegpt_rows(40, seed=1, max_turns=3)
+    hub.add_dataset(REPO, write_infinity_instruct(tmp_path / "repo", rows, shards=3))
+    hub_data = HFDataset(path=REPO, name=CONFIG, cache_dir=tmp_path / "cache")
+    json_data = JSON(
+        json_path=write_json(tmp_path / "messages.json", as_messages(rows)), cache_dir=tmp_path / "cache"
+    )
+    from_hub, from_json = first_batch(hub_data, tokenizer), first_batch(json_data, tokenizer)
+    assert from_hub.keys() == from_json.keys()
+    for key in from_hub:
+        assert from_hub[key].tolist() == from_json[key].tolist(), key
+    assert (from_hub["labels"] != -100).sum() > 10
+    # Only the parquet shards of the config and the card were fetched, through the dataset API.
+    fetched = {r.path.rsplit("/", 1)[-1] for r in hub.requests if r.method == "GET" and "/resolve/" in r.path}
+    assert fetched == {"README.md", *(f"train-{i:05d}-of-00003.parquet" for i in range(3))}
+
+
+def test_gated_dataset_without_a_token_is_one_line(hub, tmp_path, tokenizer):
+    hub.add_dataset("org/gated", write_infinity_instruct(tmp_path / "repo", sharegpt_rows(4)), token="secret")
+    data = HFDataset(path="org/gated", name=CONFIG, cache_dir=tmp_path / "cache")
+    data.connect(tokenizer, 64, seed=0)
+    with pytest.raises(LitsftError) as error:
+        data.prepare()
+    assert str(error.value) == (
+        "org/gated is a gated dataset: accept its conditions on its dataset page, then set HF_TOKEN to a token "
+        "of that account"
+    )
+    assert not (tmp_path / "cache").exists()
+
+
+def test_offline_a_cached_dataset_loads_and_an_uncached_one_is_one_line(
+    hub, tmp_path, tokenizer, monkeypatch
+):
+    hub.add_dataset(REPO, write_infinity_instruct(tmp_path / "repo", sharegpt_rows(8)))
+    online = prepared(HFDataset(path=REPO, name=CONFIG, cache_dir=tmp_path / "cache"), tokenizer)
+    hub_settings(
+        monkeypatch, "http://127.0.0.1:9", tmp_path / "hf-home", offline=True
+    )  # nothing answers there
+    offline = prepared(HFDataset(path=REPO, name=CONFIG, cache_dir=tmp_path / "other-cache"), tokenizer)
+    assert offline.fingerprint() == online.fingerprint()
+    assert_same_samples(offline, online)
+
+    missing = HFDataset(path="BAAI/Other", name=CONFIG, cache_dir=tmp_path / "cache")
+    missing.connect(tokenizer, 64, seed=0)
+    with pytest.raises(LitsftError) as error:
+        missing.prepare()
+    assert str(error.value) == (
+        "HF_HUB_OFFLINE is set and BAAI/Other (config 0625) was never loaded on this machine; load it once where "
+        "the hub is reachable (the `datasets` cache in HF_HOME keeps it), or unset HF_HUB_OFFLINE"
+    )
+
+
+def test_a_record_of_no_known_shape_names_the_dataset_row_and_its_fields(tmp_path, tokenizer, monkeypatch):
+    import datasets
+
+    hub_settings(monkeypatch, "http://127.0.0.1:9", tmp_path / "hf-home", offline=True)
+    rows = [
+        {"instruction": "a", "output": "b", "question": None},
+        {"instruction": None, "output": None, "question": "q"},
+    ]
+    datasets.Dataset.from_list(rows).to_parquet(tmp_path / "mixed.parquet")
+    data = HFDataset(
+        path=str(tmp_path / "mixed.parquet"), field_map={"query": "question"}, cache_dir=tmp_path / "c"
+    )
+    data.connect(tokenizer, 64, seed=0)
+    with pytest.raises(LitsftError) as error:
+        data.prepare()
+    assert str(error.value).startswith(
+        f"{tmp_path / 'mixed.parquet'} split train row 1: the record fits no record shape (its fields: 'query', "
+        "'question'); each record needs 'messages', 'conversations' (ShareGPT)"
+    )
+
+
+def test_a_missing_path_and_a_wrong_config_are_one_line(hub, tmp_path, tokenizer):
+    hub.add_dataset(REPO, write_infinity_instruct(tmp_path / "repo", sharegpt_rows(4)))
+    with pytest.raises(LitsftError, match=r"^--data.path nowhere/data.parquet is neither an existing file"):
+        HFDataset(path="nowhere/data.parquet").fingerprint()
+    with pytest.raises(
+        LitsftError, match=rf"^{REPO} has no config '7M': .*; pass one of them as --data.name$"
+    ):
+        HFDataset(path=REPO, name="7M").fingerprint()
+    with pytest.raises(
+        LitsftError, match=r"^--data.path org/none is not a local path and http://127.0.0.1:\d+ has no"
+    ):
+        HFDataset(path="org/none").fingerprint()
