@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 from tiny_tokenizer import write_tiny_tokenizer
 
-from litsft.data.chat import ChatFormat
+from litsft.data.chat import ChatFormat, Conversation
 from litsft.errors import LitsftError
 from litsft.tokenizer import Tokenizer
 
@@ -186,3 +189,126 @@ def test_a_template_that_drops_past_reasoning_is_trained_turn_by_turn(tmp_path):
     )
     # A conversation the template renders incrementally stays one sample.
     assert len(chat_format.tokenize_many([REASONING_CONVERSATION[:2]])[2]) == 1
+
+
+# ---- the loss mask of real templates ---------------------------------------------------------------------
+# Each family's own chat template (tests/fixtures/chat_templates, with its source), rendered with a tiny
+# tokenizer. The tokens must be what transformers' apply_chat_template gives for the same messages and tools
+# (so tools, tool calls and reasoning reach the template as transformers hands them), and the tokens that
+# carry loss, decoded, must be exactly each assistant turn and its end-of-turn token. None of these templates
+# marks its assistant turns with {% generation %}, so transformers' return_assistant_tokens_mask cannot
+# check them; the masked text is written out below from each template's markup.
+TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+CALL = {
+    "id": "call00001",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+}
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "You answer in one line."},
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "It is 5."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "tool_calls": [CALL]},
+    {"role": "tool", "name": "get_weather", "tool_call_id": "call00001", "content": "sunny"},
+    {"role": "assistant", "content": "Sunny in Paris."},
+]
+THINKING_CONVERSATION = [
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "It is 5.", "reasoning_content": "add them"},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [CALL], "reasoning_content": "ask the tool"},
+    {"role": "tool", "content": "sunny"},
+    {"role": "assistant", "content": "Sunny in Paris.", "reasoning_content": "it said sunny"},
+]
+QWEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+EOS = "<|end_of_text|>"  # the tiny tokenizer's eos, which templates write as eos_token
+# family: (template file, conversation, tools, [(messages the sample holds, its masked text), ...]):
+# one sample for a template that renders the conversation incrementally, else one per assistant turn.
+FAMILIES = {
+    "llama-3.1": (
+        "llama-3.1.jinja",
+        TOOL_CONVERSATION,
+        TOOLS,
+        [
+            (
+                7,
+                'It is 5.<|eot_id|>{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>Sunny in Paris.<|eot_id|>',
+            )
+        ],
+    ),
+    "qwen2.5": (
+        "qwen2.5.jinja",
+        TOOL_CONVERSATION,
+        TOOLS,
+        [(7, f"It is 5.<|im_end|>{QWEN_CALL}<|im_end|>Sunny in Paris.<|im_end|>")],
+    ),
+    # Qwen3 shows reasoning only after the last user query, so each turn is its own sample.
+    "qwen3": (
+        "qwen3.jinja",
+        THINKING_CONVERSATION,
+        TOOLS,
+        [
+            (2, "<think>\nadd them\n</think>\n\nIt is 5.<|im_end|>"),
+            (4, f"<think>\nask the tool\n</think>\n\n{QWEN_CALL}<|im_end|>"),
+            (6, "<think>\nit said sunny\n</think>\n\nSunny in Paris.<|im_end|>"),
+        ],
+    ),
+    # Mistral writes the tools before the last user message, which moves as the conversation grows.
+    "mistral-v0.3": (
+        "mistral-v0.3.jinja",
+        TOOL_CONVERSATION,
+        TOOLS,
+        [
+            (3, f" It is 5.{EOS}"),
+            (
+                5,
+                f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {{"city": "Paris"}}, "id": "call00001"}}]{EOS}',
+            ),
+            (7, f" Sunny in Paris.{EOS}"),
+        ],
+    ),
+    "smollm2": (
+        "smollm2.jinja",
+        CONVERSATION,
+        None,
+        [(5, "It is 5.<|im_end|>The cat sings today!<|im_end|>")],
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_real_templates_mask_exactly_the_assistant_turns(family, tmp_path):
+    from transformers import AutoTokenizer
+
+    template, conversation, tools, expected = FAMILIES[family]
+    write_tiny_tokenizer(tmp_path, chat_template="chatml")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (TEMPLATES / template).read_text()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer, hf = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+
+    tokens, targets, lengths = ChatFormat(tokenizer).tokenize_many([Conversation(conversation, tools)])
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    assert len(lengths) == len(expected)
+    for (upto, masked), start, end in zip(expected, starts[:-1], starts[1:]):
+        text = hf.apply_chat_template(conversation[:upto], tools=tools, tokenize=False)
+        assert tokens[start:end].tolist() == hf.encode(text, add_special_tokens=False)
+        assert (
+            tokenizer.decode(tokens[start:end][targets[start:end]].tolist(), skip_special_tokens=False)
+            == masked
+        )
