@@ -9,7 +9,7 @@ import pytest
 from tiny_tokenizer import write_tiny_tokenizer
 
 from litsft.data import JSON
-from litsft.data.records import read_conversations
+from litsft.data.records import RecordFormat, RecordOptions, read_conversations, to_conversation
 from litsft.errors import LitsftError
 from litsft.tokenizer import Tokenizer
 
@@ -156,3 +156,99 @@ def test_json_and_jsonl_hold_the_same_records(tmp_path):
         ],
         [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
     ]
+
+
+SYSTEM_USER_ASSISTANT = [
+    {"role": "system", "content": "Be nice."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello"},
+]
+SAME_RECORD_IN_EVERY_SHAPE = {
+    "messages": {"messages": SYSTEM_USER_ASSISTANT},
+    "sharegpt": {
+        "conversations": [
+            {"from": "system", "value": "Be nice."},
+            {"from": "human", "value": "Hi"},
+            {"from": "gpt", "value": "Hello"},
+        ]
+    },
+    "alpaca": {"instruction": "Hi", "output": "Hello", "system": "Be nice."},
+    "prompt_completion": {"prompt": SYSTEM_USER_ASSISTANT[:2], "completion": "Hello"},
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SAME_RECORD_IN_EVERY_SHAPE))
+def test_every_shape_is_detected_or_named(shape):
+    record = SAME_RECORD_IN_EVERY_SHAPE[shape]
+    assert to_conversation(record) == SYSTEM_USER_ASSISTANT
+    assert to_conversation(record, record_format=RecordFormat(shape=shape)) == SYSTEM_USER_ASSISTANT
+
+
+def test_fields_roles_and_message_keys_are_mapped():
+    record = {
+        "dialog": [{"speaker": "person", "text": "Hi"}, {"speaker": "bot", "text": "Hello"}],
+        "extra": 1,
+    }
+    mapped = RecordOptions(
+        field_map={"conversations": "dialog"},
+        role_map={"person": "user", "bot": "assistant"},
+        message_map={"role": "speaker", "content": "text"},
+    ).record_format()
+    assert to_conversation(record, "r", mapped) == SYSTEM_USER_ASSISTANT[1:]
+    unmapped = RecordFormat(
+        field_map={"conversations": "dialog"}, message_map={"role": "speaker", "content": "text"}
+    )
+    with pytest.raises(LitsftError) as error:
+        to_conversation(record, "data.json line 3", unmapped)
+    assert str(error.value).startswith(
+        "data.json line 3: conversations[0].speaker is 'person'; use one of human, user, gpt, assistant"
+    )
+    assert str(error.value).endswith("; map it with --data.role_map")
+    alpaca = to_conversation(
+        {"q": "Hi", "a": "Hello"}, "r", RecordFormat(field_map={"instruction": "q", "output": "a"})
+    )
+    assert alpaca == SYSTEM_USER_ASSISTANT[1:]
+
+
+def test_tools_tool_calls_and_reasoning_reach_the_conversation():
+    call = {"id": None, "type": "function", "function": {"name": "f", "arguments": {"x": 1, "y": None}}}
+    record = {
+        "messages": [
+            {"role": "user", "content": "Use f"},
+            {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "f fits"},
+            {"role": "tool", "content": "2", "tool_call_id": None, "name": "f"},
+            {"role": "assistant", "content": "It is 2.", "thinking": None},
+        ],
+        "tools": json.dumps([{"type": "function", "function": {"name": "f", "parameters": None}}]),
+    }
+    conversation = to_conversation(record)
+    # Columnar files fill missing fields with null: dropped, as the JSON the records came from had no such key.
+    assert conversation.tools == [{"type": "function", "function": {"name": "f"}}]
+    assert conversation[1] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}],
+        "reasoning_content": "f fits",
+    }
+    assert conversation[2] == {"role": "tool", "content": "2", "name": "f"}
+
+
+def test_plain_text_records_train_on_every_token(tmp_path, tokenizer):
+    (tmp_path / "text.jsonl").write_text('{"text": "Once upon a time"}\n{"text": "The end."}\n')
+    data = JSON(json_path=tmp_path / "text.jsonl", cache_dir=tmp_path / "cache", val_split_fraction=0)
+    data.connect(tokenizer, 64, seed=0)
+    data.prepare()
+    data.setup()
+    samples = data.train_samples
+    first = samples.tokens[samples.offsets[0] : samples.offsets[1]]
+    assert tokenizer.decode(first.tolist(), skip_special_tokens=False) == "Once upon a time<|end_of_text|>"
+    assert samples.targets[1 : samples.offsets[1]].all()  # every token after the first (nothing precedes it)
+
+
+def test_a_record_of_no_shape_names_its_fields(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"question": "q", "answer": "a"}\n')
+    with pytest.raises(LitsftError) as error:
+        read_conversations(tmp_path / "a.jsonl")
+    assert str(error.value) == (
+        f"{tmp_path / 'a.jsonl'} line 1: the record fits no record shape (its fields: 'answer', 'question'); {SHAPES}"
+    )

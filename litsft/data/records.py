@@ -70,7 +70,7 @@ class RecordOptions:
     """ShareGPT message keys, default {"role": "from", "content": "value"}."""
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        getattr(super(), "__post_init__", lambda: None)()  # the data module's own checks, when mixed in
         self.record_format()  # bad options fail when the command is parsed, not after a download
 
     def record_format(self) -> RecordFormat:
