@@ -11,7 +11,7 @@ from litsft.recipes import finetune_full, finetune_lora, pretrain
 
 from litsft.args import accumulation_steps
 from litsft.config import NAMED_CONFIGS
-from litsft.data import JSON, LitData, TextFiles
+from litsft.data import JSON, HFDataset, LitData, TextFiles
 
 CONFIG_HUB = Path(__file__).parent.parent / "config_hub"
 RECIPES = {
@@ -54,7 +54,9 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "num_nodes": 1,
         "train.global_batch_size": 528,
         "fsdp.activation_checkpointing": True,
-        "data": JSON,
+        "data": HFDataset,
+        "data.path": "BAAI/Infinity-Instruct",
+        "data.name": "0625",
         "data.packing": True,
         "fsdp.sharding_strategy": "SHARD_GRAD_OP",
         "train.epochs": 3,

@@ -9,7 +9,7 @@ import pytest
 from tiny_tokenizer import write_tiny_tokenizer
 
 from litsft.data import JSON
-from litsft.data.records import RecordFormat, RecordOptions, read_conversations, to_conversation
+from litsft.data.records import RecordFormat, read_conversations, to_conversation
 from litsft.errors import LitsftError
 from litsft.tokenizer import Tokenizer
 
@@ -189,7 +189,8 @@ def test_fields_roles_and_message_keys_are_mapped():
         "dialog": [{"speaker": "person", "text": "Hi"}, {"speaker": "bot", "text": "Hello"}],
         "extra": 1,
     }
-    mapped = RecordOptions(
+    mapped = JSON(
+        json_path="unused.json",
         field_map={"conversations": "dialog"},
         role_map={"person": "user", "bot": "assistant"},
         message_map={"role": "speaker", "content": "text"},

@@ -26,6 +26,7 @@ import numpy as np
 
 from litsft.data.chat import ChatFormat, Message, PromptStyle
 from litsft.data.loader import SFTLoader
+from litsft.data.records import RecordFormat, RecordShape
 from litsft.data.samples import Samples, tokenize_conversations, write_atomically
 from litsft.errors import LitsftError, check_number
 from litsft.tokenizer import Tokenizer
@@ -253,6 +254,34 @@ class SFTDataModule(DataOptions, DataModule):
                 "raise max_seq_length"
             )
         return train, val
+
+
+@dataclass(kw_only=True)
+class RecordDataModule(SFTDataModule):
+    """SFT data read from records (files, datasets), with how records become conversations (records.py)."""
+
+    record_shape: RecordShape = "auto"
+    """The records' shape: auto (detected per record), messages, sharegpt, alpaca, prompt_completion or text."""
+    field_map: dict[str, str] | None = None
+    """Field names of the standard shapes mapped to the data's own, e.g. {"instruction": "question",
+    "output": "answer"} or {"conversations": "dialog"}."""
+    role_map: dict[str, str] | None = None
+    """ShareGPT `from` values mapped to roles (system, user, assistant, tool), added to the usual ones
+    (human, gpt, system, tool, function...), e.g. {"bot": "assistant"}."""
+    message_map: dict[str, str] | None = None
+    """ShareGPT message keys, default {"role": "from", "content": "value"}."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.record_format()  # bad options fail when the command is parsed, not after a download
+
+    def record_format(self) -> RecordFormat:
+        return RecordFormat(
+            shape=self.record_shape,
+            field_map=dict(self.field_map or {}),
+            role_map=dict(self.role_map or {}),
+            message_map=dict(self.message_map or {}),
+        )
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:

@@ -17,9 +17,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from litsft.data.base import SFTDataModule, digest_of
+from litsft.data.base import RecordDataModule, digest_of
 from litsft.data.chat import Conversation, Message
-from litsft.data.records import RecordFormat, RecordOptions, to_conversation
+from litsft.data.records import RecordFormat, to_conversation
 from litsft.errors import LitsftError
 
 # The `datasets` builder that reads each local file type.
@@ -41,7 +41,7 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")
 
 
 @dataclass(kw_only=True)
-class HFDataset(RecordOptions, SFTDataModule):
+class HFDataset(RecordDataModule):
     """Records from a Hugging Face dataset, by hub id or local path, in any record shape (see records.py)."""
 
     path: str

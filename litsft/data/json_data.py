@@ -7,14 +7,14 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from litsft.data.base import SFTDataModule, digest_of, file_fingerprint
+from litsft.data.base import RecordDataModule, digest_of, file_fingerprint
 from litsft.data.chat import Message
-from litsft.data.records import EXTENSIONS, RecordOptions, read_conversations
+from litsft.data.records import EXTENSIONS, read_conversations
 from litsft.errors import LitsftError
 
 
 @dataclass(kw_only=True)
-class JSON(RecordOptions, SFTDataModule):
+class JSON(RecordDataModule):
     """Records from a .json / .jsonl file, or from a directory holding train.json(l) and val.json(l).
 
     A record is OpenAI-style {"messages": [...]} (with tools and reasoning), ShareGPT {"conversations":

@@ -54,34 +54,6 @@ SHAREGPT_MESSAGE = {"role": "from", "content": "value"}
 EXTRA_MESSAGE_KEYS = ("tool_calls", "reasoning_content", "thinking", "name", "tool_call_id")
 
 
-@dataclass(kw_only=True)
-class RecordOptions:
-    """How records become conversations; options of every data module that reads records."""
-
-    record_shape: RecordShape = "auto"
-    """The records' shape: auto (detected per record), messages, sharegpt, alpaca, prompt_completion or text."""
-    field_map: dict[str, str] | None = None
-    """Field names of the standard shapes mapped to the data's own, e.g. {"instruction": "question",
-    "output": "answer"} or {"conversations": "dialog"}."""
-    role_map: dict[str, str] | None = None
-    """ShareGPT `from` values mapped to roles (system, user, assistant, tool), added to the usual ones
-    (human, gpt, system, tool, function...), e.g. {"bot": "assistant"}."""
-    message_map: dict[str, str] | None = None
-    """ShareGPT message keys, default {"role": "from", "content": "value"}."""
-
-    def __post_init__(self) -> None:
-        getattr(super(), "__post_init__", lambda: None)()  # the data module's own checks, when mixed in
-        self.record_format()  # bad options fail when the command is parsed, not after a download
-
-    def record_format(self) -> RecordFormat:
-        return RecordFormat(
-            shape=self.record_shape,
-            field_map=dict(self.field_map or {}),
-            role_map=dict(self.role_map or {}),
-            message_map=dict(self.message_map or {}),
-        )
-
-
 @dataclass(frozen=True)
 class RecordFormat:
     """The record options, resolved: what `to_conversation` reads."""
