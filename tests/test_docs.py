@@ -4,7 +4,8 @@ Each doc's commands run in order, in one bash session, in a fresh directory of t
 `checkpoints/<org>/<name>` a command names holds a tiny litsft checkpoint of the same family, every
 `hf/<org>/<name>` a tiny Hugging Face checkpoint, `checkpoints/demo` the demo model, `data/*.json(l)` a few
 records, and every hub id that `litsft download` names is a tiny model of the same family on a local
-stand-in for the Hugging Face Hub (tests/hub_server.py). Training commands get SHORT_RUN appended (later
+stand-in for the Hugging Face Hub (tests/hub_server.py), which also serves every hub dataset a `--data HFDataset`
+command names as a small Infinity-Instruct-shaped dataset (tests/tiny_datasets.py). Training commands get SHORT_RUN appended (later
 options win in jsonargparse). A command that cannot run here carries a marker comment (MARKERS) at the end
 of its line or on the comment line above it.
 The ```python blocks run too, in the same directory, in document order.
@@ -31,6 +32,7 @@ import pytest
 import yaml
 from hub_server import LocalHub
 from launch import max_difference, write_tiny_checkpoint
+from tiny_datasets import sharegpt_rows, write_infinity_instruct
 from tiny_hf import save_tiny_hf, tiny_hf_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -203,6 +205,7 @@ def make_workspace(root: Path, blocks: list[Block], demo_checkpoint: Path) -> Pa
     for name in ("alpaca.json", "instructions.json"):
         write_records(workspace / "data" / name, conversations=False)
     write_records(workspace / "data" / "conversations.jsonl", conversations=True)
+    (workspace / "data" / "sharegpt.json").write_text(json.dumps(sharegpt_rows(64)))
     text = " ".join(c.text for b in blocks for c in b.commands)
     converted = set(re.findall(r"convert_from_hf \S+ --out_dir (\S+)", text))
     converted |= {f"checkpoints/{repo_id}" for repo_id in downloaded_repos(blocks)}
@@ -220,13 +223,31 @@ def downloaded_repos(blocks: list[Block]) -> list[str]:
     return sorted(set(re.findall(r"\blitsft download ([\w.-]+/[\w.-]+)", text)))
 
 
+def hub_datasets(blocks: list[Block]) -> list[str]:
+    """The hub dataset ids that a doc's `--data HFDataset` commands (and the configs they load) name."""
+    ids = set()
+    for command in (c.text for b in blocks if b.language == "bash" for c in b.commands):
+        for config in re.findall(r"--config (\S+\.yaml)", command):
+            data = yaml.safe_load((ROOT / config).read_text()).get("data") or {}
+            if str(data.get("class_path", "")).endswith("HFDataset"):
+                ids.add(data["init_args"]["path"])
+        if "--data HFDataset" in command:
+            ids.update(re.findall(r"--data\.path ([A-Za-z0-9][\w.-]*/[\w.-]+)(?:\s|$)", command))
+    return sorted(i for i in ids if not i.startswith("data/"))
+
+
 @contextmanager
 def local_hub(blocks: list[Block], root: Path) -> Iterator[dict[str, str]]:
     """A local stand-in for the Hugging Face Hub serving a tiny model of the right family under each hub id
-    the doc downloads; yields the environment that points huggingface_hub at it."""
+    the doc downloads, and a small ShareGPT dataset under each hub dataset id it names; yields the environment
+    that points huggingface_hub and `datasets` at it."""
     with LocalHub() as hub:
         for repo_id in downloaded_repos(blocks):
             hub.add_repo(repo_id, save_tiny_hf(tiny_hf_model(hf_kind(repo_id)), root / "hub" / repo_id))
+        for repo_id in hub_datasets(blocks):
+            hub.add_dataset(
+                repo_id, write_infinity_instruct(root / "hub-datasets" / repo_id, sharegpt_rows(64))
+            )
         yield {
             "HF_ENDPOINT": hub.url,
             "HF_HOME": str(root / "hf-home"),

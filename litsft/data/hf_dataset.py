@@ -80,7 +80,11 @@ class HFDataset(RecordDataModule):
     def _load_split(self, split: str) -> Any:
         """The `datasets.Dataset` of one split, with only the columns the record shapes read."""
         import datasets
+        import tqdm
 
+        # tqdm's monitor thread (started by the first progress bar) would keep tokenizing from forking
+        # workers (samples.py forks only from a single-threaded process); it only tunes bar refresh rates.
+        tqdm.tqdm.monitor_interval = 0
         path = Path(self.path)
         try:
             if path.is_dir() and _saved_to_disk(path):
