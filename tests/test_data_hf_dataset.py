@@ -203,3 +203,32 @@ def test_a_missing_path_and_a_wrong_config_are_one_line(hub, tmp_path, tokenizer
         LitsftError, match=r"^--data.path org/none is not a local path and http://127.0.0.1:\d+ has no"
     ):
         HFDataset(path="org/none").fingerprint()
+
+
+def test_a_validation_split_and_the_fingerprint(tmp_path, tokenizer, monkeypatch):
+    import datasets
+
+    hub_settings(monkeypatch, "http://127.0.0.1:9", tmp_path / "hf-home", offline=True)
+    rows = sharegpt_rows(10)
+    splits = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows[:7]), "test": datasets.Dataset.from_list(rows[7:])}
+    )
+    splits.save_to_disk(tmp_path / "saved")
+    data = prepared(
+        HFDataset(path=str(tmp_path / "saved"), val_split="test", cache_dir=tmp_path / "c"), tokenizer
+    )
+    assert (len(data.train_samples), len(data.val_samples)) == (7, 3)
+    with pytest.raises(
+        LitsftError, match=r"saved has no split 'dev'; it has train, test; pass --data.split$"
+    ):
+        HFDataset(path=str(tmp_path / "saved"), val_split="dev").fingerprint()
+
+    # The fingerprint (checked on resume) follows the records and the options that read them.
+    datasets.Dataset.from_list(rows).to_parquet(tmp_path / "rows.parquet")
+    before = HFDataset(path=str(tmp_path / "rows.parquet")).fingerprint()
+    assert HFDataset(path=str(tmp_path / "rows.parquet")).fingerprint() == before
+    assert (
+        HFDataset(path=str(tmp_path / "rows.parquet"), role_map={"bot": "assistant"}).fingerprint() != before
+    )
+    datasets.Dataset.from_list(rows[:9]).to_parquet(tmp_path / "rows.parquet")
+    assert HFDataset(path=str(tmp_path / "rows.parquet")).fingerprint() != before
