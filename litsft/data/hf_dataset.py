@@ -60,6 +60,11 @@ class HFDataset(RecordDataModule):
 
     def sources(self) -> dict[str, tuple[str, Callable[[], Sequence[list[Message]]]]]:
         if "_sources" not in self.__dict__:  # loading is not free, even from the cache: once per instance
+            if self.val_split and Path(self.path).is_file():
+                raise LitsftError(
+                    f"--data.val_split {self.val_split}: {self.path} is one file, one split; leave val_split "
+                    "unset (val_split_fraction of it is held out) or pass a folder or dataset with that split"
+                )
             record_format = self.record_format()
             splits = {"train": self.split, **({"val": self.val_split} if self.val_split else {})}
             self._sources = {}

@@ -46,15 +46,23 @@ class Samples:
         """Keep the first `max_tokens` tokens of each sample and drop the samples left without any target
         (the first token of a sample is never a target: nothing precedes it). Returns (samples, dropped)."""
         lengths = np.minimum(self.lengths, max_tokens)
-        gather = _ranges(self.offsets[:-1], lengths)
-        targets = self.targets[gather].copy()
-        kept_offsets = np.zeros(len(self) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=kept_offsets[1:])
+        if np.array_equal(lengths, self.lengths):
+            # Nothing to cut (the usual case): no gather, whose int64 index arrays would be 8 bytes a token.
+            tokens, targets, kept_offsets = self.tokens, self.targets.copy(), self.offsets
+        else:
+            gather = _ranges(self.offsets[:-1], lengths)
+            tokens, targets = self.tokens[gather], self.targets[gather]
+            kept_offsets = np.zeros(len(self) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=kept_offsets[1:])
         targets[kept_offsets[:-1][lengths > 0]] = False  # nothing precedes a first token
-        sample_of_token = np.repeat(np.arange(len(self)), lengths)
-        counts = np.bincount(sample_of_token, weights=targets, minlength=len(self))
-        truncated = Samples(self.tokens[gather], targets, kept_offsets)
-        keep = np.flatnonzero(counts > 0)
+        # Whether each sample keeps a target: an OR over each sample's run (a run between two non-empty
+        # samples' starts holds only the first one's tokens: empty samples add nothing).
+        has_target = np.zeros(len(self), dtype=bool)
+        nonempty = np.flatnonzero(lengths > 0)
+        if len(nonempty):
+            has_target[nonempty] = np.logical_or.reduceat(targets, kept_offsets[nonempty])
+        truncated = Samples(tokens, targets, kept_offsets)
+        keep = np.flatnonzero(has_target)
         if len(keep) == len(self):
             return truncated, 0
         return truncated.subset(keep), len(self) - len(keep)
