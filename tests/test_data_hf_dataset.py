@@ -135,7 +135,7 @@ def test_infinity_instruct_from_the_hub_batches_as_the_same_records_written_as_m
     assert fetched == {"README.md", *(f"train-{i:05d}-of-00003.parquet" for i in range(3))}
 
 
-def test_gated_dataset_without_a_token_is_one_line(hub, tmp_path, tokenizer):
+def test_gated_dataset_without_a_token_is_one_line_and_loads_with_one(hub, tmp_path, tokenizer, monkeypatch):
     hub.add_dataset("org/gated", write_infinity_instruct(tmp_path / "repo", sharegpt_rows(4)), token="secret")
     data = HFDataset(path="org/gated", name=CONFIG, cache_dir=tmp_path / "cache")
     data.connect(tokenizer, 64, seed=0)
@@ -146,6 +146,12 @@ def test_gated_dataset_without_a_token_is_one_line(hub, tmp_path, tokenizer):
         "of that account"
     )
     assert not (tmp_path / "cache").exists()
+    monkeypatch.setenv("HF_TOKEN", "secret")  # with the token, as for models
+    assert len(
+        prepared(
+            HFDataset(path="org/gated", name=CONFIG, cache_dir=tmp_path / "cache"), tokenizer
+        ).train_samples
+    )
 
 
 def test_offline_a_cached_dataset_loads_and_an_uncached_one_is_one_line(
