@@ -238,3 +238,16 @@ def test_a_validation_split_and_the_fingerprint(tmp_path, tokenizer, monkeypatch
     )
     datasets.Dataset.from_list(rows[:9]).to_parquet(tmp_path / "rows.parquet")
     assert HFDataset(path=str(tmp_path / "rows.parquet")).fingerprint() != before
+
+
+def test_data_files_and_a_revision_pick_what_is_loaded(hub, tmp_path, tokenizer):
+    rows = sharegpt_rows(10)
+    hub.add_dataset(REPO, write_infinity_instruct(tmp_path / "main", rows, shards=2))
+    hub.add_dataset(REPO, write_infinity_instruct(tmp_path / "v2", rows[:4], shards=1), revision="v2")
+    options = {"cache_dir": tmp_path / "cache", "val_split_fraction": 0.0}
+    first_shard = HFDataset(path=REPO, data_files=[f"{CONFIG}/train-00000-of-00002.parquet"], **options)
+    assert len(prepared(first_shard, tokenizer).train_samples) == 5
+    assert (
+        len(prepared(HFDataset(path=REPO, name=CONFIG, revision="v2", **options), tokenizer).train_samples)
+        == 4
+    )
