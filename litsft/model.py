@@ -94,29 +94,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-class KVCache(nn.Module):
-    """Keys and values of earlier positions, for generation."""
+class KVCache:
+    """Keys and values of earlier positions, for generation, in the compute dtype.
 
-    def __init__(
-        self,
-        batch_size: int,
-        max_length: int,
-        num_kv_heads: int,
-        head_dim: int,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
-        super().__init__()
-        shape = (batch_size, num_kv_heads, max_length, head_dim)
-        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+    The buffers are made at the first update, in the dtype of the values written: the dtype attention
+    computes in (bf16 under bf16 autocast or FSDP2's bf16 parameters, whatever the weights are stored in).
+    Keys are cast to it: under autocast RoPE's fp32 angles leave them in fp32, and attention would cast
+    them down anyway."""
+
+    def __init__(self, batch_size: int, max_length: int, num_kv_heads: int, head_dim: int) -> None:
+        self.shape = (batch_size, num_kv_heads, max_length, head_dim)
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def max_length(self) -> int:
+        return self.shape[2]
 
     def update(
         self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k/v (B, K, T, D) at `positions` (T,) and return the whole cache (B, K, S, D)."""
-        self.k.index_copy_(2, positions, k)
-        self.v.index_copy_(2, positions, v)
+        if self.k is None or self.v is None:
+            self.k = torch.zeros(self.shape, device=v.device, dtype=v.dtype)
+            self.v = torch.zeros(self.shape, device=v.device, dtype=v.dtype)
+        self.k.index_copy_(2, positions, k.to(self.k.dtype))
+        self.v.index_copy_(2, positions, v.to(self.v.dtype))
         return self.k, self.v
 
 
@@ -303,7 +306,7 @@ class Transformer(nn.Module):
                 documents=documents,
                 window=window,
                 cache_positions=position_ids[0] if decoding else None,
-                cache_length=self.kv_caches[0].k.shape[2] if decoding else 0,
+                cache_length=self.kv_caches[0].max_length if decoding else 0,
             )
             for window in windows
         }
@@ -319,18 +322,8 @@ class Transformer(nn.Module):
         )
 
     def setup_kv_caches(self, batch_size: int, max_length: int) -> None:
-        param = self.embed.weight
-        self.kv_caches = [
-            KVCache(
-                batch_size,
-                max_length,
-                self.config.num_kv_heads,
-                self.config.head_dim,
-                param.device,
-                param.dtype,
-            )
-            for _ in self.blocks
-        ]
+        C = self.config
+        self.kv_caches = [KVCache(batch_size, max_length, C.num_kv_heads, C.head_dim) for _ in self.blocks]
 
     def clear_kv_caches(self) -> None:
         self.kv_caches = None

@@ -264,3 +264,28 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused_at_load(tmp_path, capsy
         "its ids past the embedding table would crash the model; put the tokenizer of these weights into the "
         "checkpoint directory\n"
     )
+
+
+@pytest.mark.parametrize("adapters", [False, True], ids=["full", "lora"])
+def test_generation_under_bf16_autocast(adapters):
+    """Generation under bf16-mixed, as the validation sample runs it: fp32 weights under autocast (and with
+    LoRA the frozen base stored in bf16, as the engine stores it). Under autocast RoPE leaves the keys in
+    fp32 while the values come out of their projection in bf16; the cache holds both in the compute dtype.
+    Every greedy token matches a full recompute of the growing sequence under the same autocast."""
+    from litsft.engine import store_frozen_in_compute_dtype
+
+    torch.manual_seed(0)
+    model = Transformer(Config.from_name("tiny-llama"))
+    if adapters:
+        model = apply_lora(model, LoRAConfig(rank=4, alpha=8, targets="all-linear"))
+        store_frozen_in_compute_dtype(model, torch.bfloat16)
+    model.eval()
+    prompt = torch.randint(5, model.config.vocab_size, (7,), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cached = generate_tokens(model, prompt, 6)
+        with torch.no_grad():
+            tokens = prompt[None]
+            for _ in range(6):
+                tokens = torch.cat([tokens, model(tokens)[:, -1:].argmax(-1)], dim=1)
+    assert model.kv_caches is None
+    assert cached.tolist() == tokens[0, len(prompt) :].tolist()
