@@ -31,7 +31,7 @@ from litsft.optimizer import build_optimizer, learning_rate
 from litsft.parallel import parallelize
 from litsft.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 from litsft.sizes import num_parameters
-from litsft.step import next_micro_batches, raise_if_diverged, train_step
+from litsft.step import diverged, next_micro_batches, raise_if_diverged, train_step
 from litsft.storage import training_checkpoint as checkpoint
 from litsft.storage.files import publish_atomically
 from litsft.validation import FINAL_DIR
@@ -138,7 +138,7 @@ def train_loop(
         )
         state.step += 1
         step = state.step
-        state.skipped_steps += ~torch.isfinite(grad_norm)
+        state.skipped_steps += diverged(fabric, loss, grad_norm)
         fault_point(f"after_step_{step}", fabric.global_rank)
         log = step % run.train.log_interval == 0 or step == total_steps
         validate_now = run.eval.interval and step % run.eval.interval == 0 and step < total_steps

@@ -62,16 +62,40 @@ def train_step(
             loss = model(**batch)
             fabric.backward(loss * scale)
         loss_sum += loss.detach()
+    # Fabric's wrapper hands step() to the optimizer it wraps, which is where the scaler and AdamW look.
+    inner_optimizer = getattr(optimizer, "optimizer", optimizer)
+    scaler = loss_scaler(fabric)
+    if scaler is not None:
+        # 16-mixed: backward left the gradients multiplied by the loss scale (2**16 at first). Unscaled before
+        # clipping, so that max_norm and the reported norm are those of the true gradients; the scaler records
+        # whether they overflowed, and its step() then hands that flag to AdamW instead of unscaling again.
+        scaler.unscale_(inner_optimizer)
     grad_norm = clip_gradients(model, max_norm)
-    # Checked on the device, not read by the host: with `found_inf` set (the flag torch's GradScaler uses),
-    # fused AdamW leaves parameters, moments and step count alone when the norm is inf or NaN. The loop
-    # reports it at its next synchronization (`raise_if_diverged`).
-    # Fabric's wrapper hands step() to the optimizer it wraps, which is where AdamW looks for the flag.
-    getattr(optimizer, "optimizer", optimizer).found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
+    if scaler is None:
+        # Checked on the device, not read by the host: with `found_inf` set (the flag torch's GradScaler uses),
+        # fused AdamW leaves parameters, moments and step count alone when the norm is inf or NaN. The loop
+        # reports it at its next synchronization (`raise_if_diverged`).
+        inner_optimizer.found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     loss = sum_over_ranks(fabric, loss_sum) / target_tokens
     return loss, grad_norm, counts[0], counts[1]
+
+
+def loss_scaler(fabric: Fabric) -> torch.amp.GradScaler | None:
+    """The GradScaler of fp16 mixed precision (16-mixed), None under every other precision."""
+    return getattr(fabric.strategy.precision, "scaler", None)
+
+
+def diverged(fabric: Fabric, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+    """Whether this step's update was skipped because training diverged (a bool tensor, on the device).
+
+    Without loss scaling, an inf or NaN gradient norm is divergence. Under 16-mixed it is also how the
+    scaler finds its scale: a finite loss whose scaled gradients overflowed fp16 has its update skipped and
+    the scale halved, which is calibration, not divergence; a non-finite loss is divergence either way."""
+    if loss_scaler(fabric) is None:
+        return ~torch.isfinite(grad_norm)
+    return ~torch.isfinite(loss)
 
 
 def sum_over_ranks(fabric: Fabric, tensor: torch.Tensor) -> torch.Tensor:
