@@ -132,24 +132,46 @@ ALL_VARLEN = frozenset({"enable_gqa", "window_size"})
 TORCH_2_11_VARLEN = frozenset({"is_causal"})  # no enable_gqa, no window_size
 
 
+H100, A100, T4, V100, P100 = (9, 0), (8, 0), (7, 5), (7, 0), (6, 0)
+
+
 @pytest.mark.parametrize(
-    ("device", "dtype", "windowed", "dropout", "varlen", "flex", "expected"),
+    ("device", "dtype", "windowed", "dropout", "varlen", "flex", "capability", "expected"),
     [
-        ("cpu", torch.bfloat16, False, 0.0, ALL_VARLEN, True, "segmented"),
-        ("cuda", torch.bfloat16, False, 0.0, ALL_VARLEN, True, "varlen"),
-        ("cuda", torch.bfloat16, False, 0.0, TORCH_2_11_VARLEN, True, "varlen"),  # GQA by repeating kv heads
-        ("cuda", torch.float16, True, 0.0, ALL_VARLEN, True, "varlen"),
-        ("cuda", torch.bfloat16, True, 0.0, TORCH_2_11_VARLEN, True, "flex"),  # no window in varlen
-        ("cuda", torch.float32, False, 0.0, ALL_VARLEN, True, "flex"),  # flash needs 16-bit inputs
-        ("cuda", torch.bfloat16, False, 0.0, None, True, "flex"),  # no torch.nn.attention.varlen
-        ("cuda", torch.bfloat16, False, 0.0, None, False, "mask"),
-        ("cuda", torch.bfloat16, True, 0.0, TORCH_2_11_VARLEN, False, "mask"),
-        ("cuda", torch.bfloat16, False, 0.1, ALL_VARLEN, True, "mask"),  # only SDPA applies dropout
-        ("mps", torch.float32, False, 0.0, None, False, "mask"),
+        ("cpu", torch.bfloat16, False, 0.0, ALL_VARLEN, True, H100, "segmented"),
+        ("cuda", torch.bfloat16, False, 0.0, ALL_VARLEN, True, H100, "varlen"),
+        (
+            "cuda",
+            torch.bfloat16,
+            False,
+            0.0,
+            TORCH_2_11_VARLEN,
+            True,
+            H100,
+            "varlen",
+        ),  # GQA: kv heads repeated
+        ("cuda", torch.float16, True, 0.0, ALL_VARLEN, True, H100, "varlen"),
+        ("cuda", torch.bfloat16, True, 0.0, TORCH_2_11_VARLEN, True, H100, "flex"),  # no window in varlen
+        ("cuda", torch.float32, False, 0.0, ALL_VARLEN, True, H100, "flex"),  # flash needs 16-bit inputs
+        ("cuda", torch.bfloat16, False, 0.0, None, True, H100, "flex"),  # no torch.nn.attention.varlen
+        ("cuda", torch.bfloat16, False, 0.0, None, False, H100, "mask"),
+        ("cuda", torch.bfloat16, True, 0.0, TORCH_2_11_VARLEN, False, H100, "mask"),
+        ("cuda", torch.bfloat16, False, 0.1, ALL_VARLEN, True, H100, "mask"),  # only SDPA applies dropout
+        ("mps", torch.float32, False, 0.0, None, False, H100, "mask"),
+        # flash attention runs on sm80 to sm121 only, Triton (flex) on sm70 and newer
+        ("cuda", torch.bfloat16, False, 0.0, ALL_VARLEN, True, A100, "varlen"),
+        ("cuda", torch.bfloat16, False, 0.0, ALL_VARLEN, True, (12, 0), "varlen"),  # Blackwell, RTX 50xx
+        ("cuda", torch.bfloat16, False, 0.0, ALL_VARLEN, True, (13, 0), "flex"),  # past torch's flash build
+        ("cuda", torch.float16, False, 0.0, ALL_VARLEN, True, T4, "flex"),
+        ("cuda", torch.float16, True, 0.0, ALL_VARLEN, True, V100, "flex"),
+        ("cuda", torch.float16, False, 0.0, ALL_VARLEN, False, T4, "mask"),
+        ("cuda", torch.float32, False, 0.0, ALL_VARLEN, True, P100, "mask"),
     ],
 )
-def test_choose_kernel(device, dtype, windowed, dropout, varlen, flex, expected):
-    assert choose_kernel(device, dtype, windowed, dropout, KernelSupport(varlen, flex)) == expected
+def test_choose_kernel(device, dtype, windowed, dropout, varlen, flex, capability, expected):
+    assert (
+        choose_kernel(device, dtype, windowed, dropout, KernelSupport(varlen, flex, capability)) == expected
+    )
 
 
 def test_varlen_features_come_from_the_signature():
