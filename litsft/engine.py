@@ -156,11 +156,12 @@ def train_loop(
             input_tokens=input_tokens,
             log=log,
         )
-        with metrics.paused():
-            if validate_now:
-                evaluate(step)
-            if save or must_stop:
-                checkpointer.save(state)
+        if validate_now or save or must_stop:
+            with metrics.paused():  # waits for the device: only on the steps that leave the loop's timing
+                if validate_now:
+                    evaluate(step)
+                if save or must_stop:
+                    checkpointer.save(state)
         if must_stop:
             fabric.print(f"Stopped by a signal after step {step}; relaunch the same command to resume.")
             raise SystemExit(PREEMPTED_EXIT_CODE)

@@ -12,6 +12,7 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
+from litsft.attention import Documents
 from litsft.batch import model_inputs
 from litsft.errors import LitsftError
 
@@ -43,14 +44,15 @@ def train_step(
     non-padding input tokens), all global and still on the device: nothing here makes the host wait for it."""
     device = fabric.device
     inputs = [to_device(mb, device) for mb in micro_batches]
+    # Counted on the host, where the batches are, and copied like them: a tensor made from host values
+    # directly on a GPU (torch.tensor(..., device=...)) is a copy the host waits for.
     counts = torch.tensor(
         [
             sum(batch["loss_positions"].numel() for batch in inputs),
-            sum(int(_input_token_count(mb)) for mb in micro_batches),
-        ],
-        device=device,
+            sum(_input_token_count(mb) for mb in micro_batches),
+        ]
     )
-    counts = sum_over_ranks(fabric, counts)
+    counts = sum_over_ranks(fabric, copy_to_device(counts, device))
     target_tokens = counts[0].clamp(min=1)
     # Each rank's summed loss is divided by the *global* target-token count, so every token weighs the same
     # whatever the packing, micro-batch size or number of ranks. FSDP averages gradients over ranks, which
@@ -121,20 +123,35 @@ def raise_if_diverged(skipped_steps: torch.Tensor, step: int) -> None:
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
     """The model's inputs of a CPU micro-batch (`model_inputs`: packed rows joined, their documents, the flat
-    indices of the labels that carry a loss, all found here on the host), on `device`."""
-    inputs = model_inputs(batch)
-    return {
-        name: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value.to(device)
-        for name, value in inputs.items()
-    }
+    indices of the labels that carry a loss, all found here on the host), on `device`, copied without making
+    the host wait."""
+    moved: dict[str, Any] = {}
+    for name, value in model_inputs(batch).items():
+        if isinstance(value, Documents):
+            moved[name] = Documents(copy_to_device(value.cu_seqlens, device), value.max_seqlen)
+        else:
+            moved[name] = copy_to_device(value, device)
+    return moved
 
 
-def _input_token_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def copy_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`, copied asynchronously. A copy from pageable host memory to a GPU makes the host
+    wait whatever `non_blocking` says (https://docs.nvidia.com/cuda/cuda-runtime-api/api-sync-behavior.html);
+    from pinned (page-locked) memory it is queued like a kernel
+    (https://pytorch.org/docs/stable/notes/cuda.html#use-pinned-memory-buffers). torch's caching host
+    allocator keeps the pinned buffer until the copy has run."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+def _input_token_count(batch: dict[str, torch.Tensor]) -> int:
+    """The input tokens of a host micro-batch that are not padding."""
     if "document_ids" in batch:
-        return (batch["document_ids"] >= 0).sum()
+        return int((batch["document_ids"] >= 0).sum())
     if "attention_mask" in batch:
-        return batch["attention_mask"].sum()
-    return torch.tensor(batch["input_ids"].numel())
+        return int(batch["attention_mask"].sum())
+    return batch["input_ids"].numel()
 
 
 def clip_gradients(model: nn.Module, max_norm: float | None) -> torch.Tensor:

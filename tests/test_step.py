@@ -57,3 +57,130 @@ def test_16_mixed_overflow_skips_the_update_and_lowers_the_scale_without_countin
     assert not step_diverged
     poisoned = torch.tensor(float("nan"))
     assert diverged(Fabric(accelerator="cpu", devices=1), loss, poisoned)  # without a scaler it is divergence
+
+
+class _Loader:
+    """A fixed list of micro-batches with the loader interface the loop uses."""
+
+    def __init__(self, batches: list[dict[str, torch.Tensor]]) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+
+def _packed_micro_batch(seed: int) -> dict[str, torch.Tensor]:
+    """One packed row of 24 positions: documents of 9, 3 and 8 tokens, then 4 of padding."""
+    from litsft.attention import cumulative_lengths
+
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [9, 3, 8]
+    document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((4,), -1)])
+    labels = torch.randint(0, 512, (1, 24), generator=generator)
+    labels[:, 20:] = -100
+    return {
+        "input_ids": torch.randint(0, 512, (1, 24), generator=generator),
+        "labels": labels,
+        "position_ids": torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(4, dtype=torch.long)])[
+            None
+        ],
+        "document_ids": document_ids[None],
+        "cu_seqlens": cumulative_lengths(lengths),
+        "max_seqlen": torch.tensor(max(lengths)),
+    }
+
+
+def test_steps_that_log_nothing_make_the_host_wait_for_nothing(tmp_path, monkeypatch):
+    """Three optimizer steps of the loop (two micro-batches each, packed rows, clipping), logging at the
+    third only. Steps 1 and 2 make no device synchronization, read no tensor on the host and create no
+    device tensor from host values (on a GPU each of these makes the host wait); the host reads only what it
+    built itself, the micro-batches it prepares before anything is on the device. The logging step does
+    synchronize and read, which shows that the counting sees them. On the CPU every call is counted as it
+    would be made on a GPU: `_synchronize` whatever the device, each `torch.tensor(..., device=...)`, each
+    `.to(device)` in litsft without non_blocking."""
+    import sys
+
+    import litsft.engine
+    import litsft.metrics
+    import litsft.step
+    from litsft.args import RunConfig, TrainConfig
+    from litsft.checkpointer import TrainState
+    from litsft.engine import train_loop
+    from litsft.metrics import MetricsLogger
+
+    events: list[str] = []
+    on_host = [False]  # inside the host's own batch preparation
+
+    def count(kind: str, function):
+        def counted(*args, **kwargs):
+            if not on_host[0]:
+                events.append(kind)
+            return function(*args, **kwargs)
+
+        return counted
+
+    def host_side(function):
+        def preparing(*args, **kwargs):
+            on_host[0] = True
+            try:
+                return function(*args, **kwargs)
+            finally:
+                on_host[0] = False
+
+        return preparing
+
+    def copy(function):
+        def checked(self, *args, **kwargs):
+            to_a_device = any(isinstance(a, (torch.device, str)) for a in args) or "device" in kwargs
+            by_litsft = sys._getframe(1).f_globals.get("__name__", "").startswith("litsft")
+            if to_a_device and by_litsft and not kwargs.get("non_blocking", False) and not on_host[0]:
+                events.append("blocking copy")
+            return function(self, *args, **kwargs)
+
+        return checked
+
+    def create(function):
+        def checked(*args, **kwargs):
+            if kwargs.get("device") is not None and not on_host[0]:
+                events.append("tensor created on the device from host values")
+            return function(*args, **kwargs)
+
+        return checked
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, count(f"host read ({name})", getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch.Tensor, "to", copy(torch.Tensor.to))
+    monkeypatch.setattr(torch, "tensor", create(torch.tensor))
+    monkeypatch.setattr(litsft.metrics, "_synchronize", count("synchronize", litsft.metrics._synchronize))
+    monkeypatch.setattr(torch.cuda, "synchronize", count("synchronize", torch.cuda.synchronize))
+    monkeypatch.setattr(litsft.step, "model_inputs", host_side(litsft.step.model_inputs))
+    monkeypatch.setattr(litsft.step, "_input_token_count", host_side(litsft.step._input_token_count))
+    monkeypatch.setattr(litsft.engine, "train_step", count("--- step ---", litsft.engine.train_step))
+
+    torch.manual_seed(0)
+    config = Config.from_name("tiny-llama")
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    model = Transformer(config)
+    model.attention_kernel = "mask"  # the CPU's own kernel plans documents on the host, by design
+    model, optimizer = fabric.setup(model, build_optimizer(model, OptimizerConfig(lr=1e-3)))
+    loader = _Loader([_packed_micro_batch(seed) for seed in range(6)])
+    state = TrainState(model, optimizer, loader, skipped_steps=torch.zeros(()))
+    run = RunConfig(
+        config=config, tokenizer_dir=None, data=None, out_dir=tmp_path, precision="32-true",
+        train=TrainConfig(global_batch_size=2, micro_batch_size=1, max_steps=3, log_interval=3, max_norm=1.0),
+    )  # fmt: skip
+    metrics = MetricsLogger(tmp_path, is_global_zero=True, total_steps=3)
+    metrics.set_model(config, world_size=1, device=fabric.device, precision="32-true", seq_len=24)
+    with metrics:
+        train_loop(fabric, run, state, metrics, checkpointer=None, evaluate=lambda step: None)
+
+    steps = " ".join(events).split("--- step ---")[1:]
+    assert len(steps) == 3
+    assert steps[0].strip() == steps[1].strip() == "", events
+    assert "synchronize" in steps[2] and "host read" in steps[2]
