@@ -146,9 +146,11 @@ def recompute_in_backward(block: nn.Module) -> None:
 def fully_shard_blocks(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, precision: Precision) -> None:
     """Shard each transformer block as its own FSDP unit, then the root (embeddings, final norm, head).
 
-    Frozen and trainable parameters (LoRA) never share a unit: a module whose parameters are mixed is
-    split into one unit per trainable submodule (the adapters) before its block is wrapped, so the
-    frozen base is all-gathered without gradients and only adapter gradients are reduce-scattered.
+    A block is one unit also under LoRA, its frozen base and its adapters together: one all-gather and one
+    reduce-scatter per block, and no FSDP hook between the block's layers, which would break a compiled
+    block into pieces (FSDP2's hooks are not traced). FSDP2 takes frozen and trainable parameters in one
+    unit: it all-gathers both and reduce-scatters the gradients of the trainable ones only (the parameters
+    that have a gradient, `FSDPParamGroup.post_backward` in torch/distributed/fsdp/_fully_shard/).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -161,34 +163,31 @@ def fully_shard_blocks(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, pre
     options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
 
     for block in model.blocks:
-        for module in trainable_islands(block):
-            fully_shard(module, reshard_after_forward=reshard, **options)
         fully_shard(block, reshard_after_forward=reshard, **options)
-    for module in trainable_islands(model, skip=model.blocks):
-        fully_shard(module, reshard_after_forward=reshard, **options)
     # The root's parameters are needed again right at the start of backward; keeping them saves one all-gather.
     fully_shard(model, reshard_after_forward=False, **options)
 
 
-def trainable_islands(module: nn.Module, skip: nn.Module | None = None) -> list[nn.Module]:
-    """The largest submodules whose parameters are all trainable, inside a module that also holds frozen ones."""
-    params = [p for name, p in module.named_parameters() if skip is None or not _is_under(name, module, skip)]
-    if all(p.requires_grad for p in params) or not any(p.requires_grad for p in params):
-        return []
-    islands: list[nn.Module] = []
-    for child in module.children():
-        if child is skip:
-            continue
-        child_params = list(child.parameters())
-        if child_params and all(p.requires_grad for p in child_params):
-            islands.append(child)
-        elif any(p.requires_grad for p in child_params):
-            islands.extend(trainable_islands(child))
-    return islands
+def synchronize_gradients(model: nn.Module, last_micro_batch: bool) -> None:
+    """Set how the next backward pass of gradient accumulation reduces its gradients across ranks.
 
+    Sharded strategies (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD) reduce-scatter every micro-batch, as
+    torchtitan does: skipping it (FSDP2's `set_requires_gradient_sync(False)`, Fabric's `no_backward_sync`)
+    would keep every unit's whole unsharded gradient on every rank until the last micro-batch, and in fp32
+    under bf16-mixed (FSDP2 upcasts it to the reduce dtype to accumulate: `to_accumulated_grad_if_needed` in
+    torch/distributed/fsdp/_fully_shard/_fsdp_param.py): 4 bytes per parameter of the whole model, the memory
+    that sharding was meant to save. HYBRID_SHARD reduce-scatters within a node each micro-batch and
+    all-reduces across nodes only on the last one. NO_SHARD holds whole gradients anyway: it all-reduces on
+    the last micro-batch only. One process (no FSDP): nothing to do."""
+    from torch.distributed.fsdp import FSDPModule
 
-def _is_under(name: str, root: nn.Module, sub: nn.Module) -> bool:
-    for child_name, child in root.named_children():
-        if child is sub:
-            return name.startswith(child_name + ".")
-    return False
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    if not units:
+        return
+    mesh = next(p for p in model.parameters() if p.requires_grad).device_mesh
+    sharded = mesh.shape[-1] > 1  # 1-D: (shard,); 2-D: (replicate, shard)
+    replicated = mesh.ndim == 2 and mesh.shape[0] > 1
+    for unit in units:
+        unit.set_requires_gradient_sync(last_micro_batch or sharded, recurse=False)
+        if sharded and replicated:
+            unit.set_requires_all_reduce(last_micro_batch, recurse=False)

@@ -15,6 +15,7 @@ from torch import nn
 from litsft.attention import Documents
 from litsft.batch import model_inputs
 from litsft.errors import LitsftError
+from litsft.parallel import synchronize_gradients
 
 
 def next_micro_batches(
@@ -60,9 +61,9 @@ def train_step(
     scale = fabric.world_size / target_tokens
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(inputs):
-        with fabric.no_backward_sync(model, enabled=i < len(inputs) - 1):
-            loss = model(**batch)
-            fabric.backward(loss * scale)
+        synchronize_gradients(model, last_micro_batch=i == len(inputs) - 1)
+        loss = model(**batch)
+        fabric.backward(loss * scale)
         loss_sum += loss.detach()
     # Fabric's wrapper hands step() to the optimizer it wraps, which is where the scaler and AdamW look.
     inner_optimizer = getattr(optimizer, "optimizer", optimizer)

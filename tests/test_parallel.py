@@ -3,6 +3,7 @@ end by the distributed-equivalence tests in test_engine.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from litsft.args import FSDPConfig
@@ -42,3 +43,102 @@ def test_activation_checkpointing_recomputes_blocks_with_the_same_loss_gradients
     with torch.no_grad():
         checkpointed.eval()(**batch)
     assert len(calls) == 1  # nothing to recompute outside training
+
+
+# ---- two processes on a CPU mesh -----------------------------------------------------------------------------
+def _micro_batch(rank: int, index: int) -> dict[str, torch.Tensor]:
+    tokens = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(100 * rank + index))
+    return {"input_ids": tokens, "labels": tokens}
+
+
+def _sharded_facts(rank: int, lora: bool) -> dict:
+    """Gradient accumulation over 3 micro-batches under FULL_SHARD on 2 ranks, as the training step does it
+    (`synchronize_gradients` before each): what the gradients are after each micro-batch, how many FSDP
+    units the model has, and how far the accumulated gradients are from one process's on all the data."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from litsft.lora import LoRAConfig, apply_lora
+    from litsft.parallel import synchronize_gradients
+
+    def build() -> Transformer:
+        model, _ = model_and_batch()
+        if lora:
+            model = apply_lora(model, LoRAConfig(rank=4, alpha=8, dropout=0.0, targets="all-linear"))
+            for name, param in model.named_parameters():  # non-zero adapters: every gradient is non-zero
+                if "lora_" in name:
+                    param.data = torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name)))
+        return model
+
+    reference, model = build(), build()
+    parallelize(model, init_device_mesh("cpu", (2,)), FSDPConfig(sharding_strategy="FULL_SHARD"), "32-true")
+    facts: dict = {"units": sum(isinstance(m, FSDPModule) for m in model.modules()), "after_micro_batch": []}
+    trained = {name: param for name, param in model.named_parameters() if param.requires_grad}
+    for index in range(3):
+        synchronize_gradients(model, last_micro_batch=index == 2)
+        model(**_micro_batch(rank, index)).backward()
+        facts["after_micro_batch"].append(
+            all(
+                isinstance(param.grad, DTensor)
+                and param.grad.placements == param.placements
+                and param.grad.to_local().shape == param.to_local().shape
+                and param.to_local().numel() < param.numel()
+                for param in trained.values()
+                if param.numel() > 1  # a 1-element tensor is not split; it stays sharded on one rank
+            )
+        )
+    # FSDP averages over the ranks: the reference sums every micro-batch of both ranks and halves.
+    for index in range(3):
+        for other in (0, 1):
+            (reference(**_micro_batch(other, index)) / 2).backward()
+    expected = dict(reference.named_parameters())
+    facts["max_difference"] = max(
+        (param.grad.full_tensor() - expected[name].grad).abs().max().item() for name, param in trained.items()
+    )
+    facts["frozen_grads"] = sum(
+        param.grad is not None for param in model.parameters() if not param.requires_grad
+    )
+    return facts
+
+
+def _sharded_worker(rank: int, init_file: str, lora: bool, results) -> None:
+    import traceback
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+        results.put((rank, _sharded_facts(rank, lora)))
+        dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_full_shard_accumulates_sharded_gradients_in_one_unit_per_block(tmp_path, lora: bool) -> None:
+    """Under FULL_SHARD each micro-batch's gradients are reduce-scattered: after every micro-batch, not only
+    the last, each rank holds its shard of every gradient (a DTensor of the parameter's local shape), never
+    the whole gradient; the accumulated result equals one process's over all the data. A LoRA model is one
+    FSDP unit per block plus the root (not one per adapter matrix), its frozen base gets no gradient."""
+    import torch.multiprocessing as mp
+
+    # fork, not spawn: the children reuse this process's imports and start in a fraction of a second.
+    context = mp.get_context("fork")
+    results = context.Queue()
+    workers = [
+        context.Process(target=_sharded_worker, args=(rank, str(tmp_path / "init"), lora, results))
+        for rank in (0, 1)
+    ]
+    for worker in workers:
+        worker.start()
+    facts = dict(results.get(timeout=120) for _ in workers)
+    for worker in workers:
+        worker.join(timeout=60)
+    for rank in (0, 1):
+        assert isinstance(facts[rank], dict), facts[rank]
+        assert facts[rank]["after_micro_batch"] == [True, True, True]
+        assert facts[rank]["max_difference"] < 1e-5
+        assert facts[rank]["units"] == Config.from_name("tiny-llama").num_layers + 1
+        assert facts[rank]["frozen_grads"] == 0
