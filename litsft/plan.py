@@ -27,7 +27,10 @@ The peak: parameters and AdamW states live through the whole step. Gradients do 
 forward pass (the engine zeroes them with set_to_none) unless an earlier micro-batch of the same step left
 them there (gradient accumulation); the backward pass frees activations as it creates gradients. So the
 total is parameters + optimizer states + the larger of (activations + transients) and gradients, or
-their sum when accumulating. On this CPU, 2 processes, a 51M-parameter model, 32-true, that total is within
+their sum when accumulating. Accumulated gradients stay sharded: the engine reduce-scatters each
+micro-batch's gradients (litsft.parallel.synchronize_gradients), one reduce-scatter per micro-batch instead
+of per step; held whole until the last micro-batch they would take `whole_gradients` on every device (fp32
+under bf16-mixed, where FSDP2 accumulates in the reduce dtype), which `litsft plan` prints beside them. On this CPU, 2 processes, a 51M-parameter model, 32-true, that total is within
 15% of the measured peak for FULL_SHARD, SHARD_GRAD_OP and NO_SHARD
 (benchmarks/bench_plan_vs_measured.py; adding every term, as before, overestimated by 28-33%).
 """
@@ -103,6 +106,9 @@ class MemoryEstimate:
     """All-gathered compute-dtype parameters, one chunk of logits, gradient-reduction buffers."""
     accumulating: bool = False
     """Whether gradients of earlier micro-batches are alive during a forward pass (accumulation steps > 1)."""
+    whole_gradients: int = 0
+    """Gradients of every trainable parameter, unsharded: what each device would hold between micro-batches
+    if the gradients were reduced on the last micro-batch only (the engine reduces each one instead)."""
 
     @property
     def total(self) -> int:
@@ -244,7 +250,28 @@ def estimate_memory(
     logits = min(LOSS_CHUNK_TOKENS, tokens) * config.vocab_size * (compute + LOGIT_EXTRA_BYTES)
     transients = gathered + reduce_buffers + logits
     return MemoryEstimate(
-        parameters, gradients, optimizer_states, activations, transients, accumulating=accumulation_steps > 1
+        parameters, gradients, optimizer_states, activations, transients,
+        accumulating=accumulation_steps > 1, whole_gradients=trainable * stored,
+    )  # fmt: skip
+
+
+def accumulation_summary(estimate: MemoryEstimate, sharding_strategy: ShardingStrategy, steps: int) -> str:
+    """One line on how gradients are reduced while accumulating over `steps` micro-batches, and what that
+    leaves on each device (litsft.parallel.synchronize_gradients decides it per strategy)."""
+    whole = estimate.whole_gradients / 2**30
+    if sharding_strategy == "NO_SHARD":
+        return (
+            f"gradient accumulation over {steps} micro-batches: gradients all-reduced after the last one "
+            f"(NO_SHARD holds them whole anyway: {whole:.2f} GiB)"
+        )
+    reduction = (
+        "reduce-scattered within the node after each one and all-reduced across nodes after the last"
+        if sharding_strategy == "HYBRID_SHARD"
+        else "reduce-scattered after each one"
+    )
+    return (
+        f"gradient accumulation over {steps} micro-batches: gradients {reduction}, so they stay sharded "
+        f"({estimate.gradients / 2**30:.2f} GiB; held whole until the last one they would take {whole:.2f} GiB)"
     )
 
 
@@ -324,9 +351,10 @@ def plan(
         config.max_position_embeddings, MAX_DEFAULT_SEQ_LENGTH
     )
     precision = precision or "bf16-mixed"
+    accumulation = accumulation_steps(train, world_size) if train is not None else 1
     estimate = estimate_memory(
         config, devices, num_nodes, fsdp.sharding_strategy, precision, micro_batch_size, max_seq_length,
-        fsdp.activation_checkpointing, lora, accumulation_steps(train, world_size) if train is not None else 1,
+        fsdp.activation_checkpointing, lora, accumulation,
     )  # fmt: skip
     shard = shard_group_size(devices, num_nodes, fsdp.sharding_strategy) if world_size > 1 else 1
     method = (
@@ -339,6 +367,8 @@ def plan(
     print(
         f"micro batch {micro_batch_size} x {max_seq_length} tokens, {checkpointing} activation checkpointing"
     )
+    if accumulation > 1 and world_size > 1:
+        print(accumulation_summary(estimate, fsdp.sharding_strategy, accumulation))
     print_estimate(estimate, memory, device_memory)
 
 

@@ -275,3 +275,26 @@ def test_plan_refuses_a_global_batch_the_recipe_refuses():
     assert str(error.value).startswith(
         "--train.global_batch_size=16 is not divisible by --train.micro_batch_size=4"
     )
+
+
+def test_plan_says_accumulated_gradients_stay_sharded(capsys):
+    """The engine reduce-scatters every micro-batch's gradients: accumulating, each device holds its fp32
+    shard of them (an eighth on 8 devices), and the plan names the whole-gradient size that waiting for the
+    last micro-batch would cost."""
+    config = Config.from_name("Llama-3.1-8B")
+    estimate = estimate_memory(config, devices=8, accumulation_steps=4)
+    assert estimate.whole_gradients == 4 * config.num_parameters
+    assert estimate.gradients == -(-estimate.whole_gradients // 8)
+    train = TrainConfig(global_batch_size=64, micro_batch_size=2)
+    plan("Llama-3.1-8B", devices=8, train=train)
+    assert (
+        "gradient accumulation over 4 micro-batches: gradients reduce-scattered after each one, so they stay "
+        "sharded (3.74 GiB; held whole until the last one they would take 29.92 GiB)"
+    ) in capsys.readouterr().out.splitlines()
+    plan("Llama-3.1-8B", devices=8, train=train, fsdp=FSDPConfig(sharding_strategy="NO_SHARD"))
+    assert (
+        "gradient accumulation over 4 micro-batches: gradients all-reduced after the last one (NO_SHARD holds "
+        "them whole anyway: 29.92 GiB)"
+    ) in capsys.readouterr().out.splitlines()
+    plan("Llama-3.1-8B", devices=8, train=TrainConfig(global_batch_size=16, micro_batch_size=2))
+    assert "gradient accumulation" not in capsys.readouterr().out  # one micro-batch a step
