@@ -142,3 +142,30 @@ def test_full_shard_accumulates_sharded_gradients_in_one_unit_per_block(tmp_path
         assert facts[rank]["max_difference"] < 1e-5
         assert facts[rank]["units"] == Config.from_name("tiny-llama").num_layers + 1
         assert facts[rank]["frozen_grads"] == 0
+
+
+@pytest.mark.parametrize(
+    ("world_size", "precision", "cpu_offload", "accelerator", "refusal"),
+    [
+        (1, "bf16-mixed", True, "cuda", "--fsdp.cpu_offload needs 2 or more GPUs (it is FSDP's, and one GPU"),
+        (2, "32-true", True, "cpu", "--fsdp.cpu_offload needs GPUs: on a CPU-only machine"),
+        (8, "bf16-mixed", True, "cuda", None),
+        (2, "16-mixed", False, "cuda", "--precision 16-mixed runs on one GPU only"),
+        (1, "16-mixed", False, "cuda", None),
+    ],
+)
+def test_build_fabric_refuses_what_it_would_not_do(world_size, precision, cpu_offload, accelerator, refusal):
+    """One GPU trains without FSDP, so FSDP's CPU offload would be silently ignored there; FSDP2 takes no
+    16-mixed. Both are refused in one line before anything starts (the device kind is made up: the check
+    reads no hardware)."""
+    from litsft.errors import LitsftError
+    from litsft.parallel import build_fabric, check_fabric_options
+
+    fsdp = FSDPConfig(cpu_offload=cpu_offload)
+    if refusal is None:
+        check_fabric_options(world_size, precision, fsdp, accelerator)
+        return
+    with pytest.raises(LitsftError) as error:
+        build_fabric(world_size, 1, precision, fsdp, accelerator)
+    assert str(error.value).startswith(refusal)
+    assert "\n" not in str(error.value)
