@@ -256,15 +256,52 @@ def document_mask(document_ids: torch.Tensor, window: int | None = None) -> torc
     return (same_document & visible)[:, None]
 
 
+FLEX_BLOCK = 128
+"""flex_attention's block size (torch's default): the block mask says, per 128 x 128 block of queries and
+keys, whether the block is skipped, computed in full, or computed with the mask applied per position."""
+
+
 def _document_block_mask(document_ids: torch.Tensor, window: int | None) -> Any:
-    from torch.nn.attention.flex_attention import create_block_mask
+    """flex_attention's BlockMask for causal attention within each document (and the window) of one row of N
+    tokens, worked out on the device from the documents' first and last tokens in each block: (N/128)^2
+    work and memory, where `create_block_mask` evaluates the mask at all N^2 positions (materializing them
+    unless compiled: 2 GiB of int64 document-id pairs for a row of 16k tokens). The same blocks as
+    create_block_mask's (tests/test_attention.py compares them); the per-position mask of partial blocks is
+    applied by flex_attention with the same function."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     def document_causal(batch: Any, head: Any, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         visible = (document_ids[query] == document_ids[key]) & (query >= key)
         return visible & (query - key < window) if window is not None else visible
 
-    N = document_ids.shape[0]
-    return create_block_mask(document_causal, None, None, N, N, device=document_ids.device)
+    N, device = document_ids.shape[0], document_ids.device
+    first = torch.arange(0, N, FLEX_BLOCK, device=device)  # (NB,) each block's first token
+    last = (first + FLEX_BLOCK).clamp(max=N) - 1  # (NB,) and its last
+    first_doc, last_doc = document_ids[first], document_ids[last]  # documents run in order along the row
+    blocks = torch.arange(first.shape[0], device=device)
+    below = blocks[None, :] < blocks[:, None]  # (query block, key block): every key before every query
+    diagonal = blocks[None, :] == blocks[:, None]
+    # Below the diagonal a query block and a key block share a document only if the key block's last
+    # document is the query block's first; every pair is visible only if that is the one document of both.
+    shared = below & (last_doc[None, :] == first_doc[:, None])
+    one_document = (first_doc == last_doc)[None, :] & (first_doc == last_doc)[:, None]
+    complete = (last - first + 1 == FLEX_BLOCK)[:, None]  # a padded block (the row's last) is never full
+    any_visible, all_visible = diagonal | shared, shared & one_document & complete
+    if window is not None:
+        # The closest pair of a shared document: the query block's first token, the key block's last.
+        any_visible &= diagonal | (first[:, None] - last[None, :] < window)
+        all_visible &= last[:, None] - first[None, :] < window
+    partial = any_visible & ~all_visible
+
+    def as_kv_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """How many key blocks each query block has, and their indices first (as create_block_mask orders)."""
+        order = torch.sort(dense.to(torch.int8), dim=-1, descending=True, stable=True).indices
+        return dense.sum(-1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+    return BlockMask.from_kv_blocks(
+        *as_kv_blocks(partial), *as_kv_blocks(all_visible), BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=document_causal, seq_lengths=(N, N),
+    )  # fmt: skip
 
 
 # ---- the one function --------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from litsft.attention import (
     choose_kernel,
     chunked_causal_attention,
     cumulative_lengths,
+    document_mask,
     document_segments,
     documents_of_ids,
     prepare,
@@ -369,6 +370,50 @@ def test_flex_glue_equals_the_mask_path_on_the_cpu(monkeypatch):
         expected = model.hidden_states(*args)
         model.attention_kernel = "flex"
         torch.testing.assert_close(model.hidden_states(*args), expected, atol=1e-5, rtol=1e-5)
+
+
+def _dense_blocks(num_blocks: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """(query blocks, key blocks) booleans from a BlockMask's per-row counts and indices."""
+    counts, indices = num_blocks[0, 0], indices[0, 0]
+    dense = torch.zeros(counts.shape[0], indices.shape[-1], dtype=torch.bool)
+    for row, count in enumerate(counts.tolist()):
+        dense[row, indices[row, :count].long()] = True
+    return dense
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [100, 1, 200, 30],  # 331 tokens: a last block of 75
+        [600],  # one document over several blocks: full blocks below the diagonal
+        [128, 128, 1, 127, 256],  # boundaries on block edges, a one-token document
+        [1] * 70 + [300, 5, 400],
+    ],
+)
+@pytest.mark.parametrize("window", [None, 8, 200])
+def test_flex_block_mask_from_the_documents_equals_create_block_mask(lengths, window):
+    """The block mask built from the documents' block layout ((N/128)^2 work) has the same partial and full
+    blocks as create_block_mask's evaluation of every position, and gives flex_attention the same output
+    as the boolean mask."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    N = sum(lengths)
+    document_ids = token_document_ids(Documents(cumulative_lengths(lengths), max(lengths)), N)
+    mine = attention._document_block_mask(document_ids, window)
+
+    def document_causal(batch, head, query, key):
+        visible = (document_ids[query] == document_ids[key]) & (query >= key)
+        return visible & (query - key < window) if window is not None else visible
+
+    reference = create_block_mask(document_causal, None, None, N, N, device="cpu")
+    for counts, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        assert torch.equal(
+            _dense_blocks(getattr(mine, counts), getattr(mine, indices)),
+            _dense_blocks(getattr(reference, counts), getattr(reference, indices)),
+        ), counts
+    q, k, v = torch.randn(3, 1, 2, N, 16, generator=torch.Generator().manual_seed(0))
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(document_ids, window))
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=mine), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_new_document_layouts_do_not_recompile(monkeypatch):
