@@ -9,13 +9,19 @@ mixed lengths, micro batch 1:
 1. litsft finetune_full through the real engine (`python -m litsft`, compile on: the GPU default);
 2. litsft finetune_lora, rank `--lora_rank`, alpha twice the rank, all linear projections;
 3. a plain transformers LlamaForCausalLM loop as a user writes it: bf16 autocast over fp32 weights, fused
-   AdamW, each decoder layer compiled, sdpa attention (plain causal over the packed row: it does not keep
-   documents apart, so it does less attention work than litsft), on the same rows litsft's loader makes.
+   AdamW, each decoder layer compiled, sdpa attention, no KV cache (`use_cache=False`), on the same rows
+   litsft's loader makes. Its attention is plain causal over the whole packed row, end padding included:
+   it does not keep documents apart, so it does more attention work than litsft's per-document attention
+   (and computes the padding), not the same work; its attention over whole rows is an upper bound on the
+   work the task needs.
 
-litsft's figures are its own metrics.csv rows after `--warmup` steps (compilation and allocator warm-up left
-out); the transformers loop is timed the same way, with the same token count (non-padding input tokens),
-the same FLOPs per token (litsft.metrics.flops_per_token) and the GPU's datasheet bf16 peak. Printed: each
-run's tokens/s, MFU and peak allocated memory, then litsft/transformers and lora/full.
+Timing leaves the first `--warmup` steps out (compilation, allocator warm-up) on every side. litsft logs every
+`--warmup` steps (`--train.log_interval`), so it synchronizes with the GPU about as rarely as the plain loop;
+its tokens/s come from its own metrics.csv rows after the first. Tokens are the non-padding input tokens on
+every side. MFU counts the FLOPs each side executes (litsft.flops.executed_training_flops) over the GPU's
+datasheet bf16 peak: litsft's blocks on the real tokens, its output head on the loss tokens only and
+attention within each document; the plain loop's blocks and head on every position of the row and causal
+attention over the whole row. Each run's line is printed as soon as it finishes, then the ratios.
 """
 
 from __future__ import annotations
@@ -26,20 +32,22 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from harness import (
     machine_description,
     make_checkpoint,
-    median,
     run_litsft,
     training_rows,
     write_mixed_length_data,
 )
 
 from litsft.config import Config
-from litsft.metrics import device_peak_flops, flops_per_token
+from litsft.flops import device_peak_flops, executed_training_flops, lora_parameters
+from litsft.lora import LoRAConfig
 from litsft.sizes import num_parameters
 
 LLAMA_3_2_1B = "Llama-3.2-1B"
@@ -49,7 +57,9 @@ SHAPE_FIELDS = (
 )  # fmt: skip
 
 
-def litsft_run(recipe: str, checkpoint: Path, data: Path, args: argparse.Namespace, *extra: str) -> dict:
+def litsft_run(
+    recipe: str, checkpoint: Path, data: Path, args: argparse.Namespace, work: list[StepWork], *extra: str
+) -> dict:
     out_dir = args.work_dir / recipe
     shutil.rmtree(out_dir, ignore_errors=True)
     run_litsft(
@@ -57,17 +67,74 @@ def litsft_run(recipe: str, checkpoint: Path, data: Path, args: argparse.Namespa
             recipe, str(checkpoint), "--out_dir", str(out_dir), "--data", "JSON", "--data.json_path", str(data),
             "--data.prompt_style", "alpaca", "--devices", "1", "--precision", "bf16-mixed",
             "--train.max_steps", str(args.steps), "--train.max_seq_length", str(args.max_seq_length),
-            "--train.micro_batch_size", "1", "--train.global_batch_size", "1", "--train.log_interval", "1",
+            "--train.micro_batch_size", "1", "--train.global_batch_size", "1",
+            "--train.log_interval", str(args.warmup),
             "--eval.max_batches", "1", "--eval.max_new_tokens", "0", "--resume", "false", *extra,
         ],
         args.work_dir, threads=8,
     )  # fmt: skip
-    rows = training_rows(out_dir)[args.warmup :]
+    rows = training_rows(out_dir)
     return {
-        "tokens_per_second": median([r["tokens_per_second"] for r in rows]),
-        "mfu": median([r.get("mfu", float("nan")) for r in rows]),
+        **measured_rates(rows, work, device_peak_flops(torch.device("cuda"), "bf16-mixed")),
         "peak_mib": max(r["peak_gpu_memory_allocated_mib"] for r in rows),
     }
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one optimizer step of one side processes: non-padding input tokens and executed FLOPs."""
+
+    tokens: int
+    flops: float
+
+
+def measured_rates(rows: list[dict[str, float]], work: list[StepWork], peak_flops: float | None) -> dict:
+    """tokens/s and MFU over litsft's metrics.csv rows after the first (which holds the warm-up steps). A row
+    at step s gives the rate over the steps since the previous row; with the tokens those steps held, that
+    is their time, and the executed FLOPs over all of it is the MFU."""
+    seconds, tokens, flops = 0.0, 0, 0.0
+    for previous, row in zip(rows, rows[1:]):
+        window = work[int(previous["step"]) : int(row["step"])]
+        window_tokens = sum(step.tokens for step in window)
+        seconds += window_tokens / row["tokens_per_second"]
+        tokens += window_tokens
+        flops += sum(step.flops for step in window)
+    if seconds == 0:
+        raise SystemExit("error: litsft logged no step after the warm-up; raise --steps")
+    return {
+        "tokens_per_second": tokens / seconds,
+        "mfu": flops / seconds / peak_flops if peak_flops else float("nan"),
+    }
+
+
+def step_work(
+    config: Config,
+    batches: list[dict[str, torch.Tensor]],
+    side: Literal["litsft", "plain"],
+    trainable: Literal["all", "lora"] = "all",
+    adapter_parameters: int = 0,
+) -> list[StepWork]:
+    """Per step, the tokens and the FLOPs `side` executes on these micro-batches (one per step): litsft per
+    document with the head on the loss tokens, the plain loop causal over the whole row, head everywhere."""
+    work = []
+    for batch in batches:
+        tokens = int((batch["document_ids"] >= 0).sum())
+        if side == "litsft":
+            lengths = torch.diff(batch["cu_seqlens"]).tolist()
+            head_tokens = int((batch["labels"] != -100).sum())
+        else:
+            lengths, head_tokens = [batch["input_ids"].shape[1]], batch["input_ids"].shape[1]
+        flops = executed_training_flops(config, lengths, head_tokens, trainable, adapter_parameters)
+        work.append(StepWork(tokens, flops))
+    return work
+
+
+def print_result(name: str, result: dict) -> None:
+    print(
+        f"{name:34s} {result['tokens_per_second']:>9,.0f} tokens/s  MFU {result['mfu']:6.1%}  "
+        f"peak allocated {result['peak_mib']:>8,.0f} MiB",
+        flush=True,
+    )
 
 
 def packed_batches(checkpoint: Path, data: Path, args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
@@ -90,9 +157,9 @@ def packed_batches(checkpoint: Path, data: Path, args: argparse.Namespace) -> li
 
 
 def transformers_run(
-    config: Config, batches: list[dict[str, torch.Tensor]], args: argparse.Namespace
+    config: Config, batches: list[dict[str, torch.Tensor]], args: argparse.Namespace, work: list[StepWork]
 ) -> dict:
-    """The plain loop: LlamaForCausalLM, sdpa, compiled layers, bf16 autocast, fused AdamW."""
+    """The plain loop: LlamaForCausalLM, sdpa, compiled layers, bf16 autocast, fused AdamW, no KV cache."""
     import transformers
 
     hf_config = transformers.LlamaConfig(
@@ -108,27 +175,26 @@ def transformers_run(
         layer.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     torch.cuda.reset_peak_memory_stats()
-    tokens, started = 0, 0.0
+    started = 0.0
     for step, batch in enumerate(batches):
         if step == args.warmup:
             torch.cuda.synchronize()
-            tokens, started = 0, time.perf_counter()
+            started = time.perf_counter()
         input_ids = batch["input_ids"].cuda(non_blocking=True)
         # litsft's labels are already shifted (label t is the target of input t); transformers shifts itself.
         labels = torch.cat([torch.full_like(batch["labels"][:, :1], -100), batch["labels"][:, :-1]], dim=1)
         with torch.autocast("cuda", torch.bfloat16):
-            loss = model(input_ids=input_ids, labels=labels.cuda(non_blocking=True)).loss
+            loss = model(input_ids=input_ids, labels=labels.cuda(non_blocking=True), use_cache=False).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        tokens += int((batch["document_ids"] >= 0).sum())
     torch.cuda.synchronize()
-    tokens_per_second = tokens / (time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    measured = work[args.warmup : len(batches)]
     peak = device_peak_flops(torch.device("cuda"), "bf16-mixed")
-    flops = flops_per_token(config, args.max_seq_length)
     return {
-        "tokens_per_second": tokens_per_second,
-        "mfu": flops * tokens_per_second / peak if peak else float("nan"),
+        "tokens_per_second": sum(step.tokens for step in measured) / seconds,
+        "mfu": sum(step.flops for step in measured) / seconds / peak if peak else float("nan"),
         "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
     }
 
@@ -138,6 +204,8 @@ def main(args: argparse.Namespace) -> None:
         sys.exit(
             "error: bench_gpu.py needs a CUDA GPU and found none; on a CPU run benchmarks/bench_throughput.py"
         )
+    if args.warmup < 1:
+        sys.exit(f"error: --warmup {args.warmup} must be at least 1: litsft logs every --warmup steps")
     if args.warmup >= args.steps:
         sys.exit(
             f"error: --warmup {args.warmup} leaves no measured step of --steps {args.steps}; raise --steps"
@@ -157,29 +225,22 @@ def main(args: argparse.Namespace) -> None:
         f"micro batch 1, {args.steps} steps ({args.warmup} warm-up left out)",
         flush=True,
     )
-    rank = str(args.lora_rank)
-    results = {
-        "litsft finetune_full": litsft_run("finetune_full", checkpoint, data, args),
-        f"litsft finetune_lora r{rank}": litsft_run(
-            "finetune_lora",
-            checkpoint,
-            data,
-            args,
-            "--lora.rank",
-            rank,
-            "--lora.alpha",
-            str(2 * args.lora_rank),
-        ),
-        "transformers loop": transformers_run(config, packed_batches(checkpoint, data, args), args),
-    }
-    for name, result in results.items():
-        print(
-            f"{name:28s} {result['tokens_per_second']:>9,.0f} tokens/s  MFU {result['mfu']:6.1%}  "
-            f"peak allocated {result['peak_mib']:>8,.0f} MiB"
-        )
-    full, lora, plain = (r["tokens_per_second"] for r in results.values())
-    print(f"litsft finetune_full / transformers loop: {full / plain:.2f}x tokens/s")
-    print(f"finetune_lora / finetune_full: {lora / full:.2f}x tokens/s")
+    batches = packed_batches(checkpoint, data, args)
+    rank = args.lora_rank
+    adapters = lora_parameters(config, LoRAConfig().target_list, rank)
+    full = litsft_run("finetune_full", checkpoint, data, args, step_work(config, batches, "litsft"))
+    print_result("litsft finetune_full", full)
+    lora_work = step_work(config, batches, "litsft", "lora", adapters)
+    lora_options = ("--lora.rank", str(rank), "--lora.alpha", str(2 * rank))
+    lora = litsft_run("finetune_lora", checkpoint, data, args, lora_work, *lora_options)
+    print_result(f"litsft finetune_lora r{rank}", lora)
+    plain = transformers_run(config, batches, args, step_work(config, batches, "plain"))
+    print_result("transformers loop (causal whole rows)", plain)
+    speedup = full["tokens_per_second"] / plain["tokens_per_second"]
+    print(f"litsft finetune_full / transformers loop: {speedup:.2f}x tokens/s")
+    print(
+        f"finetune_lora / finetune_full: {lora['tokens_per_second'] / full['tokens_per_second']:.2f}x tokens/s"
+    )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ for every family.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import torch
@@ -54,6 +54,49 @@ def flops_per_token(
         first = sizes.layers[0].linear
         first_block_qkv = sum(first[target][0] * first[target][1] for target in ("q", "k", "v"))
         dense = 4 * sizes.matmul_weights - 2 * first_block_qkv + 6 * adapter_parameters
+    return float(dense + 3 * attention_forward)
+
+
+def causal_pairs(length: int, window: int | None = None) -> int:
+    """(query, key) pairs causal attention computes in a sequence of `length` tokens: each query with itself
+    and the keys before it, at most `window` of them with a sliding window."""
+    if window is None or window >= length:
+        return length * (length + 1) // 2
+    return window * (window + 1) // 2 + (length - window) * window
+
+
+def executed_training_flops(
+    config: Config,
+    document_lengths: Sequence[int],
+    head_tokens: int,
+    trainable: Literal["all", "lora"] = "all",
+    adapter_parameters: int = 0,
+) -> float:
+    """Training FLOPs (forward and backward) that one pass over these documents executes, for an MFU that
+    credits only the work done: every block's matmuls on every token, the output head on `head_tokens`
+    tokens (litsft runs it on the tokens that carry a loss only; a plain loop on every position), and
+    attention within each document over the causal pairs it computes, windows included, not over whole
+    rows. A plain causal loop over a packed row is one document of the row's length.
+
+    Weights as `flops_per_token` counts them (6 per trained weight and token, LoRA's frozen base 4, the
+    first block's q, k, v input gradients skipped; adapters counted on every token), attention 4 * H * D
+    per pair and layer forward (H * D: the layer's query width), three times that with the backward pass.
+    """
+    sizes = model_sizes(config)
+    tokens = sum(document_lengths)
+    head = sizes.lm_head[0] * sizes.lm_head[1]
+    blocks = sizes.matmul_weights - head
+    if trainable == "all":
+        dense = 6 * blocks * tokens + 6 * head * head_tokens
+    else:
+        first = sizes.layers[0].linear
+        first_block_qkv = sum(first[target][0] * first[target][1] for target in ("q", "k", "v"))
+        dense = (4 * blocks - 2 * first_block_qkv + 6 * adapter_parameters) * tokens + 4 * head * head_tokens
+    attention_forward = sum(
+        4 * layer.attention_width * causal_pairs(length, layer.window)
+        for layer in sizes.layers
+        for length in document_lengths
+    )
     return float(dense + 3 * attention_forward)
 
 

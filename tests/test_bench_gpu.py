@@ -31,3 +31,46 @@ def test_bench_gpu_without_a_gpu_says_so_in_one_line(tmp_path: Path) -> None:
         text=True,
     )
     assert bad.returncode == 2 and "--steps: invalid int value: 'many'" in bad.stderr
+
+
+def test_bench_gpu_counts_what_each_side_executes_and_times_after_the_warm_up(monkeypatch) -> None:
+    """The work of a step: litsft's non-padding tokens, its documents' attention and its head on the loss
+    tokens; the plain loop causal over the whole row with the head everywhere. Rates come from litsft's rows
+    after the first (the warm-up), each row's rate weighted by the tokens of the steps it covers."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import bench_gpu
+    from bench_gpu import StepWork
+
+    from litsft.attention import cumulative_lengths
+    from litsft.config import Config
+    from litsft.flops import executed_training_flops
+
+    config = Config.from_name("tiny-llama")
+    labels = torch.full((1, 16), -100)
+    labels[0, 2:9] = 1
+    batch = {
+        "input_ids": torch.ones(1, 16, dtype=torch.long),
+        "labels": labels,
+        "document_ids": torch.tensor([[0] * 5 + [1] + [2] * 6 + [-1] * 4]),
+        "cu_seqlens": cumulative_lengths([5, 1, 6]),
+    }
+    assert bench_gpu.step_work(config, [batch], "litsft") == [
+        StepWork(12, executed_training_flops(config, [5, 1, 6], head_tokens=7))
+    ]
+    assert bench_gpu.step_work(config, [batch], "plain") == [
+        StepWork(12, executed_training_flops(config, [16], head_tokens=16))
+    ]
+    work = [
+        StepWork(100, 1e6),
+        StepWork(100, 1e6),
+        StepWork(100, 2e6),
+        StepWork(100, 2e6),
+        StepWork(100, 4e6),
+    ]
+    rows = [{"step": 2, "tokens_per_second": 1.0}, {"step": 4, "tokens_per_second": 50.0}]
+    rows.append({"step": 5, "tokens_per_second": 25.0})
+    # Steps 3-4: 200 tokens at 50/s, 4 s; step 5: 100 tokens at 25/s, 4 s.
+    assert bench_gpu.measured_rates(rows, work, peak_flops=1e6) == {
+        "tokens_per_second": 37.5,
+        "mfu": 8e6 / 8 / 1e6,
+    }

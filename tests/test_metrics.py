@@ -12,7 +12,13 @@ from torch.utils.flop_counter import FlopCounterMode
 import litsft.metrics as metrics
 from litsft.config import Config
 from litsft.errors import LitsftError
-from litsft.flops import device_peak_flops, flops_per_token, gpu_peak_flops, matmul_precision
+from litsft.flops import (
+    device_peak_flops,
+    executed_training_flops,
+    flops_per_token,
+    gpu_peak_flops,
+    matmul_precision,
+)
 from litsft.metrics import CSV_COLUMNS, MetricsLogger, Throughput, TokenWeightedMean, peak_memory
 from litsft.model import Transformer
 
@@ -73,6 +79,40 @@ def test_lora_flops_per_token_count_what_runs(targets):
     expected = flops_per_token(config, seq_len, "lora", adapters) - skipped_adapter_input
     assert counter.get_total_flops() / (batch * seq_len) == expected
     assert flops_per_token(config, seq_len, "lora", adapters) > flops_per_token(config, seq_len, "lora")
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("trainable", ["all", "lora"])
+def test_executed_flops_count_each_documents_causal_pairs(window, trainable):
+    """Executed FLOPs of packed documents: the weights' FLOPs per token (flops_per_token without attention),
+    the output head on the loss tokens only, and attention on exactly the (query, key) pairs the document
+    mask allows, layer by layer, windows included."""
+    from litsft.attention import Documents, cumulative_lengths, document_mask, token_document_ids
+
+    config = Config.from_name("tiny-llama", sliding_window=window)
+    lengths, head_tokens = [7, 1, 12, 3], 9
+    tokens = sum(lengths)
+    document_ids = token_document_ids(Documents(cumulative_lengths(lengths), max(lengths)), tokens)
+    pairs = sum(
+        int(document_mask(document_ids, config.attention_window(layer)).sum())
+        for layer in range(config.num_layers)
+    )
+    head = config.hidden_size * config.vocab_size * (6 if trainable == "all" else 4)
+    H, D = config.num_heads, config.head_dim
+    expected = (
+        flops_per_token(config, 0, trainable) * tokens - head * (tokens - head_tokens) + 12 * H * D * pairs
+    )
+    assert executed_training_flops(config, lengths, head_tokens, trainable) == expected
+    # One plain causal row over the same tokens (what a loop that ignores the documents runs) does more.
+    assert executed_training_flops(config, [tokens], head_tokens, trainable) > expected
+
+
+def test_executed_flops_of_one_causal_row_are_the_full_row_count_less_the_masked_half():
+    """flops_per_token credits every (query, key) pair of a row of T tokens, T^2 per layer; a causal kernel
+    computes T(T + 1)/2 of them."""
+    T, L, H, D = 64, TINY.num_layers, TINY.num_heads, TINY.head_dim
+    masked = T * T - T * (T + 1) // 2
+    assert executed_training_flops(TINY, [T], T) == flops_per_token(TINY, T) * T - 12 * L * H * D * masked
 
 
 @pytest.mark.parametrize(
