@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision
@@ -96,14 +97,28 @@ def _packed_micro_batch(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def test_steps_that_log_nothing_make_the_host_wait_for_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(),
+                reason="CUDA's own sync checker needs a GPU; the CPU run counts calls",
+            ),
+        ),
+    ],
+)
+def test_steps_that_log_nothing_make_the_host_wait_for_nothing(tmp_path, monkeypatch, device):
     """Three optimizer steps of the loop (two micro-batches each, packed rows, clipping), logging at the
     third only. Steps 1 and 2 make no device synchronization, read no tensor on the host and create no
     device tensor from host values (on a GPU each of these makes the host wait); the host reads only what it
     built itself, the micro-batches it prepares before anything is on the device. The logging step does
     synchronize and read, which shows that the counting sees them. On the CPU every call is counted as it
     would be made on a GPU: `_synchronize` whatever the device, each `torch.tensor(..., device=...)`, each
-    `.to(device)` in litsft without non_blocking."""
+    `.to(device)` in litsft without non_blocking. On a GPU, CUDA's sync debug mode also raises on any
+    synchronizing call during steps 1 and 2 (torch.cuda.set_sync_debug_mode)."""
     import sys
 
     import litsft.engine
@@ -161,24 +176,35 @@ def test_steps_that_log_nothing_make_the_host_wait_for_nothing(tmp_path, monkeyp
     monkeypatch.setattr(torch.cuda, "synchronize", count("synchronize", torch.cuda.synchronize))
     monkeypatch.setattr(litsft.step, "model_inputs", host_side(litsft.step.model_inputs))
     monkeypatch.setattr(litsft.step, "_input_token_count", host_side(litsft.step._input_token_count))
-    monkeypatch.setattr(litsft.engine, "train_step", count("--- step ---", litsft.engine.train_step))
+    train_step = count("--- step ---", litsft.engine.train_step)
+
+    def step_checked_by_cuda(*args, **kwargs):
+        # Steps 1 and 2, and what the loop does after them up to the next step, under CUDA's checker.
+        torch.cuda.set_sync_debug_mode("error" if events.count("--- step ---") < 2 else "default")
+        return train_step(*args, **kwargs)
+
+    monkeypatch.setattr(litsft.engine, "train_step", step_checked_by_cuda if device == "cuda" else train_step)
 
     torch.manual_seed(0)
     config = Config.from_name("tiny-llama")
-    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    fabric = Fabric(accelerator=device, devices=1, precision="32-true")
     model = Transformer(config)
     model.attention_kernel = "mask"  # the CPU's own kernel plans documents on the host, by design
     model, optimizer = fabric.setup(model, build_optimizer(model, OptimizerConfig(lr=1e-3)))
     loader = _Loader([_packed_micro_batch(seed) for seed in range(6)])
-    state = TrainState(model, optimizer, loader, skipped_steps=torch.zeros(()))
+    state = TrainState(model, optimizer, loader, skipped_steps=torch.zeros((), device=fabric.device))
     run = RunConfig(
         config=config, tokenizer_dir=None, data=None, out_dir=tmp_path, precision="32-true",
         train=TrainConfig(global_batch_size=2, micro_batch_size=1, max_steps=3, log_interval=3, max_norm=1.0),
     )  # fmt: skip
     metrics = MetricsLogger(tmp_path, is_global_zero=True, total_steps=3)
     metrics.set_model(config, world_size=1, device=fabric.device, precision="32-true", seq_len=24)
-    with metrics:
-        train_loop(fabric, run, state, metrics, checkpointer=None, evaluate=lambda step: None)
+    try:
+        with metrics:
+            train_loop(fabric, run, state, metrics, checkpointer=None, evaluate=lambda step: None)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
 
     steps = " ".join(events).split("--- step ---")[1:]
     assert len(steps) == 3
