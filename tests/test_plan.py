@@ -283,7 +283,7 @@ def test_plan_says_accumulated_gradients_stay_sharded(capsys):
     last micro-batch would cost."""
     config = Config.from_name("Llama-3.1-8B")
     estimate = estimate_memory(config, devices=8, accumulation_steps=4)
-    assert estimate.whole_gradients == 4 * config.num_parameters
+    assert estimate.whole_gradients == 4 * num_parameters(config)
     assert estimate.gradients == -(-estimate.whole_gradients // 8)
     train = TrainConfig(global_batch_size=64, micro_batch_size=2)
     plan("Llama-3.1-8B", devices=8, train=train)

@@ -121,6 +121,8 @@ def test_steps_that_log_nothing_make_the_host_wait_for_nothing(tmp_path, monkeyp
     synchronizing call during steps 1 and 2 (torch.cuda.set_sync_debug_mode)."""
     import sys
 
+    from torch.overrides import TorchFunctionMode
+
     import litsft.engine
     import litsft.metrics
     import litsft.step
@@ -150,28 +152,24 @@ def test_steps_that_log_nothing_make_the_host_wait_for_nothing(tmp_path, monkeyp
 
         return preparing
 
-    def copy(function):
-        def checked(self, *args, **kwargs):
-            to_a_device = any(isinstance(a, (torch.device, str)) for a in args) or "device" in kwargs
-            by_litsft = sys._getframe(1).f_globals.get("__name__", "").startswith("litsft")
-            if to_a_device and by_litsft and not kwargs.get("non_blocking", False) and not on_host[0]:
-                events.append("blocking copy")
-            return function(self, *args, **kwargs)
+    class HostWaits(TorchFunctionMode):
+        """Sees every torch call (torch itself is not patched: torch caches some of its own functions)."""
 
-        return checked
-
-    def create(function):
-        def checked(*args, **kwargs):
-            if kwargs.get("device") is not None and not on_host[0]:
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = getattr(func, "__name__", "")
+            if on_host[0]:
+                pass
+            elif name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+                events.append(f"host read ({name})")
+            elif func is torch.tensor and kwargs.get("device") is not None:
                 events.append("tensor created on the device from host values")
-            return function(*args, **kwargs)
+            elif name == "to" and not kwargs.get("non_blocking", False):
+                to_a_device = any(isinstance(a, (torch.device, str)) for a in args[1:]) or "device" in kwargs
+                if to_a_device and sys._getframe(1).f_globals.get("__name__", "").startswith("litsft"):
+                    events.append("blocking copy")
+            return func(*args, **kwargs)
 
-        return checked
-
-    for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
-        monkeypatch.setattr(torch.Tensor, name, count(f"host read ({name})", getattr(torch.Tensor, name)))
-    monkeypatch.setattr(torch.Tensor, "to", copy(torch.Tensor.to))
-    monkeypatch.setattr(torch, "tensor", create(torch.tensor))
     monkeypatch.setattr(litsft.metrics, "_synchronize", count("synchronize", litsft.metrics._synchronize))
     monkeypatch.setattr(torch.cuda, "synchronize", count("synchronize", torch.cuda.synchronize))
     monkeypatch.setattr(litsft.step, "model_inputs", host_side(litsft.step.model_inputs))
@@ -200,7 +198,7 @@ def test_steps_that_log_nothing_make_the_host_wait_for_nothing(tmp_path, monkeyp
     metrics = MetricsLogger(tmp_path, is_global_zero=True, total_steps=3)
     metrics.set_model(config, world_size=1, device=fabric.device, precision="32-true", seq_len=24)
     try:
-        with metrics:
+        with metrics, HostWaits():
             train_loop(fabric, run, state, metrics, checkpointer=None, evaluate=lambda step: None)
     finally:
         if device == "cuda":
