@@ -134,7 +134,12 @@ def train_loop(
         for group in state.optimizer.param_groups:
             group["lr"] = lr
         loss, grad_norm, target_tokens, input_tokens = train_step(
-            fabric, state.model, state.optimizer, micro_batches, run.train.max_norm
+            fabric,
+            state.model,
+            state.optimizer,
+            micro_batches,
+            run.train.max_norm,
+            run.fsdp.sharding_strategy,
         )
         state.step += 1
         step = state.step

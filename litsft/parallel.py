@@ -191,7 +191,7 @@ def fully_shard_blocks(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, pre
     fully_shard(model, reshard_after_forward=False, **options)
 
 
-def synchronize_gradients(model: nn.Module, last_micro_batch: bool) -> None:
+def synchronize_gradients(model: nn.Module, strategy: ShardingStrategy, last_micro_batch: bool) -> None:
     """Set how the next backward pass of gradient accumulation reduces its gradients across ranks.
 
     Sharded strategies (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD) reduce-scatter every micro-batch, as
@@ -201,16 +201,15 @@ def synchronize_gradients(model: nn.Module, last_micro_batch: bool) -> None:
     torch/distributed/fsdp/_fully_shard/_fsdp_param.py): 4 bytes per parameter of the whole model, the memory
     that sharding was meant to save. HYBRID_SHARD reduce-scatters within a node each micro-batch and
     all-reduces across nodes only on the last one. NO_SHARD holds whole gradients anyway: it all-reduces on
-    the last micro-batch only. One process (no FSDP): nothing to do."""
+    the last micro-batch only. One process (no FSDP): nothing to do.
+
+    The strategy is named, not read off the parameters: after an evaluation forward pass the units that
+    are not resharded (the root, SHARD_GRAD_OP's blocks) hold plain unsharded parameters."""
     from torch.distributed.fsdp import FSDPModule
 
-    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    if not units:
-        return
-    mesh = next(p for p in model.parameters() if p.requires_grad).device_mesh
-    sharded = mesh.shape[-1] > 1  # 1-D: (shard,); 2-D: (replicate, shard)
-    replicated = mesh.ndim == 2 and mesh.shape[0] > 1
-    for unit in units:
-        unit.set_requires_gradient_sync(last_micro_batch or sharded, recurse=False)
-        if sharded and replicated:
+    for unit in model.modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        unit.set_requires_gradient_sync(last_micro_batch or strategy != "NO_SHARD", recurse=False)
+        if strategy == "HYBRID_SHARD":
             unit.set_requires_all_reduce(last_micro_batch, recurse=False)

@@ -12,6 +12,7 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
+from litsft.args import ShardingStrategy
 from litsft.attention import Documents
 from litsft.batch import model_inputs
 from litsft.errors import LitsftError
@@ -40,9 +41,12 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     micro_batches: list[dict[str, torch.Tensor]],
     max_norm: float | None,
+    sharding_strategy: ShardingStrategy = "FULL_SHARD",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One optimizer step over the micro-batches of this rank. Returns (mean loss, grad norm, target tokens,
-    non-padding input tokens), all global and still on the device: nothing here makes the host wait for it."""
+    non-padding input tokens), all global and still on the device: nothing here makes the host wait for it.
+    `sharding_strategy` decides how the micro-batches' gradients are reduced (`synchronize_gradients`);
+    without FSDP (one process) it changes nothing."""
     device = fabric.device
     inputs = [to_device(mb, device) for mb in micro_batches]
     # Counted on the host, where the batches are, and copied like them: a tensor made from host values
@@ -61,7 +65,7 @@ def train_step(
     scale = fabric.world_size / target_tokens
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(inputs):
-        synchronize_gradients(model, last_micro_batch=i == len(inputs) - 1)
+        synchronize_gradients(model, sharding_strategy, last_micro_batch=i == len(inputs) - 1)
         loss = model(**batch)
         fabric.backward(loss * scale)
         loss_sum += loss.detach()

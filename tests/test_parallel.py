@@ -85,10 +85,15 @@ def _sharded_facts(rank: int, strategy: str, lora: bool) -> dict:
     parallelize(model, init_device_mesh("cpu", shape, mesh_dim_names=names), FSDPConfig(sharding_strategy=strategy), "32-true")  # fmt: skip
     facts: dict = {"units": sum(isinstance(m, FSDPModule) for m in model.modules()), "after_micro_batch": []}
     trained = {name: param for name, param in model.named_parameters() if param.requires_grad}
+    with (
+        torch.no_grad()
+    ):  # a validation pass first, as between training steps: unresharded units stay gathered
+        model.eval()(_micro_batch(rank, 9)["input_ids"])
+    model.train()
     facts["trained_elements"] = sum(param.numel() for param in trained.values())
     facts["trained_tensors"] = len(trained)
     for index in range(3):
-        synchronize_gradients(model, last_micro_batch=index == 2)
+        synchronize_gradients(model, strategy, last_micro_batch=index == 2)
         model(**_micro_batch(rank, index)).backward()
         shards = all(
             isinstance(param.grad, DTensor)
