@@ -1,7 +1,7 @@
 """The training engine shared by every recipe: `fit` sets a run up and `train_loop` trains it.
 
-A recipe describes only what differs (`Recipe`: how to build the model, how to fill its weights, what to
-save at the end). The loop says what happens each step; the components say how: `litsft.step` (one
+A recipe describes only what differs (`litsft.recipe.Recipe`: how to build the model, how to fill its
+weights, what to save at the end). The loop says what happens each step; the components say how: `litsft.step` (one
 optimizer step), `litsft.evaluation` (validation), `litsft.checkpointer` (the train state, saved and
 restored), `litsft.metrics` (logging), `litsft.parallel` (sharding), `litsft.preemption` (signals).
 Processes, the out_dir lock and exit codes are `litsft.launcher`'s.
@@ -12,9 +12,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.fabric import Fabric
@@ -30,28 +29,13 @@ from litsft.faults import fault_point
 from litsft.optimizer import build_optimizer, learning_rate
 from litsft.parallel import parallelize
 from litsft.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
+from litsft.recipe import Recipe
 from litsft.sizes import num_parameters
 from litsft.step import next_micro_batches, raise_if_diverged, train_step
 from litsft.storage import training_checkpoint as checkpoint
+from litsft.storage.checkpoint_dirs import resume_checkpoint
 from litsft.storage.files import publish_atomically
 from litsft.validation import FINAL_DIR
-
-
-@dataclass
-class Recipe:
-    """What distinguishes one recipe from another."""
-
-    name: str
-    build_model: Callable[[Config], nn.Module]
-    """Build the model (called on the meta device) with requires_grad set on what is trained."""
-    initialize: Callable[[nn.Module], None]
-    """Fill the materialized (possibly sharded) model: load a checkpoint or draw fresh weights."""
-    save_final: Callable[[nn.Module, Path], None]
-    """Write the final model to the given directory (collective: every rank calls it)."""
-    checkpoint_frozen: bool = True
-    """Whether step checkpoints hold frozen parameters too (LoRA: no, the base is loaded again)."""
-    trainable: Literal["all", "lora"] = "all"
-    """What is trained; decides the FLOPs per token behind MFU."""
 
 
 def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
@@ -75,7 +59,7 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
     optimizer = fabric.setup_optimizers(build_optimizer(model, run.optimizer))
     state = TrainState(model, optimizer, train_loader, skipped_steps=torch.zeros((), device=fabric.device))
     checkpointer = Checkpointer(fabric, run, recipe.name, save_frozen=recipe.checkpoint_frozen)
-    resume_from = checkpoint.resume_checkpoint(run.resume, out_dir)
+    resume_from = resume_checkpoint(run.resume, out_dir)
     if resume_from is not None:
         checkpointer.load(resume_from, state)
         fault_point("resumed", fabric.global_rank)

@@ -20,8 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from litsft.config import CONFIG_FILENAME
-from litsft.convert import DType, convert_hf_directory
+from litsft.config import CONFIG_FILENAME, DType
 from litsft.errors import LitsftError
 from litsft.storage.files import read_json
 
@@ -98,6 +97,8 @@ def download_checkpoint(
         _check_same_source(out_dir, repo_id, revision)
         print(f"{out_dir} already holds {repo_id}; nothing to download", file=sys.stderr, flush=True)
         return out_dir
+    from litsft.convert import convert_hf_directory  # torch: only once there is something to convert
+
     snapshot, commit = fetch_snapshot(repo_id, revision, token, allow_pickle_weights)
     source = {"repo_id": repo_id, "revision": revision or "main", "commit": commit}
     convert_hf_directory(

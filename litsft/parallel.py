@@ -29,14 +29,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from litsft.args import FSDPConfig, Precision, ShardingStrategy
 from litsft.devices import Device
-from litsft.errors import LitsftError
-
-
-def default_precision(accelerator: Device) -> Precision:
-    """bf16-mixed where the GPU supports it, else full precision."""
-    if accelerator == "cuda" and torch.cuda.is_bf16_supported():
-        return "bf16-mixed"
-    return "32-true"
 
 
 def build_fabric(
@@ -50,10 +42,6 @@ def build_fabric(
     """A Fabric for `devices` x `num_nodes` processes on `accelerator` (CPU processes talk over gloo). With
     more than one, `fabric.setup_module` runs `parallelize` (FSDP2-sharded as `fsdp` says); one process
     calls `parallelize(model, None, ...)` itself."""
-    if fsdp.cpu_offload and accelerator == "cpu":
-        raise LitsftError(
-            "--fsdp.cpu_offload needs GPUs: on a CPU-only machine everything already lives in CPU memory"
-        )
     if devices * num_nodes == 1:
         return Fabric(accelerator=accelerator, devices=1, num_nodes=1, precision=precision)
 
