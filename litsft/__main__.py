@@ -20,6 +20,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, NoReturn
 
+from litsft import timings  # noqa: F401  (its clock starts when it is imported: here, at the start)
 from litsft.errors import LitsftError
 
 # Subcommand -> "module:function". Imported only when chosen (most of them import torch), so `litsft --help`

@@ -97,6 +97,9 @@ class LogConfig:
     """Where metrics go."""
 
     loggers: list[Literal["csv", "tensorboard", "wandb"]] = field(default_factory=lambda: ["csv"])
+    timings: bool = False
+    """Print the wall time of each phase of the run at its end (start-up, checks, imports, data, model, training,
+    final validation and save)."""
 
 
 @dataclass

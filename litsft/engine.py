@@ -35,6 +35,7 @@ from litsft.step import next_micro_batches, raise_if_diverged, train_step
 from litsft.storage import training_checkpoint as checkpoint
 from litsft.storage.checkpoint_dirs import resume_checkpoint
 from litsft.storage.files import publish_atomically
+from litsft.timings import run_timer
 from litsft.validation import FINAL_DIR
 
 
@@ -43,6 +44,7 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
     from litsft.metrics import MetricsLogger
     from litsft.tokenizer import Tokenizer
 
+    run_timer.mark("Fabric and its processes started")
     out_dir = run.out_dir
     if run.train.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -54,8 +56,9 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
     tokenizer = Tokenizer(run.tokenizer_dir)
     train_loader, val_loader = setup_data(fabric, run, tokenizer)
     total_steps = total_optimizer_steps(run.train, train_loader, fabric.world_size)
-
+    run_timer.mark("data: tokenized (or read from the cache), loaders")
     model = setup_model(fabric, recipe, run)
+    run_timer.mark("model: built, weights loaded, sharded")
     optimizer = fabric.setup_optimizers(build_optimizer(model, run.optimizer))
     state = TrainState(model, optimizer, train_loader, skipped_steps=torch.zeros((), device=fabric.device))
     checkpointer = Checkpointer(fabric, run, recipe.name, save_frozen=recipe.checkpoint_frozen)
@@ -84,13 +87,20 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
         adapter_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
     )
     evaluate = functools.partial(validate, fabric, model, val_loader, tokenizer, run, metrics)
+    run_timer.mark("optimizer, resume, metrics")
     with metrics:
         train_loop(fabric, run, state, metrics, checkpointer, evaluate)
+        run_timer.mark("training loop (with its validations and checkpoints)")
         fault_point("before_final", fabric.global_rank)
         with metrics.paused():
             evaluate(total_steps)
+            run_timer.mark("final validation")
             save_final(fabric, recipe, model.module, out_dir)
+            run_timer.mark("final model saved")
+    run_timer.mark("metrics closed, loss curve drawn")
     fabric.print(f"Saved the final model to {out_dir / FINAL_DIR}")
+    if run.log.timings:
+        fabric.print(run_timer.report())
 
 
 def train_loop(

@@ -97,10 +97,10 @@ def download_checkpoint(
         _check_same_source(out_dir, repo_id, revision)
         print(f"{out_dir} already holds {repo_id}; nothing to download", file=sys.stderr, flush=True)
         return out_dir
-    from litsft.convert import convert_hf_directory  # torch: only once there is something to convert
-
     snapshot, commit = fetch_snapshot(repo_id, revision, token, allow_pickle_weights)
     source = {"repo_id": repo_id, "revision": revision or "main", "commit": commit}
+    from litsft.convert import convert_hf_directory  # torch: only once there is something to convert
+
     convert_hf_directory(
         snapshot, out_dir, name=repo_id, dtype=dtype, extra_files={SOURCE_FILENAME: json.dumps(source) + "\n"}
     )

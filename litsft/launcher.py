@@ -19,6 +19,7 @@ from litsft.devices import choose_accelerator, default_precision, gpu_count
 from litsft.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 from litsft.recipe import Recipe
 from litsft.run_lock import RunLock
+from litsft.timings import run_timer
 from litsft.validation import check_machine, check_run
 
 if TYPE_CHECKING:
@@ -29,10 +30,12 @@ def launch(recipe_name: str, build_recipe: Callable[[], Recipe], run: RunConfig)
     """Validate the run, take the out_dir lock, start the processes and train `build_recipe()`. Every check
     that can fail fails here, before any process is spawned or anything in out_dir changes; those that need
     only the arguments and files fail before torch is imported, and all of them before Lightning is."""
+    run_timer.mark("start-up: Python packages, command line, model found")
     # First: a signal during setup must stop the run at a step, not kill it.
     preemption = PreemptionFlag.install()
     preemption.report = processes.is_first_process()
     check_run(run, recipe_name)
+    run_timer.mark("checks before launch: tokenizer, data, out_dir")
     gpus = gpu_count() if run.accelerator != "cpu" else 0  # on the CPU, torch need not be asked
     accelerator = choose_accelerator(run.accelerator, gpus)
     run = with_defaults(dataclasses.replace(run, accelerator=accelerator), default_precision(accelerator))
@@ -43,6 +46,7 @@ def launch(recipe_name: str, build_recipe: Callable[[], Recipe], run: RunConfig)
     from litsft.parallel import build_fabric
 
     recipe = build_recipe()
+    run_timer.mark("importing torch, Lightning and the model code")
     if run.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts; ranks inherit it
     spawned = processes.is_spawned_rank()
