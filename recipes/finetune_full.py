@@ -69,7 +69,7 @@ def setup(
 
 def full_finetuning(checkpoint_dir: Path, config: Config) -> Recipe:
     """Every weight trains, starting from the checkpoint's; the final model is a full checkpoint."""
-    # Imported once the run has passed its checks (litsft.launcher): torch and Lightning take seconds.
+    # Imported here: litsft.launcher calls this once the run has passed its checks, and torch takes seconds.
     from litsft.model import Transformer
     from litsft.storage.model_folder import gather_and_save_model_folder, load_model_weights
 

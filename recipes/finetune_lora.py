@@ -73,7 +73,7 @@ def setup(
 
 def lora_finetuning(checkpoint_dir: Path, lora: LoRAConfig, seed: int) -> Recipe:
     """Adapters on the frozen base train; step checkpoints and the final result hold the adapters alone."""
-    # Imported once the run has passed its checks (litsft.launcher): torch and Lightning take seconds.
+    # Imported here: litsft.launcher calls this once the run has passed its checks, and torch takes seconds.
     from litsft.lora import apply_lora, base_weight_name, initial_adapter_value, lora_state_dict
     from litsft.model import Transformer, parameter_generator
     from litsft.storage.lora_folder import save_lora_folder

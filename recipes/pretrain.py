@@ -78,7 +78,7 @@ def setup(
 
 def pretraining(config: Config, tokenizer_dir: Path, seed: int) -> Recipe:
     """Fresh weights, every one trained; the final model is a full checkpoint with the tokenizer's files."""
-    # Imported once the run has passed its checks (litsft.launcher): torch and Lightning take seconds.
+    # Imported here: litsft.launcher calls this once the run has passed its checks, and torch takes seconds.
     from litsft.model import Transformer, parameter_generator
     from litsft.storage.model_folder import gather_and_save_model_folder
     from litsft.storage.sharded_rows import copy_rows
