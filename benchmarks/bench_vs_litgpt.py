@@ -21,6 +21,10 @@ How each side is measured, the same way:
   litsft's global batches for epoch 0 (it drops an incomplete last global batch). Padding is never counted.
 Runs alternate (litsft packed, LitGPT, litsft unpacked) so that load from other users hits all of them;
 the ratios printed are medians over the runs of useful tokens/s, litsft / LitGPT.
+
+Whole processes are timed too, start-up, data preparation, validation and saving included, the way a user's
+clock runs: litsft's data cache is emptied before each of its runs, so it tokenizes as a first run does.
+The first litsft run of each method prints its wall time by phase (`--log.timings`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from harness import bench_env, machine_description, make_checkpoint, median, run_litsft, training_rows
@@ -128,27 +133,31 @@ def litsft_useful_tokens(
 
 def time_litsft(
     method: str, checkpoint: Path, data_dir: Path, args: argparse.Namespace, packing: bool, input_tokens: int
-) -> float:
+) -> tuple[float, float, str]:
+    """(training-loop seconds, whole-process seconds, the run's stdout with its phase timings). The data cache
+    is emptied first: the process tokenizes, as a first run does (LitGPT tokenizes as it trains)."""
     out_dir = args.work_dir / f"litsft-{method}"
     shutil.rmtree(out_dir, ignore_errors=True)
-    run_litsft(
+    shutil.rmtree(args.work_dir / "cache", ignore_errors=True)
+    wall, stdout = run_litsft(
         [
             f"finetune_{method}", str(checkpoint), "--out_dir", str(out_dir), "--data", "JSON",
             "--data.json_path", str(data_dir), "--data.prompt_style", "alpaca", "--data.packing", str(packing).lower(),
             "--precision", "32-true", "--train.epochs", "1", "--train.max_seq_length", str(args.max_seq_length),
             "--train.micro_batch_size", str(args.micro_batch_size),
             "--train.global_batch_size", str(args.global_batch_size), "--train.log_interval", "1000000",
-            "--eval.max_batches", "1", "--eval.max_new_tokens", "0", "--resume", "false",
+            "--eval.max_batches", "1", "--eval.max_new_tokens", "0", "--resume", "false", "--log.timings", "true",
         ],
         args.work_dir, args.threads,
     )  # fmt: skip
     (row,) = training_rows(out_dir)
-    return input_tokens / row["tokens_per_second"]
+    return input_tokens / row["tokens_per_second"], wall, stdout
 
 
 def time_litgpt(
     python: Path, method: str, checkpoint: Path, data_dir: Path, args: argparse.Namespace
-) -> float:
+) -> tuple[float, float]:
+    """(training-loop seconds, whole-process seconds)."""
     out_dir = args.work_dir / f"litgpt-{method}"
     shutil.rmtree(out_dir, ignore_errors=True)
     lora = (
@@ -165,11 +174,13 @@ def time_litgpt(
         "--logger_name", "csv", *lora,
     ]  # fmt: skip
     env = bench_env(args.work_dir, args.threads)
+    started = time.perf_counter()
     result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=args.work_dir)
+    wall = time.perf_counter() - started
     if result.returncode != 0:
         raise RuntimeError(f"litgpt {method} exited {result.returncode}:\n{result.stderr[-4000:]}")
     iterations = {int(i): float(ms) for i, ms in ITER_TIME.findall(result.stdout + result.stderr)}
-    return sum(iterations.values()) / 1000
+    return sum(iterations.values()) / 1000, wall
 
 
 def main(args: argparse.Namespace) -> None:
@@ -199,16 +210,25 @@ def main(args: argparse.Namespace) -> None:
     )
     for method in args.methods:
         rates: dict[str, list[float]] = {"packed": [], "litgpt": [], "unpacked": []}
+        walls: dict[str, list[float]] = {"packed": [], "litgpt": [], "unpacked": []}
         for run in range(args.runs):
-            seconds = time_litsft(method, checkpoint, data_dir, args, True, packed_inputs)
+            seconds, wall, stdout = time_litsft(method, checkpoint, data_dir, args, True, packed_inputs)
             rates["packed"].append(packed_tokens / seconds)
-            seconds = time_litgpt(python, method, litgpt_dir, data_dir, args)
+            walls["packed"].append(wall)
+            if run == 0:
+                print(f"finetune_{method}, litsft packed, run 1 (--log.timings):")
+                print(stdout[stdout.index("Wall time by phase") :].rstrip(), flush=True)
+            seconds, wall = time_litgpt(python, method, litgpt_dir, data_dir, args)
             rates["litgpt"].append(litgpt_tokens / seconds)
-            seconds = time_litsft(method, checkpoint, data_dir, args, False, padded_inputs)
+            walls["litgpt"].append(wall)
+            seconds, wall, _ = time_litsft(method, checkpoint, data_dir, args, False, padded_inputs)
             rates["unpacked"].append(padded_tokens / seconds)
+            walls["unpacked"].append(wall)
             print(
                 f"finetune_{method} run {run + 1}: useful tokens/s litsft packed {rates['packed'][-1]:,.0f}, "
-                f"LitGPT {rates['litgpt'][-1]:,.0f}, litsft unpacked {rates['unpacked'][-1]:,.0f}",
+                f"LitGPT {rates['litgpt'][-1]:,.0f}, litsft unpacked {rates['unpacked'][-1]:,.0f}; whole process "
+                f"litsft packed {walls['packed'][-1]:.1f} s, LitGPT {walls['litgpt'][-1]:.1f} s, litsft unpacked "
+                f"{walls['unpacked'][-1]:.1f} s",
                 flush=True,
             )
         ratios_packed = [p / g for p, g in zip(rates["packed"], rates["litgpt"])]
@@ -218,6 +238,14 @@ def main(args: argparse.Namespace) -> None:
             f"LitGPT {median(rates['litgpt']):,.0f}, litsft unpacked {median(rates['unpacked']):,.0f} useful tokens/s; "
             f"ratio litsft/LitGPT packed {median(ratios_packed):.2f}x, unpacked {median(ratios_unpacked):.2f}x "
             f"(per run: {', '.join(f'{r:.2f}' for r in ratios_packed)} / {', '.join(f'{r:.2f}' for r in ratios_unpacked)})"
+        )
+        wall_packed = [g / p for p, g in zip(walls["packed"], walls["litgpt"])]
+        wall_unpacked = [g / u for u, g in zip(walls["unpacked"], walls["litgpt"])]
+        print(
+            f"finetune_{method} whole process, median of {args.runs}: litsft packed {median(walls['packed']):.1f} s, "
+            f"LitGPT {median(walls['litgpt']):.1f} s, litsft unpacked {median(walls['unpacked']):.1f} s; LitGPT's "
+            f"time / litsft's packed {median(wall_packed):.2f}x, unpacked {median(wall_unpacked):.2f}x "
+            f"(per run: {', '.join(f'{r:.2f}' for r in wall_packed)} / {', '.join(f'{r:.2f}' for r in wall_unpacked)})"
         )
     print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 

@@ -95,8 +95,9 @@ def bench_env(work_dir: Path, threads: int, extra: dict[str, str] | None = None)
 
 def run_litsft(
     args: list[str], work_dir: Path, threads: int, extra_env: dict[str, str] | None = None
-) -> float:
-    """Run `python -m litsft ...`; returns its wall time. Raises with the output's tail if it fails."""
+) -> tuple[float, str]:
+    """Run `python -m litsft ...`; returns its wall time and its stdout. Raises with the output's tail if it
+    fails."""
     started = time.perf_counter()
     result = subprocess.run(
         [sys.executable, "-m", "litsft", *args],
@@ -107,7 +108,7 @@ def run_litsft(
     )
     if result.returncode != 0:
         raise RuntimeError(f"litsft {' '.join(args)} exited {result.returncode}:\n{result.stderr[-4000:]}")
-    return time.perf_counter() - started
+    return time.perf_counter() - started, result.stdout
 
 
 def training_rows(out_dir: Path) -> list[dict[str, float]]:

@@ -7,7 +7,9 @@ traceback. A training run stopped by SIGTERM/SIGUSR1 exits with status 124 after
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import re
 import sys
 import time
@@ -15,11 +17,14 @@ import warnings
 from collections.abc import Callable
 from functools import partial
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any, NoReturn
 
+from litsft import timings  # noqa: F401  (its clock starts when it is imported: here, at the start)
 from litsft.errors import LitsftError
 
-# Subcommand -> "module:function". Imported only when chosen, so `litsft --help` stays fast.
+# Subcommand -> "module:function". Imported only when chosen (most of them import torch), so `litsft --help`
+# and `litsft --version` import none of them.
 COMMANDS: dict[str, str] = {
     "finetune_full": "litsft.recipes.finetune_full:setup",
     "finetune_lora": "litsft.recipes.finetune_lora:setup",
@@ -50,17 +55,27 @@ def _usage() -> str:
         "commands:",
     ]
     for name, target in COMMANDS.items():
-        try:
-            doc = (_load(target).__doc__ or "").strip().splitlines()
-        except (ImportError, AttributeError):
-            continue
-        lines.append(f"  {name:<16} {doc[0] if doc else ''}")
+        lines.append(f"  {name:<16} {_summary(target)}")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    from jsonargparse import CLI, ArgumentError, set_parsing_settings
+def _summary(target: str) -> str:
+    """The first line of a command function's docstring, read from its source file without importing it."""
+    module_name, function_name = target.split(":")
+    # The module's file is looked up in its package's folders: find_spec(module) would import the
+    # package (litsft.data imports numpy, tokenizers, jinja2).
+    package, _, leaf = module_name.rpartition(".")
+    folders = importlib.util.find_spec(package).submodule_search_locations or []
+    source = next(path for folder in folders if (path := Path(folder) / f"{leaf}.py").is_file())
+    tree = ast.parse(source.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == function_name:
+            doc = (ast.get_docstring(node) or "").strip().splitlines()
+            return doc[0] if doc else ""
+    return ""
 
+
+def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -68,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     if argv[0] == "--version":
         print(f"litsft {version('litsft')}")
         return
+    from jsonargparse import CLI, ArgumentError, set_parsing_settings
+
     # The attribute docstrings of the config dataclasses (train.*, optimizer.*, ...) become --help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     command, *rest = argv

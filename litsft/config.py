@@ -15,6 +15,8 @@ from litsft.errors import LitsftError
 from litsft.families import FAMILIES, family_of, family_of_hf_config
 from litsft.storage.files import read_json
 
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+"""The dtype a conversion stores the weights in; "auto" keeps theirs."""
 LayerType = Literal["full_attention", "sliding_attention"]
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 HF_KEYS_READ = frozenset(

@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from litsft.config import Config
+from litsft.config import Config, DType
 from litsft.errors import LitsftError
 from litsft.families import FAMILIES, WeightMap, family_of
 from litsft.lora import MODULE_OF_TARGET, iter_merged_tensors, merged_config
@@ -49,8 +49,6 @@ PEFT_CONFIG_NAME = "adapter_config.json"
 PEFT_ADAPTER_NAME = "adapter_model.safetensors"
 # Where the hub cache keeps a model: .../models--<org>--<name>/snapshots/<revision>.
 _HUB_CACHE_PATH = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+/?$")
-
-DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 def weight_map(config: Config) -> WeightMap:

@@ -2,14 +2,15 @@
 
 The choices are pure functions of the request and the number of CUDA GPUs found (`gpu_count`), so they are
 tested on any machine with made-up counts. `--accelerator auto` means CUDA when there is a GPU; on the CPU,
-`--devices N` is N processes talking over gloo, which any machine can run.
+`--devices N` is N processes talking over gloo, which any machine can run. torch is imported only to count
+or query GPUs: the checks before launch run without it otherwise.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from litsft.args import Accelerator
+from litsft.args import Accelerator, Precision
 from litsft.errors import LitsftError
 
 Device = Literal["cpu", "cuda"]
@@ -20,6 +21,16 @@ def gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def default_precision(accelerator: Device) -> Precision:
+    """bf16-mixed where the GPU supports it, else full precision."""
+    if accelerator == "cuda":
+        import torch
+
+        if torch.cuda.is_bf16_supported():
+            return "bf16-mixed"
+    return "32-true"
 
 
 def choose_accelerator(requested: Accelerator, gpus: int) -> Device:

@@ -1,7 +1,7 @@
 """The training engine shared by every recipe: `fit` sets a run up and `train_loop` trains it.
 
-A recipe describes only what differs (`Recipe`: how to build the model, how to fill its weights, what to
-save at the end). The loop says what happens each step; the components say how: `litsft.step` (one
+A recipe describes only what differs (`litsft.recipe.Recipe`: how to build the model, how to fill its
+weights, what to save at the end). The loop says what happens each step; the components say how: `litsft.step` (one
 optimizer step), `litsft.evaluation` (validation), `litsft.checkpointer` (the train state, saved and
 restored), `litsft.metrics` (logging), `litsft.parallel` (sharding), `litsft.preemption` (signals).
 Processes, the out_dir lock and exit codes are `litsft.launcher`'s.
@@ -12,9 +12,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.fabric import Fabric
@@ -30,28 +29,14 @@ from litsft.faults import fault_point
 from litsft.optimizer import build_optimizer, learning_rate
 from litsft.parallel import parallelize
 from litsft.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
+from litsft.recipe import Recipe
 from litsft.sizes import num_parameters
 from litsft.step import diverged, next_micro_batches, raise_if_diverged, train_step
 from litsft.storage import training_checkpoint as checkpoint
+from litsft.storage.checkpoint_dirs import resume_checkpoint
 from litsft.storage.files import publish_atomically
+from litsft.timings import run_timer
 from litsft.validation import FINAL_DIR
-
-
-@dataclass
-class Recipe:
-    """What distinguishes one recipe from another."""
-
-    name: str
-    build_model: Callable[[Config], nn.Module]
-    """Build the model (called on the meta device) with requires_grad set on what is trained."""
-    initialize: Callable[[nn.Module], None]
-    """Fill the materialized (possibly sharded) model: load a checkpoint or draw fresh weights."""
-    save_final: Callable[[nn.Module, Path], None]
-    """Write the final model to the given directory (collective: every rank calls it)."""
-    checkpoint_frozen: bool = True
-    """Whether step checkpoints hold frozen parameters too (LoRA: no, the base is loaded again)."""
-    trainable: Literal["all", "lora"] = "all"
-    """What is trained; decides the FLOPs per token behind MFU."""
 
 
 def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
@@ -59,6 +44,7 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
     from litsft.metrics import MetricsLogger
     from litsft.tokenizer import Tokenizer
 
+    run_timer.mark("Fabric and its processes started")
     out_dir = run.out_dir
     if run.train.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -70,12 +56,13 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
     tokenizer = Tokenizer(run.tokenizer_dir)
     train_loader, val_loader = setup_data(fabric, run, tokenizer)
     total_steps = total_optimizer_steps(run.train, train_loader, fabric.world_size)
-
+    run_timer.mark("data: tokenized (or read from the cache), loaders")
     model = setup_model(fabric, recipe, run)
+    run_timer.mark("model: built, weights loaded, sharded")
     optimizer = fabric.setup_optimizers(build_optimizer(model, run.optimizer))
     state = TrainState(model, optimizer, train_loader, skipped_steps=torch.zeros((), device=fabric.device))
     checkpointer = Checkpointer(fabric, run, recipe.name, save_frozen=recipe.checkpoint_frozen)
-    resume_from = checkpoint.resume_checkpoint(run.resume, out_dir)
+    resume_from = resume_checkpoint(run.resume, out_dir)
     if resume_from is not None:
         checkpointer.load(resume_from, state)
         fault_point("resumed", fabric.global_rank)
@@ -100,13 +87,20 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
         adapter_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
     )
     evaluate = functools.partial(validate, fabric, model, val_loader, tokenizer, run, metrics)
+    run_timer.mark("optimizer, resume, metrics")
     with metrics:
         train_loop(fabric, run, state, metrics, checkpointer, evaluate)
+        run_timer.mark("training loop (with its validations and checkpoints)")
         fault_point("before_final", fabric.global_rank)
         with metrics.paused():
             evaluate(total_steps)
+            run_timer.mark("final validation")
             save_final(fabric, recipe, model.module, out_dir)
+            run_timer.mark("final model saved")
+    run_timer.mark("metrics closed, loss curve drawn")
     fabric.print(f"Saved the final model to {out_dir / FINAL_DIR}")
+    if run.log.timings:
+        fabric.print(run_timer.report())
 
 
 def train_loop(

@@ -20,8 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from litsft.config import CONFIG_FILENAME
-from litsft.convert import DType, convert_hf_directory
+from litsft.config import CONFIG_FILENAME, DType
 from litsft.errors import LitsftError
 from litsft.storage.files import read_json
 
@@ -100,6 +99,8 @@ def download_checkpoint(
         return out_dir
     snapshot, commit = fetch_snapshot(repo_id, revision, token, allow_pickle_weights)
     source = {"repo_id": repo_id, "revision": revision or "main", "commit": commit}
+    from litsft.convert import convert_hf_directory  # torch: only once there is something to convert
+
     convert_hf_directory(
         snapshot, out_dir, name=repo_id, dtype=dtype, extra_files={SOURCE_FILENAME: json.dumps(source) + "\n"}
     )

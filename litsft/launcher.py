@@ -9,31 +9,44 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-
-from lightning.fabric import Fabric
+from typing import TYPE_CHECKING
 
 from litsft import processes
 from litsft.args import RunConfig, accumulation_steps, with_defaults
-from litsft.devices import choose_accelerator, gpu_count
-from litsft.engine import Recipe, fit
-from litsft.parallel import build_fabric, default_precision
+from litsft.devices import choose_accelerator, default_precision, gpu_count
 from litsft.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
-from litsft.rendezvous import RendezvousWatch
+from litsft.recipe import Recipe
 from litsft.run_lock import RunLock
-from litsft.validation import check_run
+from litsft.timings import run_timer
+from litsft.validation import check_machine, check_run
+
+if TYPE_CHECKING:
+    from lightning.fabric import Fabric
 
 
-def launch(recipe: Recipe, run: RunConfig) -> None:
-    """Validate the run, take the out_dir lock, start the processes and train. Every check that can fail
-    fails here, before any process is spawned or anything in out_dir changes."""
+def launch(recipe_name: str, build_recipe: Callable[[], Recipe], run: RunConfig) -> None:
+    """Validate the run, take the out_dir lock, start the processes and train `build_recipe()`. Every check
+    that can fail fails here, before any process is spawned or anything in out_dir changes; those that need
+    only the arguments and files fail before torch is imported, and all of them before Lightning is."""
+    run_timer.mark("start-up: Python packages, command line, model found")
     # First: a signal during setup must stop the run at a step, not kill it.
     preemption = PreemptionFlag.install()
     preemption.report = processes.is_first_process()
-    accelerator = choose_accelerator(run.accelerator, gpu_count())
+    check_run(run, recipe_name)
+    run_timer.mark("checks before launch: tokenizer, data, out_dir")
+    gpus = gpu_count() if run.accelerator != "cpu" else 0  # on the CPU, torch need not be asked
+    accelerator = choose_accelerator(run.accelerator, gpus)
     run = with_defaults(dataclasses.replace(run, accelerator=accelerator), default_precision(accelerator))
-    check_run(run, recipe.name)
-    accumulation_steps(run.train, run.world_size)
+    check_machine(run, gpus)
+    accumulation_steps(run.train, run.world_size)  # after the device count, which the world size depends on
+    # The run has passed every check: only now the model, the engine and Lightning are imported.
+    from litsft.engine import fit
+    from litsft.parallel import build_fabric
+
+    recipe = build_recipe()
+    run_timer.mark("importing torch, Lightning and the model code")
     if run.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts; ranks inherit it
     spawned = processes.is_spawned_rank()
@@ -75,6 +88,8 @@ def stop_at_once(fabric: Fabric, lock: RunLock | None) -> None:
 def rendezvous_watch(fabric: Fabric, run: RunConfig, preemption: PreemptionFlag) -> AbstractContextManager:
     """Ends this process with one line if the run's processes do not all join in time, or on a signal
     before they do (see litsft.rendezvous); nothing to watch for a single process."""
+    from litsft.rendezvous import RendezvousWatch
+
     if run.world_size == 1:
         return nullcontext()
     environment = fabric.strategy.cluster_environment

@@ -13,76 +13,27 @@ so FSDP2 can put the frozen base and the trainable adapters in separate units:
 `model.load_state_dict(plain_litsft_state_dict)` still works: `LoRALinear` renames `weight`/`bias` to
 `base.weight`/`base.bias` while loading and leaves its adapters as they are when the state dict has none.
 
-The folder finetune_lora writes is `litsft.storage.lora_folder`; merging it into a model folder and
-exporting it to Hugging Face or PEFT is `litsft.convert`.
+Which projections get adapters, and their size, is `litsft.args.LoRAConfig`: a run setting, read by the
+CLI without torch. The folder finetune_lora writes is `litsft.storage.lora_folder`; merging it into a model
+folder and exporting it to Hugging Face or PEFT is `litsft.convert`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, replace
-from typing import Literal, get_args
+from dataclasses import replace
 
 import torch
 from torch import nn
 
+from litsft.args import LORA_TARGETS, LoRAConfig
 from litsft.config import Config
-from litsft.errors import LitsftError, check_number
+from litsft.errors import LitsftError
 from litsft.model import Transformer
 
-LoRATarget = Literal["q", "k", "v", "o", "gate", "up", "down", "lm_head"]
-LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
 # Target -> the attribute name of the nn.Linear it adapts (the same name Hugging Face and PEFT use).
 MODULE_OF_TARGET: dict[str, str] = {t: t if t == "lm_head" else f"{t}_proj" for t in LORA_TARGETS}
-# PEFT's "all-linear" leaves the output layer out; so does litsft's.
-ALL_LINEAR: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
-
-
-@dataclass
-class LoRAConfig:
-    """Which projections get low-rank adapters, and their size."""
-
-    rank: int = 8
-    """Rank r of each adapter: A is (r, in_features), B is (out_features, r)."""
-    alpha: float = 16
-    """The adapter's output is scaled by alpha / rank."""
-    dropout: float = 0.05
-    """Dropout on the adapter's input during training."""
-    targets: list[LoRATarget] | Literal["all-linear"] = "all-linear"
-    """Projections to adapt: a list of q, k, v, o, gate, up, down, lm_head, or all-linear (every attention
-    and MLP projection, not lm_head). Adapting the MLP too is what lets LoRA approach full fine-tuning
-    (QLoRA, Dettmers et al. 2023), for a few more adapter parameters."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.targets, str):
-            if self.targets != "all-linear":
-                raise LitsftError(
-                    f"lora targets={self.targets!r} is not valid; use 'all-linear' or a list of {', '.join(LORA_TARGETS)}"
-                )
-        else:
-            self.targets = list(self.targets)
-            unknown = [t for t in self.targets if t not in LORA_TARGETS]
-            if unknown or not self.targets:
-                raise LitsftError(
-                    f"lora targets {unknown or self.targets} are not valid; choose from {', '.join(LORA_TARGETS)} "
-                    "or use 'all-linear'"
-                )
-        check_number("--lora.rank", self.rank, at_least=1, fix="use e.g. 8 or 16")
-        check_number(
-            "--lora.alpha", self.alpha, above=0,
-            fix="the adapters' output is scaled by alpha / rank, so 0 trains nothing; use e.g. 2 x rank",
-        )  # fmt: skip
-        check_number("--lora.dropout", self.dropout, at_least=0, below=1, fix="use e.g. 0.05, or 0 for none")
-
-    @property
-    def target_list(self) -> list[str]:
-        """The targets with all-linear spelled out."""
-        return list(ALL_LINEAR) if self.targets == "all-linear" else list(self.targets)
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
 
 
 class LoRAUp(nn.Linear):

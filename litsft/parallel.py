@@ -13,7 +13,7 @@ correct where FSDP1's silently drops the cross-replica all-reduce (measured: tut
 | NO_SHARD      | 2-D (all ranks, 1)            | replicate everywhere (DDP)                    |
 
 One process runs without FSDP (activation checkpointing and compile still apply), its mixed precision
-Fabric's autocast; so FSDP's CPU offload needs 2 or more processes (`check_fabric_options`).
+Fabric's autocast; so FSDP's CPU offload needs 2 or more processes (`validation.check_fsdp_options`).
 """
 
 from __future__ import annotations
@@ -30,14 +30,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from litsft.args import FSDPConfig, Precision, ShardingStrategy
 from litsft.devices import Device
-from litsft.errors import LitsftError
-
-
-def default_precision(accelerator: Device) -> Precision:
-    """bf16-mixed where the GPU supports it, else full precision."""
-    if accelerator == "cuda" and torch.cuda.is_bf16_supported():
-        return "bf16-mixed"
-    return "32-true"
 
 
 def build_fabric(
@@ -51,7 +43,6 @@ def build_fabric(
     """A Fabric for `devices` x `num_nodes` processes on `accelerator` (CPU processes talk over gloo). With
     more than one, `fabric.setup_module` runs `parallelize` (FSDP2-sharded as `fsdp` says); one process
     calls `parallelize(model, None, ...)` itself."""
-    check_fabric_options(devices * num_nodes, precision, fsdp, accelerator)
     if devices * num_nodes == 1:
         return Fabric(accelerator=accelerator, devices=1, num_nodes=1, precision=precision)
 
@@ -76,31 +67,6 @@ def build_fabric(
         strategy=strategy,
         precision=fabric_precision,
     )
-
-
-def check_fabric_options(
-    world_size: int, precision: Precision, fsdp: FSDPConfig, accelerator: Device
-) -> None:
-    """Refuse, in one line, the combinations that `build_fabric` would otherwise run differently from what
-    they ask for, or crash on."""
-    if fsdp.cpu_offload and accelerator == "cpu":
-        raise LitsftError(
-            "--fsdp.cpu_offload needs GPUs: on a CPU-only machine everything already lives in CPU memory"
-        )
-    if fsdp.cpu_offload and world_size == 1:
-        # FSDP2 does the offloading, and one process trains without FSDP: the option would change nothing.
-        raise LitsftError(
-            "--fsdp.cpu_offload needs 2 or more GPUs (it is FSDP's, and one GPU trains without FSDP); on one "
-            "GPU drop it and save memory with finetune_lora, --fsdp.activation_checkpointing true or a smaller "
-            "--train.micro_batch_size"
-        )
-    if precision == "16-mixed" and world_size > 1:
-        # Lightning's ModelParallelStrategy (FSDP2) takes no 16-mixed and would stop with its own error
-        # (`mp_precision_supported` in lightning/fabric/connector.py).
-        raise LitsftError(
-            "--precision 16-mixed runs on one GPU only (FSDP2 here takes no fp16 autocast with loss scaling); "
-            "with several GPUs use bf16-mixed (Ampere or newer) or 32-true"
-        )
 
 
 def data_parallel_mesh(

@@ -1,7 +1,7 @@
 """Memory planner: the device memory one training step needs, per device, worked out before launching it.
 
-`plan`, the `litsft plan` command, takes a recipe's own options (litsft.args' FSDPConfig and TrainConfig,
-litsft.lora's LoRAConfig), so a recipe's YAML plans the run it describes. `estimate_memory` is pure
+`plan`, the `litsft plan` command, takes a recipe's own options (litsft.args' FSDPConfig, TrainConfig and
+LoRAConfig), so a recipe's YAML plans the run it describes. `estimate_memory` is pure
 arithmetic over a `Config`, LoRA adapters counted by litsft.flops.lora_parameters on the targets the run
 adapts, modelling the engine in litsft/parallel.py: FSDP2 `fully_shard` on every
 transformer block and on the root (embeddings, final norm, output head), through Fabric's
@@ -49,6 +49,7 @@ from litsft.args import (
     EvalConfig,
     FSDPConfig,
     LogConfig,
+    LoRAConfig,
     OptimizerConfig,
     Precision,
     ShardingStrategy,
@@ -58,7 +59,6 @@ from litsft.args import (
 from litsft.config import Config, format_count
 from litsft.errors import LitsftError
 from litsft.flops import lora_parameters
-from litsft.lora import LoRAConfig
 from litsft.sizes import model_sizes, num_parameters
 
 # (bytes of a stored parameter, bytes of a parameter as the matmuls see it). Gradients and AdamW's two

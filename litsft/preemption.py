@@ -16,8 +16,6 @@ import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-import torch
-
 PREEMPTED_EXIT_CODE = 124
 """Exit status after a SIGTERM/SIGUSR1/SIGINT stop with a checkpoint written: relaunch the same command to
 resume (e.g. `scontrol requeue` in a SLURM script when the status is 124)."""
@@ -117,6 +115,10 @@ class PreemptionFlag:
         """Whether any rank got the signal (collective: every rank calls it after the same step)."""
         if fabric.world_size == 1:
             return self._received  # nothing to agree on
+        # torch is imported here, not at the top: launch installs the flag before the run's checks, which
+        # answer a bad command line without torch.
+        import torch
+
         # A CPU tensor over gloo: the ranks agree without waiting for their GPUs to finish the step.
         if self._group is None:
             cpu_backend = torch.distributed.get_backend() == "gloo"

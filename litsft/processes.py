@@ -17,6 +17,9 @@ from litsft.errors import LitsftError
 
 LAUNCHER_PID_ENV = "LITSFT_LAUNCHER_PID"
 """Set by a launcher that is about to spawn ranks; a process whose parent it names is one of them."""
+CLUSTER_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS")
+"""Lightning detects torchrun only with TORCHELASTIC_RUN_ID set (torch.distributed.is_torchelastic_launched)
+and srun only with SLURM_NTASKS set (SLURMEnvironment.detect)."""
 
 
 def is_spawned_rank() -> bool:
@@ -37,10 +40,14 @@ def is_first_process() -> bool:
 def check_world_size(devices: int, num_nodes: int) -> None:
     """torchrun's or SLURM's process count must be --devices x --num_nodes, and several nodes need one of
     them (or NODE_RANK set by hand on each node)."""
-    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
-
     expected = devices * num_nodes
-    if TorchElasticEnvironment.detect():
+    torchrun = slurm = False
+    if any(name in os.environ for name in CLUSTER_ENV):
+        # Lightning (seconds to import) only when it could detect one: a local run is checked without it.
+        from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+        torchrun, slurm = TorchElasticEnvironment.detect(), SLURMEnvironment.detect()
+    if torchrun:
         world = int(os.environ.get("WORLD_SIZE", expected))
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", devices))
         if world != expected or per_node != devices:
@@ -49,13 +56,13 @@ def check_world_size(devices: int, num_nodes: int) -> None:
                 f"--num_nodes {num_nodes} = {expected}; pass --devices {per_node} --num_nodes "
                 f"{max(world // per_node, 1)}"
             )
-    elif num_nodes > 1 and not SLURMEnvironment.detect() and "NODE_RANK" not in os.environ:
+    elif num_nodes > 1 and not slurm and "NODE_RANK" not in os.environ:
         raise LitsftError(
             f"--num_nodes {num_nodes} needs a process started on every node, and nothing started the others: "
             f"run the command under torchrun (--nnodes {num_nodes} --nproc_per_node {devices}) or srun on "
             "each node, or set NODE_RANK, MASTER_ADDR and MASTER_PORT on each node yourself"
         )
-    elif not is_spawned_rank() and SLURMEnvironment.detect():
+    elif not is_spawned_rank() and slurm:
         per_node = int(os.environ.get("SLURM_NTASKS_PER_NODE", devices))
         nodes = int(os.environ.get("SLURM_NNODES", num_nodes))
         if per_node != devices or nodes != num_nodes:

@@ -1,5 +1,9 @@
 """Checks run before any process is spawned: each failure is one LitsftError naming the value and the fix,
-and nothing in out_dir or the inputs is touched before they pass."""
+and nothing in out_dir or the inputs is touched before they pass.
+
+`check_run` reads only the arguments and files, without torch, so a bad command line is refused before
+torch or Lightning is imported; `check_machine` asks torch about the GPUs.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +12,21 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from litsft.args import RunConfig
-from litsft.devices import check_devices, gpu_count
+from litsft.args import FSDPConfig, RunConfig
+from litsft.devices import check_devices
 from litsft.errors import LitsftError, check_number
 from litsft.processes import check_world_size
-from litsft.storage import training_checkpoint as checkpoint
+from litsft.storage.checkpoint_dirs import STEP_PREFIX, read_trainer_state, resume_checkpoint
 
 FINAL_DIR = "final"
 
 
 def check_run(run: RunConfig, recipe_name: str) -> None:
-    """Everything about a run that can be known wrong before launch, cheapest first."""
+    """Everything about a run's arguments and files that can be known wrong before launch, cheapest first."""
     check_positive(run)
     check_world_size(run.devices, run.num_nodes)
-    check_devices(run.accelerator, run.devices, gpu_count())
-    check_precision(run.precision, run.accelerator)
     max_length = run.config.max_position_embeddings
-    if run.train.max_seq_length > max_length:
+    if run.train.max_seq_length is not None and run.train.max_seq_length > max_length:
         raise LitsftError(
             f"--train.max_seq_length={run.train.max_seq_length} exceeds the model's context length "
             f"{max_length}; use at most {max_length}"
@@ -35,6 +35,36 @@ def check_run(run: RunConfig, recipe_name: str) -> None:
         raise LitsftError("no data given; pass e.g. --data JSON --data.json_path train.json, or --data Demo")
     check_tokenizer(run.tokenizer_dir, run.config.vocab_size)
     check_out_dir(run, recipe_name)
+
+
+def check_machine(run: RunConfig, gpus: int) -> None:
+    """What a run (its accelerator chosen) asks of the machine: a GPU per process, bf16 support, ..."""
+    check_devices(run.accelerator, run.devices, gpus)
+    check_precision(run.precision, run.accelerator)
+    check_fsdp_options(run.devices * run.num_nodes, run.precision, run.fsdp, run.accelerator)
+
+
+def check_fsdp_options(world_size: int, precision: str, fsdp: FSDPConfig, accelerator: str) -> None:
+    """Refuse, in one line, the combinations that `parallel.build_fabric` would otherwise run differently
+    from what they ask for, or crash on."""
+    if fsdp.cpu_offload and accelerator == "cpu":
+        raise LitsftError(
+            "--fsdp.cpu_offload needs GPUs: on a CPU-only machine everything already lives in CPU memory"
+        )
+    if fsdp.cpu_offload and world_size == 1:
+        # FSDP2 does the offloading, and one process trains without FSDP: the option would change nothing.
+        raise LitsftError(
+            "--fsdp.cpu_offload needs 2 or more GPUs (it is FSDP's, and one GPU trains without FSDP); on one "
+            "GPU drop it and save memory with finetune_lora, --fsdp.activation_checkpointing true or a smaller "
+            "--train.micro_batch_size"
+        )
+    if precision == "16-mixed" and world_size > 1:
+        # Lightning's ModelParallelStrategy (FSDP2) takes no 16-mixed and would stop with its own error
+        # (`mp_precision_supported` in lightning/fabric/connector.py).
+        raise LitsftError(
+            "--precision 16-mixed runs on one GPU only (FSDP2 here takes no fp16 autocast with loss scaling); "
+            "with several GPUs use bf16-mixed (Ampere or newer) or 32-true"
+        )
 
 
 def check_positive(run: RunConfig) -> None:
@@ -51,6 +81,8 @@ def check_precision(precision: str, accelerator: str) -> None:
                 "or bf16-mixed"
             )
         return
+    import torch
+
     if precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
         raise LitsftError(
             f"--precision {precision}: this GPU ({torch.cuda.get_device_name()}) has no bfloat16 support; "
@@ -83,18 +115,18 @@ def check_out_dir(run: RunConfig, recipe_name: str) -> None:
         raise LitsftError(
             f"{final} exists: this run has finished; pass another --out_dir, or delete {final} to train again"
         )
-    if run.resume is False and any(out_dir.glob(f"{checkpoint.STEP_PREFIX}*")):
+    if run.resume is False and any(out_dir.glob(f"{STEP_PREFIX}*")):
         raise LitsftError(
             f"--resume false but {out_dir} holds checkpoints of an earlier run; pass --resume auto to continue "
             "it, or another --out_dir to start over"
         )
-    path = checkpoint.resume_checkpoint(run.resume, out_dir)
+    path = resume_checkpoint(run.resume, out_dir)
     if path is not None:
         check_resumable(path, run, recipe_name)
 
 
 def check_resumable(path: Path, run: RunConfig, recipe_name: str) -> None:
-    state = checkpoint.read_trainer_state(path)
+    state = read_trainer_state(path)
     if state.get("recipe") != recipe_name:
         raise LitsftError(
             f"{path} was written by {state.get('recipe')}, not {recipe_name}; resume it with "

@@ -17,11 +17,9 @@ from litsft.args import (
 )
 from litsft.config import Config
 from litsft.data import DataModule
-from litsft.engine import Recipe
 from litsft.launcher import launch
-from litsft.model import Transformer
 from litsft.model_source import resolve_checkpoint
-from litsft.storage.model_folder import gather_and_save_model_folder, load_model_weights
+from litsft.recipe import Recipe
 
 
 def setup(
@@ -65,7 +63,17 @@ def setup(
     arguments = dict(locals())
     checkpoint_dir = resolve_checkpoint(checkpoint_dir)
     config = Config.from_checkpoint(checkpoint_dir)
-    recipe = Recipe(
+    run = RunConfig.from_arguments(arguments, config, tokenizer_dir=checkpoint_dir)
+    launch("finetune_full", lambda: full_finetuning(checkpoint_dir, config), run)
+
+
+def full_finetuning(checkpoint_dir: Path, config: Config) -> Recipe:
+    """Every weight trains, starting from the checkpoint's; the final model is a full checkpoint."""
+    # Imported here: litsft.launcher calls this once the run has passed its checks, and torch takes seconds.
+    from litsft.model import Transformer
+    from litsft.storage.model_folder import gather_and_save_model_folder, load_model_weights
+
+    return Recipe(
         name="finetune_full",
         build_model=Transformer,
         initialize=lambda model: load_model_weights(model, checkpoint_dir),
@@ -73,4 +81,3 @@ def setup(
             model, final_dir, config, checkpoint_dir
         ),
     )
-    launch(recipe, RunConfig.from_arguments(arguments, config, tokenizer_dir=checkpoint_dir))

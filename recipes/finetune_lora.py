@@ -11,6 +11,7 @@ from litsft.args import (
     EvalConfig,
     FSDPConfig,
     LogConfig,
+    LoRAConfig,
     OptimizerConfig,
     Precision,
     RunConfig,
@@ -18,20 +19,9 @@ from litsft.args import (
 )
 from litsft.config import Config
 from litsft.data import DataModule
-from litsft.engine import Recipe
 from litsft.launcher import launch
-from litsft.lora import (
-    LoRAConfig,
-    apply_lora,
-    base_weight_name,
-    initial_adapter_value,
-    lora_state_dict,
-)
-from litsft.model import Transformer, parameter_generator
 from litsft.model_source import resolve_checkpoint
-from litsft.storage.lora_folder import save_lora_folder
-from litsft.storage.model_folder import load_model_weights
-from litsft.storage.sharded_rows import copy_rows, global_rank
+from litsft.recipe import Recipe
 
 
 def setup(
@@ -77,6 +67,18 @@ def setup(
     arguments = dict(locals())
     checkpoint_dir = resolve_checkpoint(checkpoint_dir)
     config = Config.from_checkpoint(checkpoint_dir)
+    run = RunConfig.from_arguments(arguments, config, tokenizer_dir=checkpoint_dir)
+    launch("finetune_lora", lambda: lora_finetuning(checkpoint_dir, lora, seed), run)
+
+
+def lora_finetuning(checkpoint_dir: Path, lora: LoRAConfig, seed: int) -> Recipe:
+    """Adapters on the frozen base train; step checkpoints and the final result hold the adapters alone."""
+    # Imported here: litsft.launcher calls this once the run has passed its checks, and torch takes seconds.
+    from litsft.lora import apply_lora, base_weight_name, initial_adapter_value, lora_state_dict
+    from litsft.model import Transformer, parameter_generator
+    from litsft.storage.lora_folder import save_lora_folder
+    from litsft.storage.model_folder import load_model_weights
+    from litsft.storage.sharded_rows import copy_rows, global_rank
 
     def initialize(model: Transformer) -> None:
         load_model_weights(model, checkpoint_dir, stored_name=base_weight_name)
@@ -91,7 +93,7 @@ def setup(
         if global_rank() == 0:
             save_lora_folder(adapters, lora, checkpoint_dir, final_dir)
 
-    recipe = Recipe(
+    return Recipe(
         name="finetune_lora",
         build_model=lambda config: apply_lora(Transformer(config), lora),
         initialize=initialize,
@@ -99,4 +101,3 @@ def setup(
         checkpoint_frozen=False,
         trainable="lora",
     )
-    launch(recipe, RunConfig.from_arguments(arguments, config, tokenizer_dir=checkpoint_dir))

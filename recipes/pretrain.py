@@ -17,12 +17,9 @@ from litsft.args import (
 )
 from litsft.config import CONFIG_FILENAME, Config
 from litsft.data import DataModule
-from litsft.engine import Recipe
 from litsft.errors import LitsftError
 from litsft.launcher import launch
-from litsft.model import Transformer, parameter_generator
-from litsft.storage.model_folder import gather_and_save_model_folder
-from litsft.storage.sharded_rows import copy_rows
+from litsft.recipe import Recipe
 
 
 def setup(
@@ -75,13 +72,23 @@ def setup(
                 f"pretraining {model_name} needs a tokenizer: pass --tokenizer_dir <dir with tokenizer.json>"
             )
         tokenizer_dir = Path(model_name)
+    run = RunConfig.from_arguments(arguments, config, tokenizer_dir=tokenizer_dir)
+    launch("pretrain", lambda: pretraining(config, tokenizer_dir, seed), run)
+
+
+def pretraining(config: Config, tokenizer_dir: Path, seed: int) -> Recipe:
+    """Fresh weights, every one trained; the final model is a full checkpoint with the tokenizer's files."""
+    # Imported here: litsft.launcher calls this once the run has passed its checks, and torch takes seconds.
+    from litsft.model import Transformer, parameter_generator
+    from litsft.storage.model_folder import gather_and_save_model_folder
+    from litsft.storage.sharded_rows import copy_rows
 
     def initialize(model: Transformer) -> None:
         # Drawn per parameter from its own generator: the same weights on 1 GPU or 64.
         for name, param in model.named_parameters():
             copy_rows(param.data, model.initial_value(name, param.shape, parameter_generator(seed, name)))
 
-    recipe = Recipe(
+    return Recipe(
         name="pretrain",
         build_model=Transformer,
         initialize=initialize,
@@ -89,4 +96,3 @@ def setup(
             model, final_dir, config, tokenizer_dir
         ),
     )
-    launch(recipe, RunConfig.from_arguments(arguments, config, tokenizer_dir=tokenizer_dir))

@@ -1,5 +1,5 @@
 """Pretraining data streamed with litdata: `--data TextFiles`, `--data LitData` and `litsft prepare`
-(litsft/data/text.py, litsft/data/prepare.py)."""
+(litsft/data/text.py, litsft/data/litdata_shards.py, litsft/data/prepare.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from litsft.data import LitData, TextFiles, build_demo_tokenizer, write_demo_corpus
+from litsft.data.litdata_shards import byte_ranges, tokenize_piece
 from litsft.data.prepare import prepare
-from litsft.data.text import byte_ranges, tokenize_piece
 from litsft.errors import LitsftError
 from litsft.tokenizer import Tokenizer
 

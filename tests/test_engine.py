@@ -188,8 +188,8 @@ def test_validation_runs_at_every_interval_and_at_the_end(workspace: Path) -> No
 
 def test_a_run_prints_each_notice_once_and_no_python_warnings(workspace: Path) -> None:
     """Two processes on a CPU mesh, samples dropped by truncation, a validation at the last step: the log
-    holds the dropped-samples notice once as a plain line, the finished progress bar once, and no Python
-    warning (the DTensor CPU-mesh one came once per rank, the notice with its source line)."""
+    holds the dropped-samples notice once as a plain line, the finished progress bar once, the phase timings
+    once, and no Python warning (the DTensor CPU-mesh one came once per rank, the notice with its source line)."""
     import subprocess
     import sys
 
@@ -201,7 +201,7 @@ def test_a_run_prints_each_notice_once_and_no_python_warnings(workspace: Path) -
     env["MASTER_PORT"] = str(free_port())
     # max_seq_length 64 leaves some records of the workspace's data without an assistant token.
     args = finetune_args(workspace / "base", workspace / "data.json", out, 1, 4, "--devices", "2",
-                         "--eval.interval", "2")  # fmt: skip
+                         "--eval.interval", "2", "--log.timings", "true")  # fmt: skip
     result = subprocess.run([sys.executable, "-m", "litsft", *args], env=env, capture_output=True, text=True,
                             timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -212,6 +212,18 @@ def test_a_run_prints_each_notice_once_and_no_python_warnings(workspace: Path) -
     )
     assert result.stderr.count("4/4 [") == 1, result.stderr
     assert result.stdout.count("step 4: val_loss") == 1
+    # --log.timings: one report, from rank 0, its phases in order and adding up to its total.
+    assert result.stdout.count("Wall time by phase") == 1
+    report = result.stdout[result.stdout.index("Wall time by phase") :].splitlines()
+    total = float(re.search(r"([\d.]+) s in all", report[0]).group(1))
+    phases = [re.fullmatch(r"  (.+?)\s+([\d.]+) s\s+[\d.]+%", line).groups() for line in report[1:12]]
+    assert [name.split(":")[0] for name, _ in phases] == [
+        "start-up", "checks before launch", "importing torch, Lightning and the model code",
+        "Fabric and its processes started", "data", "model", "optimizer, resume, metrics",
+        "training loop (with its validations and checkpoints)", "final validation", "final model saved",
+        "metrics closed, loss curve drawn",
+    ]  # fmt: skip
+    assert sum(float(seconds) for _, seconds in phases) == pytest.approx(total, abs=0.1)
 
 
 @pytest.mark.parametrize(

@@ -1,13 +1,17 @@
-"""The `litsft` command itself (litsft/__main__.py): --help shows what each option does, --version."""
+"""The `litsft` command itself (litsft/__main__.py): --help shows what each option does, --version, and what
+they and a refused command line import (neither torch nor Lightning)."""
 
 from __future__ import annotations
 
+import importlib
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
+from launch import litsft, write_records, write_tiny_checkpoint
 
-from litsft.__main__ import main
+from litsft.__main__ import COMMANDS, main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,3 +47,81 @@ def test_version(capsys: pytest.CaptureFixture) -> None:
     # tomllib is Python 3.11+, and the package supports 3.10.
     expected = re.search(r'^version = "(.+)"$', (REPO / "pyproject.toml").read_text(), re.M).group(1)
     assert capsys.readouterr().out == f"litsft {expected}\n"
+
+
+# ---- start-up: what a command imports before it answers -------------------------------------------------
+def imported_modules(args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """`litsft <args>` run under `python -X importtime` (PYTHONPROFILEIMPORTTIME), and every module it imported."""
+    result = litsft(args, tmp_path, check=False, cwd=tmp_path, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    modules = {
+        line.rpartition("|")[2].strip()
+        for line in result.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert "litsft" in modules, result.stderr[-2000:]  # the list is there to read
+    return result, modules
+
+
+def heavy(modules: set[str]) -> list[str]:
+    return sorted(m for m in modules if m.split(".")[0] in ("torch", "lightning"))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["--version"],
+        ["finetune_full", "--help"],
+        ["finetune_lora", "--data.help", "JSON"],
+        [
+            "pretrain",
+            "--data",
+            "TextFiles",
+            "--data.train_data_path",
+            "corpus",
+            "--print_config",
+            "demo-llama",
+        ],
+    ],
+    ids=["help", "version", "recipe-help", "data-help", "print_config"],
+)
+def test_help_version_and_print_config_import_neither_torch_nor_lightning(
+    args: list[str], tmp_path: Path
+) -> None:
+    result, modules = imported_modules(args, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert heavy(modules) == []
+    assert result.stdout.strip()
+
+
+def test_a_refused_run_is_refused_before_torch_and_lightning_are_imported(tmp_path: Path) -> None:
+    result, modules = imported_modules(["finetune_full", "no/such/checkpoint", "--data", "Demo"], tmp_path)
+    assert result.returncode == 2 and result.stderr.splitlines()[-1].startswith(
+        "error: no/such/checkpoint does not exist"
+    )
+    assert heavy(modules) == []
+    # Refused by the checks before launch: the model and the data are read, out_dir is found finished.
+    base = write_tiny_checkpoint(tmp_path / "base")
+    (tmp_path / "out" / "final").mkdir(parents=True)
+    args = [
+        "finetune_full",
+        str(base),
+        "--data",
+        "JSON",
+        "--data.json_path",
+        str(write_records(tmp_path / "data.json")),
+    ]
+    result, modules = imported_modules([*args, "--out_dir", str(tmp_path / "out")], tmp_path)
+    assert result.returncode == 2 and "this run has finished" in result.stderr.splitlines()[-1]
+    assert heavy(modules) == []
+
+
+def test_usage_lists_every_command_with_the_first_line_of_its_docstring(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    main(["--help"])
+    usage = capsys.readouterr().out
+    for name, target in COMMANDS.items():
+        module_name, function_name = target.split(":")
+        doc = getattr(importlib.import_module(module_name), function_name).__doc__.strip().splitlines()[0]
+        assert f"  {name:<16} {doc}\n" in usage

@@ -210,18 +210,20 @@ def test_accumulation_keeps_sharded_gradients_in_one_unit_per_block(
         (1, "16-mixed", False, "cuda", None),
     ],
 )
-def test_build_fabric_refuses_what_it_would_not_do(world_size, precision, cpu_offload, accelerator, refusal):
+def test_fsdp_options_that_would_not_do_what_they_ask_are_refused(
+    world_size, precision, cpu_offload, accelerator, refusal
+):
     """One GPU trains without FSDP, so FSDP's CPU offload would be silently ignored there; FSDP2 takes no
     16-mixed. Both are refused in one line before anything starts (the device kind is made up: the check
     reads no hardware)."""
     from litsft.errors import LitsftError
-    from litsft.parallel import build_fabric, check_fabric_options
+    from litsft.validation import check_fsdp_options
 
     fsdp = FSDPConfig(cpu_offload=cpu_offload)
     if refusal is None:
-        check_fabric_options(world_size, precision, fsdp, accelerator)
+        check_fsdp_options(world_size, precision, fsdp, accelerator)
         return
     with pytest.raises(LitsftError) as error:
-        build_fabric(world_size, 1, precision, fsdp, accelerator)
+        check_fsdp_options(world_size, precision, fsdp, accelerator)
     assert str(error.value).startswith(refusal)
     assert "\n" not in str(error.value)

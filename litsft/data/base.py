@@ -25,7 +25,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from litsft.data.chat import ChatFormat, Message, PromptStyle
-from litsft.data.loader import SFTLoader
 from litsft.data.records import RecordFormat, RecordShape
 from litsft.data.samples import Samples, tokenize_conversations, write_atomically
 from litsft.errors import LitsftError, check_number
@@ -170,7 +169,7 @@ class SFTDataModule(DataOptions, DataModule):
 
     def train_dataloader(
         self, rank: int, world_size: int, micro_batch_size: int, global_batch_size: int
-    ) -> SFTLoader:
+    ) -> Loader:
         loader = self._loader(self.train_samples, rank, world_size, micro_batch_size, global_batch_size)
         if len(loader) == 0:
             count = (
@@ -183,7 +182,7 @@ class SFTDataModule(DataOptions, DataModule):
             )
         return loader
 
-    def val_dataloader(self, rank: int, world_size: int, micro_batch_size: int) -> SFTLoader | None:
+    def val_dataloader(self, rank: int, world_size: int, micro_batch_size: int) -> Loader | None:
         if self.val_samples is None or len(self.val_samples) == 0:
             return None
         return self._loader(
@@ -198,7 +197,10 @@ class SFTDataModule(DataOptions, DataModule):
         micro_batch_size: int,
         global_batch_size: int,
         shuffle: bool = True,
-    ) -> SFTLoader:
+    ) -> Loader:
+        # Imported here: the loader needs torch, and the CLI imports the data modules to parse --data.
+        from litsft.data.loader import SFTLoader
+
         return SFTLoader(
             samples,
             self.max_seq_length,

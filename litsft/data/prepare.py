@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from litsft.data.text import check_text_files, optimize_text, text_files
+from litsft.data.litdata_shards import optimize_text
+from litsft.data.text import check_text_files, text_files
 from litsft.errors import LitsftError
 from litsft.tokenizer import Tokenizer
 

@@ -2,6 +2,8 @@
 
     files                plain files, no torch: JSON with one-line errors, durable writes, and the one
                          "write into a staging directory, then rename" publish (`publish_atomically`)
+    checkpoint_dirs      the step checkpoints in an out_dir: names, completeness, which one to resume from,
+                         their trainer_state.json (no torch)
     weight_files         safetensors and .bin weights, read and written one tensor at a time
     sharded_rows         which rows of a (possibly FSDP-sharded) tensor this rank holds, and reading rows
                          of tensors stored as row blocks; the rank helpers they need

@@ -12,6 +12,9 @@ on every rank with the same message, so none waits forever for the others, and t
 removed; older checkpoints are deleted only after a new one is published. (This publish is collective,
 so it is not `formats.publish_atomically`, which serves outputs written by one process.)
 
+Which checkpoints an out_dir holds, which are complete and which one a run resumes from is
+`checkpoint_dirs` (no torch: the checks before launch use it).
+
 Every tensor is stored as the rows this rank holds plus their offset in the full tensor (see
 `sharded_rows`), so the same code loads a checkpoint into a different number of ranks.
 """
@@ -33,7 +36,17 @@ from torch import nn
 
 from litsft.errors import LitsftError
 from litsft.faults import fault_point
-from litsft.storage.files import first_line, fsync_path, read_json, write_bytes, write_json
+from litsft.storage.checkpoint_dirs import (
+    DELETING_SUFFIX,
+    PARTIAL_SUFFIX,
+    STEP_PREFIX,
+    TRAINER_STATE,
+    checkpoint_name,
+    is_complete,
+    latest_checkpoint,
+    read_trainer_state,
+)
+from litsft.storage.files import first_line, fsync_path, write_bytes, write_json
 from litsft.storage.sharded_rows import (
     RowBlock,
     RowReader,
@@ -44,15 +57,7 @@ from litsft.storage.sharded_rows import (
 )
 from litsft.storage.weight_files import refused_global, save_safetensors
 
-STEP_PREFIX = "step-"
-PARTIAL_SUFFIX = ".partial"
-DELETING_SUFFIX = ".deleting"
-TRAINER_STATE = "trainer_state.json"
 SHARDS_DIR = "shards"
-
-
-def checkpoint_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:08d}"
 
 
 # ---- saving ---------------------------------------------------------------------------------------------
@@ -165,60 +170,6 @@ def _param_groups_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) ->
         | {"params": [names_of[id(p)] for p in group["params"]]}
         for group in optimizer.param_groups
     ]
-
-
-# ---- finding ----------------------------------------------------------------------------------------------
-def is_complete(checkpoint_dir: Path) -> bool:
-    state_path = checkpoint_dir / TRAINER_STATE
-    if not state_path.is_file():
-        return False
-    try:
-        state = read_json(state_path)
-        files, sizes = state["files"], state.get("file_sizes", {})
-    except (LitsftError, KeyError, TypeError):
-        return False
-    for name in files:
-        path = checkpoint_dir / name
-        if not path.is_file() or (name in sizes and path.stat().st_size != sizes[name]):
-            return False
-    return True
-
-
-def latest_checkpoint(out_dir: Path) -> Path | None:
-    """The newest complete `step-*` checkpoint in out_dir; partial or damaged ones are never picked."""
-    if not out_dir.is_dir():
-        return None
-    candidates = sorted(
-        p for p in out_dir.glob(f"{STEP_PREFIX}*") if p.is_dir() and p.name[len(STEP_PREFIX) :].isdigit()
-    )
-    for candidate in reversed(candidates):
-        if is_complete(candidate):
-            return candidate
-    return None
-
-
-def resume_checkpoint(resume: bool | str | Path, out_dir: Path) -> Path | None:
-    """The checkpoint a run resumes from: the newest complete one in out_dir ("auto"/true), a given
-    directory, or none (false)."""
-    if resume is False or resume is None:
-        return None
-    if resume in ("auto", True):
-        return latest_checkpoint(out_dir)
-    path = Path(resume)
-    if not path.is_dir():
-        raise LitsftError(
-            f"--resume {path}: no such checkpoint directory; pass an existing step-XXXXXXXX dir or auto"
-        )
-    return path
-
-
-def read_trainer_state(checkpoint_dir: Path) -> dict[str, Any]:
-    if not is_complete(checkpoint_dir):
-        raise LitsftError(
-            f"{checkpoint_dir} is not a complete litsft training checkpoint "
-            f"({TRAINER_STATE} or a file it lists is missing or truncated); pass another one or --resume auto"
-        )
-    return read_json(checkpoint_dir / TRAINER_STATE)
 
 
 # ---- loading ----------------------------------------------------------------------------------------------
