@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from litsft.config import NAMED_CONFIGS, Config
 from litsft.errors import LitsftError
@@ -64,6 +65,21 @@ PUBLISHED = {
     "SmolLM2-1.7B": (24, 32, 32, 2048, 8192, 49152, 1.3e5, True),
     "TinyLlama-1.1B": (22, 32, 4, 2048, 5632, 32000, 1e4, False),
     "TinyLlama-1.1B-Chat-v1.0": (22, 32, 4, 2048, 5632, 32000, 1e4, False),
+    "tiny-gemma2": (2, 4, 2, 64, 176, 512, 1e4, True),
+    "gemma-2-2b": (26, 8, 4, 2304, 9216, 256000, 1e4, True),
+    "gemma-2-2b-it": (26, 8, 4, 2304, 9216, 256000, 1e4, True),
+    "gemma-2-9b": (42, 16, 8, 3584, 14336, 256000, 1e4, True),
+    "gemma-2-27b": (46, 32, 16, 4608, 36864, 256000, 1e4, True),
+}
+
+# Gemma's own numbers, from the same config.json files (Gemma 3 4B-27B: their text_config, the keys it leaves
+# out at transformers' Gemma3TextConfig defaults): head_dim, query_pre_attn_scalar, sliding window, full
+# layers (every n-th), attention and final soft-caps, the sliding layers' RoPE base, the full layers' rope
+# scaling factor, max_position_embeddings.
+GEMMA_PUBLISHED = {
+    "gemma-2-2b": (256, 256, 4096, 2, 50.0, 30.0, None, None, 8192),
+    "gemma-2-9b": (256, 256, 4096, 2, 50.0, 30.0, None, None, 8192),
+    "gemma-2-27b": (128, 144, 4096, 2, 50.0, 30.0, None, None, 8192),
 }
 
 # Totals counted by instantiating each Hugging Face model on the meta device (test below).
@@ -128,6 +144,30 @@ def test_family_specific_fields():
     assert Config.from_name("Llama-2-7b-hf").torch_dtype == "float16"
 
 
+@pytest.mark.parametrize("name", GEMMA_PUBLISHED)
+def test_gemma_configs_match_published_numbers(name):
+    c = Config.from_name(name)
+    full_every = next(i + 1 for i in range(c.num_layers) if c.attention_window(i) is None)
+    assert [c.attention_window(i) is None for i in range(c.num_layers)] == [
+        (i + 1) % full_every == 0 for i in range(c.num_layers)
+    ]
+    actual = (
+        c.head_dim,
+        c.query_pre_attn_scalar,
+        c.sliding_window,
+        full_every,
+        c.softcap_attention,
+        c.softcap_final,
+        c.rope_local_base,
+        (c.rope_scaling or {}).get("factor"),
+        c.max_position_embeddings,
+    )
+    assert actual == GEMMA_PUBLISHED[name]
+    assert c.norm_unit_offset and c.post_attention_norm and c.post_mlp_norm and c.scale_embeddings
+    assert c.mlp_activation == "gelu_tanh" and c.qk_norm == name.startswith("gemma-3")
+
+
+
 def test_from_name_returns_an_independent_copy():
     config = Config.from_name("Llama-3.1-8B")
     config.rope_scaling["factor"] = 1.0
@@ -146,7 +186,7 @@ def test_hf_config_round_trip(name):
 def test_transformers_builds_the_exported_config(name):
     config = Config.from_name(name)
     hf = hf_config_object(config)
-    assert type(hf).__name__ == config.hf_architecture.replace("ForCausalLM", "Config")
+    assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf.model_type] == config.hf_architecture
     assert (hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads) == (
         config.num_layers,
         config.num_heads,
@@ -158,7 +198,15 @@ def test_transformers_builds_the_exported_config(name):
         config.vocab_size,
         config.head_dim,
     )
-    assert hf.rope_parameters["rope_theta"] == config.rope_theta
+    # Gemma 3 has RoPE parameters per layer type: the full layers', then the sliding layers'.
+    rope = hf.rope_parameters.get("full_attention", hf.rope_parameters)
+    assert rope["rope_theta"] == config.rope_theta
+    if config.rope_local_base is not None:
+        assert hf.rope_parameters["sliding_attention"]["rope_theta"] == config.rope_local_base
+        assert hf.rope_parameters["sliding_attention"]["rope_type"] == "default"
+        assert rope.get("factor") == (config.rope_scaling or {}).get("factor")
+    if config.layer_types is not None:
+        assert hf.layer_types == config.layer_types and hf.sliding_window == config.sliding_window
     assert hf.tie_word_embeddings == config.tie_word_embeddings
     assert config == Config.from_name(name)  # building the HF config did not edit ours
 
@@ -171,6 +219,7 @@ def test_parameter_count_matches_transformers_on_a_tiny_shape(name):
     tiny = dataclasses.replace(
         config,
         num_layers=2,
+        layer_types=config.layer_types[:2] if config.layer_types else None,
         num_kv_heads=2,
         num_heads=2 * group,
         hidden_size=32 * group,
@@ -304,6 +353,5 @@ def test_unregistered_architecture_is_refused_with_the_supported_list():
     with pytest.raises(LitsftError) as error:
         Config.from_hf_config({"architectures": ["GPTNeoXForCausalLM"], "vocab_size": 8})
     assert str(error.value) == (
-        "unsupported architecture 'GPTNeoXForCausalLM'; litsft supports LlamaForCausalLM, MistralForCausalLM, "
-        "Qwen2ForCausalLM, Qwen3ForCausalLM"
+        "unsupported architecture 'GPTNeoXForCausalLM'; litsft supports LlamaForCausalLM, Gemma2ForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
     )

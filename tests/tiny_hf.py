@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from tiny_tokenizer import write_tiny_tokenizer
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -82,6 +84,20 @@ TINY_HF_MODELS: dict[str, tuple[PretrainedConfig, type[PreTrainedModel]]] = {
     ),
     # Qwen3: q/k norms and a head_dim that is not hidden_size // num_heads.
     "qwen3": (Qwen3Config(**_SHAPES, head_dim=32, tie_word_embeddings=False), Qwen3ForCausalLM),
+    # Gemma 2: sandwich norms, (1 + w) RMSNorm, GeGLU, scaled embeddings, a query_pre_attn_scalar other than
+    # head_dim, soft-capped attention and logits (caps low enough to bite on random weights), a window on
+    # even layers; tied like the published models.
+    "gemma2": (
+        Gemma2Config(
+            **_SHAPES,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=SLIDING_WINDOW,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+        ),
+        Gemma2ForCausalLM,
+    ),
 }
 
 
