@@ -70,6 +70,10 @@ PUBLISHED = {
     "gemma-2-2b-it": (26, 8, 4, 2304, 9216, 256000, 1e4, True),
     "gemma-2-9b": (42, 16, 8, 3584, 14336, 256000, 1e4, True),
     "gemma-2-27b": (46, 32, 16, 4608, 36864, 256000, 1e4, True),
+    "gemma-3-1b-it": (26, 4, 1, 1152, 6912, 262144, 1e6, True),
+    "gemma-3-4b-it": (34, 8, 4, 2560, 10240, 262208, 1e6, True),
+    "gemma-3-12b-it": (48, 16, 8, 3840, 15360, 262208, 1e6, True),
+    "gemma-3-27b-it": (62, 32, 16, 5376, 21504, 262208, 1e6, True),
 }
 
 # Gemma's own numbers, from the same config.json files (Gemma 3 4B-27B: their text_config, the keys it leaves
@@ -80,6 +84,10 @@ GEMMA_PUBLISHED = {
     "gemma-2-2b": (256, 256, 4096, 2, 50.0, 30.0, None, None, 8192),
     "gemma-2-9b": (256, 256, 4096, 2, 50.0, 30.0, None, None, 8192),
     "gemma-2-27b": (128, 144, 4096, 2, 50.0, 30.0, None, None, 8192),
+    "gemma-3-1b-it": (256, 256, 512, 6, None, None, 1e4, None, 32768),
+    "gemma-3-4b-it": (256, 256, 1024, 6, None, None, 1e4, 8.0, 131072),
+    "gemma-3-12b-it": (256, 256, 1024, 6, None, None, 1e4, 8.0, 131072),
+    "gemma-3-27b-it": (128, 168, 1024, 6, None, None, 1e4, 8.0, 131072),
 }
 
 # Totals counted by instantiating each Hugging Face model on the meta device (test below).
@@ -353,5 +361,5 @@ def test_unregistered_architecture_is_refused_with_the_supported_list():
     with pytest.raises(LitsftError) as error:
         Config.from_hf_config({"architectures": ["GPTNeoXForCausalLM"], "vocab_size": 8})
     assert str(error.value) == (
-        "unsupported architecture 'GPTNeoXForCausalLM'; litsft supports LlamaForCausalLM, Gemma2ForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+        "unsupported architecture 'GPTNeoXForCausalLM'; litsft supports LlamaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
     )

@@ -11,6 +11,8 @@ from tiny_tokenizer import write_tiny_tokenizer
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -97,6 +99,21 @@ TINY_HF_MODELS: dict[str, tuple[PretrainedConfig, type[PreTrainedModel]]] = {
             final_logit_softcapping=3.0,
         ),
         Gemma2ForCausalLM,
+    ),
+    # Gemma 3: per-head q/k norms, 2 sliding layers then a full one (5:1 in the published models), a local
+    # RoPE base on the sliding layers and linearly scaled RoPE on the full ones.
+    "gemma3": (
+        Gemma3TextConfig(
+            **{**_SHAPES, "num_hidden_layers": 3},
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=SLIDING_WINDOW,
+            sliding_window_pattern=3,
+            rope_theta=1000000.0,
+            rope_local_base_freq=100.0,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+        ),
+        Gemma3ForCausalLM,
     ),
 }
 
