@@ -74,6 +74,9 @@ PUBLISHED = {
     "gemma-3-4b-it": (34, 8, 4, 2560, 10240, 262208, 1e6, True),
     "gemma-3-12b-it": (48, 16, 8, 3840, 15360, 262208, 1e6, True),
     "gemma-3-27b-it": (62, 32, 16, 5376, 21504, 262208, 1e6, True),
+    "OLMo-2-0425-1B": (16, 16, 16, 2048, 8192, 100352, 5e5, False),
+    "OLMo-2-1124-7B": (32, 32, 32, 4096, 11008, 100352, 5e5, False),
+    "OLMo-2-1124-13B": (40, 40, 40, 5120, 13824, 100352, 5e5, False),
 }
 
 # Gemma's own numbers, from the same config.json files (Gemma 3 4B-27B: their text_config, the keys it leaves
@@ -174,6 +177,13 @@ def test_gemma_configs_match_published_numbers(name):
     assert c.norm_unit_offset and c.post_attention_norm and c.post_mlp_norm and c.scale_embeddings
     assert c.mlp_activation == "gelu_tanh" and c.qk_norm == name.startswith("gemma-3")
 
+
+def test_olmo2_norms():
+    for name in ("OLMo-2-0425-1B", "OLMo-2-1124-7B", "OLMo-2-1124-13B"):
+        c = Config.from_name(name)
+        assert not c.pre_norms and c.post_attention_norm and c.post_mlp_norm
+        assert c.qk_norm and c.qk_norm_over == "all_heads" and c.rms_norm_eps == 1e-6
+        assert c.max_position_embeddings == 4096
 
 
 def test_from_name_returns_an_independent_copy():
@@ -361,5 +371,6 @@ def test_unregistered_architecture_is_refused_with_the_supported_list():
     with pytest.raises(LitsftError) as error:
         Config.from_hf_config({"architectures": ["GPTNeoXForCausalLM"], "vocab_size": 8})
     assert str(error.value) == (
-        "unsupported architecture 'GPTNeoXForCausalLM'; litsft supports LlamaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+        "unsupported architecture 'GPTNeoXForCausalLM'; litsft supports LlamaForCausalLM, Gemma2ForCausalLM, "
+        "Gemma3ForCausalLM, MistralForCausalLM, Olmo2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
     )

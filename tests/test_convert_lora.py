@@ -64,7 +64,7 @@ def test_merge_lora_command_writes_equivalent_checkpoint(tmp_path, tied):
     assert torch.equal(logits_of(load_checkpoint_model(tmp_path / "cli")), logits_of(merged))
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama-tied", "gemma2", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "llama-tied", "gemma2", "gemma3", "olmo2"])
 def test_peft_adapter_reproduces_lora_model(tmp_path, kind):
     hf_model = tiny_hf_model(kind)
     save_tiny_hf(hf_model, tmp_path / "hf", tokenizer=False)

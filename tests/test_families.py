@@ -93,7 +93,7 @@ def test_every_family_names_every_parameter_of_its_configs(architecture):
 LENGTH = 64  # four times the tiny models' window
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "olmo2"])
 @pytest.mark.parametrize("kernel", ["segmented", "mask"])
 def test_logits_and_greedy_generation_equal_transformers(tmp_path, kind, kernel):
     """A tiny random model of the family, converted from transformers: the same logits (fp32) at 64 tokens, two

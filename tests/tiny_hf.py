@@ -24,6 +24,7 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from transformers import Olmo2Config, Olmo2ForCausalLM
 
 # Shapes that exercise grouped-query attention in milliseconds; the vocabulary matches the tiny tokenizer.
 _SHAPES = dict(
@@ -115,6 +116,8 @@ TINY_HF_MODELS: dict[str, tuple[PretrainedConfig, type[PreTrainedModel]]] = {
         ),
         Gemma3ForCausalLM,
     ),
+    # OLMo 2: norms after attention and MLP only, q/k norms over the whole projection.
+    "olmo2": (Olmo2Config(**_SHAPES, tie_word_embeddings=False, eos_token_id=None), Olmo2ForCausalLM),
 }
 
 
