@@ -116,6 +116,8 @@ def test_logits_and_greedy_generation_equal_transformers(tmp_path, kind, kernel)
     prompt = torch.randint(0, 512, (5,), generator=torch.Generator().manual_seed(1))
     new = LENGTH - 5
     with torch.no_grad():
-        expected_tokens = hf_model.generate(prompt[None], max_new_tokens=new, do_sample=False, min_new_tokens=new)
+        expected_tokens = hf_model.generate(
+            prompt[None], max_new_tokens=new, do_sample=False, min_new_tokens=new
+        )
     assert generate_tokens(model, prompt, max_new_tokens=new).tolist() == expected_tokens[0, 5:].tolist()
     assert model.config.sliding_window in (None, SLIDING_WINDOW)

@@ -17,6 +17,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
@@ -24,7 +26,6 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
-from transformers import Olmo2Config, Olmo2ForCausalLM
 
 # Shapes that exercise grouped-query attention in milliseconds; the vocabulary matches the tiny tokenizer.
 _SHAPES = dict(

@@ -146,8 +146,15 @@ NAMED: dict[str, dict[str, Any]] = {}
 NAMED.update(
     [
         published(
-            "tiny-gemma2", 2, 64, 4, 2, 176, **{**GEMMA_2, **TINY, "sliding_window": 16},
-            query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"],
+            "tiny-gemma2",
+            2,
+            64,
+            4,
+            2,
+            176,
+            **{**GEMMA_2, **TINY, "sliding_window": 16},
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"],
         )  # fmt: skip
     ]
 )
