@@ -1,4 +1,4 @@
-"""The decoder-only transformer: Llama, Mistral, Qwen2/2.5 and Qwen3 in one flat file.
+"""The decoder-only transformer: Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2 and 3, OLMo 2 in one flat file.
 
 Shapes in comments: B batch, T query length, S key length, H query heads, K kv heads, D head dim,
 C hidden size, V vocab size, N tokens of a packed row.

@@ -143,21 +143,14 @@ GEMMA_2 = dict(
 )
 NAMED: dict[str, dict[str, Any]] = {}
 # A tiny Gemma 2 for tests: every feature above, a window that 64-token rows reach past.
-NAMED.update(
-    [
-        published(
-            "tiny-gemma2",
-            2,
-            64,
-            4,
-            2,
-            176,
-            **{**GEMMA_2, **TINY, "sliding_window": 16},
-            query_pre_attn_scalar=24,
-            layer_types=["sliding_attention", "full_attention"],
-        )  # fmt: skip
-    ]
+TINY_GEMMA_2 = dict(
+    GEMMA_2,
+    **TINY,
+    sliding_window=16,
+    query_pre_attn_scalar=24,
+    layer_types=["sliding_attention", "full_attention"],
 )
+NAMED.update([published("tiny-gemma2", 2, 64, 4, 2, 176, **TINY_GEMMA_2)])
 for size, *shape, head_dim, scalar in (
     ("2b", 26, 2304, 8, 4, 9216, 256, 256),
     ("9b", 42, 3584, 16, 8, 14336, 256, 256),
