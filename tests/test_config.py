@@ -178,6 +178,51 @@ def test_gemma_configs_match_published_numbers(name):
     assert c.mlp_activation == "gelu_tanh" and c.qk_norm == name.startswith("gemma-3")
 
 
+# Published config.json files as the hub serves them (keys litsft does not model left out: they are kept in
+# hf_extra): https://huggingface.co/google/gemma-2-2b/blob/main/config.json,
+# https://huggingface.co/google/gemma-3-1b-it/blob/main/config.json,
+# https://huggingface.co/allenai/OLMo-2-1124-7B/blob/main/config.json.
+PUBLISHED_CONFIG_JSON = {
+    "gemma-2-2b": {
+        "architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "attn_logit_softcapping": 50.0, "bos_token_id": 2, "eos_token_id": 1, "final_logit_softcapping": 30.0,
+        "head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 2304, "initializer_range": 0.02, "intermediate_size": 9216, "max_position_embeddings": 8192,
+        "model_type": "gemma2", "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096,
+        "torch_dtype": "float32", "transformers_version": "4.42.4", "use_cache": True, "vocab_size": 256000,
+    },
+    "gemma-3-1b-it": {
+        "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "attn_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": [1, 106],
+        "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 1152, "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
+        "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None,
+        "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
+        "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 262144,
+    },
+    "OLMo-2-1124-7B": {
+        "architectures": ["Olmo2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "eos_token_id": 100257, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 11008, "max_position_embeddings": 4096, "model_type": "olmo2",
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-06,
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "vocab_size": 100352,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", PUBLISHED_CONFIG_JSON)
+def test_a_published_config_json_reads_as_the_named_config(name):
+    """The hub's own config.json (Gemma's with hidden_act gelu_pytorch_tanh, no tie_word_embeddings and no
+    layer_types; Gemma 3's with sliding_window_pattern and rope_local_base_freq) gives the named config."""
+    config = Config.from_hf_config(PUBLISHED_CONFIG_JSON[name], name=name)
+    named = Config.from_name(name)
+    token_ids = dict(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id)
+    assert dataclasses.replace(config, hf_extra={}) == dataclasses.replace(named, **token_ids)
+
+
 def test_olmo2_norms():
     for name in ("OLMo-2-0425-1B", "OLMo-2-1124-7B", "OLMo-2-1124-13B"):
         c = Config.from_name(name)
