@@ -141,6 +141,10 @@ class Config:
             raise LitsftError(
                 f"{self.name}: sliding_window={self.sliding_window} must be at least 1 (or null for none)"
             )
+        for key in ("query_pre_attn_scalar", "softcap_attention", "softcap_final", "rope_local_base"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise LitsftError(f"{self.name}: {key}={value} must be positive (or null for none)")
         family_of(self.hf_architecture)  # refuses an architecture no family registered
         self._normalize_layer_types()
 

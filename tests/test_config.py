@@ -223,6 +223,15 @@ def test_a_published_config_json_reads_as_the_named_config(name):
     assert dataclasses.replace(config, hf_extra={}) == dataclasses.replace(named, **token_ids)
 
 
+@pytest.mark.parametrize(
+    "key", ["query_pre_attn_scalar", "softcap_attention", "softcap_final", "rope_local_base"]
+)
+def test_a_scale_or_cap_that_is_not_positive_is_refused(key):
+    with pytest.raises(LitsftError) as error:
+        Config.from_name("tiny-gemma2", **{key: 0.0})
+    assert str(error.value) == f"tiny-gemma2: {key}=0.0 must be positive (or null for none)"
+
+
 def test_olmo2_norms():
     for name in ("OLMo-2-0425-1B", "OLMo-2-1124-7B", "OLMo-2-1124-13B"):
         c = Config.from_name(name)
