@@ -382,9 +382,10 @@ class Transformer(nn.Module):
     def initial_value(
         self, name: str, shape: torch.Size, generator: torch.Generator, std: float = 0.02
     ) -> torch.Tensor:
-        """Fresh value of parameter `name` for pretraining: normal(0, std), norms at a unit scale, biases at zero, and the
-        projections that write into the residual stream scaled by 1/sqrt(2 * num_layers) so its variance does
-        not grow with depth. Drawn from `generator` alone, so the result does not depend on how it is sharded."""
+        """Fresh value of parameter `name` for pretraining: normal(0, std), norms at a unit scale, biases at
+        zero, and the projections that write into the residual stream scaled by 1/sqrt(2 * num_layers) so its
+        variance does not grow with depth. Drawn from `generator` alone, so the result does not depend on how
+        it is sharded."""
         if name.endswith("norm.weight"):  # a unit scale: Gemma's norms scale by (1 + weight)
             return torch.zeros(shape) if self.config.norm_unit_offset else torch.ones(shape)
         if name.endswith(".bias"):
