@@ -235,6 +235,24 @@ def test_a_scale_or_cap_that_is_not_positive_is_refused(key):
     assert str(error.value) == f"tiny-gemma2: {key}=0.0 must be positive (or null for none)"
 
 
+def test_gemma3_rope_parameters_per_layer_type():
+    """transformers >= 5 writes Gemma 3's RoPE per layer type; the full layers' scaling and the sliding layers'
+    base are read from it, and scaling the sliding layers is refused (litsft rotates them with plain RoPE)."""
+    hf = dict(PUBLISHED_CONFIG_JSON["gemma-3-1b-it"])
+    for key in ("rope_theta", "rope_local_base_freq", "rope_scaling"):
+        del hf[key]
+    hf["rope_parameters"] = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    config = Config.from_hf_config(hf)
+    assert (config.rope_theta, config.rope_local_base) == (1e6, 1e4)
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    hf["rope_parameters"]["sliding_attention"]["rope_type"] = "linear"
+    with pytest.raises(LitsftError, match="rotates its sliding layers with plain RoPE only"):
+        Config.from_hf_config(hf)
+
+
 def test_olmo2_norms():
     for name in ("OLMo-2-0425-1B", "OLMo-2-1124-7B", "OLMo-2-1124-13B"):
         c = Config.from_name(name)

@@ -46,9 +46,9 @@ def _rope_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
                 "rotates its sliding layers with plain RoPE only"
             )
     else:
-        theta = hf_config.get("rope_theta", GLOBAL_THETA)
+        theta = hf_config.get("rope_theta") or parameters.get("rope_theta") or GLOBAL_THETA
         local_theta = hf_config.get("rope_local_base_freq", LOCAL_THETA)
-        scaling = hf_config.get("rope_scaling")
+        scaling = hf_config.get("rope_scaling") or {k: v for k, v in parameters.items() if k != "rope_theta"}
     if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
     return dict(rope_theta=float(theta), rope_local_base=float(local_theta), rope_scaling=scaling)
