@@ -316,7 +316,8 @@ def test_real_templates_mask_exactly_the_assistant_turns(family, tmp_path):
 
 # Gemma has no system role. Gemma 2's template refuses a system message
 # (https://huggingface.co/google/gemma-2-9b-it/blob/main/tokenizer_config.json); Gemma 3's puts it at the head
-# of the first user turn (https://huggingface.co/google/gemma-3-1b-it/blob/main/tokenizer_config.json).
+# of the first user turn (https://huggingface.co/google/gemma-3-1b-it/blob/main/tokenizer_config.json). The
+# texts below are those templates as public projects quote them, not checked against the Hub files themselves.
 GEMMA2_TEMPLATE = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
     "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
