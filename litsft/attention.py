@@ -181,8 +181,10 @@ def kernel_for_softcap(kernel: Kernel, support: KernelSupport | None = None) -> 
     the mask kernel."""
     if kernel in ("flex", "mask"):
         return kernel
-    if kernel == "varlen" and (support or KernelSupport.installed()).flex:
-        return "flex"
+    if kernel == "varlen":  # a GPU that runs flash attention runs Triton too
+        support = support or KernelSupport.installed()
+        if support.flex and support.capability >= TRITON_CAPABILITY:
+            return "flex"
     return "mask"
 
 

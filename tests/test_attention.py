@@ -197,7 +197,8 @@ def test_a_soft_capped_model_runs_a_kernel_that_can_cap(chosen, flex, expected, 
     """Gemma 2 caps its attention logits: varlen's flash kernel and the CPU's buckets cannot, so setting them
     sets flex (its score_mod caps) where torch has it, else the mask kernel (scores written out); the
     kernel the engine logs is then the one that runs. A model without a cap keeps what it is given."""
-    monkeypatch.setattr(KernelSupport, "installed", classmethod(lambda cls: KernelSupport(frozenset(), flex)))
+    support = KernelSupport(frozenset(), flex, (9, 0))
+    monkeypatch.setattr(KernelSupport, "installed", classmethod(lambda cls: support))
     assert attention.kernel_for_softcap(chosen) == expected
     capped, plain = Transformer(Config.from_name("tiny-gemma2")), Transformer(Config.from_name("tiny-llama"))
     capped.attention_kernel = plain.attention_kernel = chosen
