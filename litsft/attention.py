@@ -174,6 +174,20 @@ def choose_kernel(
     return "mask"
 
 
+def kernel_for_softcap(kernel: Kernel, support: KernelSupport | None = None) -> Kernel:
+    """The kernel that runs in place of `kernel` when attention logits are soft-capped (Gemma 2): flex applies
+    the cap in its score_mod, the mask kernel writes the scores out (`softcapped_attention`); varlen's flash
+    kernel and the CPU's length buckets cannot apply it, so they give way to flex where torch has it, else to
+    the mask kernel."""
+    if kernel in ("flex", "mask"):
+        return kernel
+    if kernel == "varlen":  # a GPU that runs flash attention runs Triton too
+        support = support or KernelSupport.installed()
+        if support.flex and support.capability >= TRITON_CAPABILITY:
+            return "flex"
+    return "mask"
+
+
 # ---- per forward: what the layers share -----------------------------------------------------------------
 @dataclass
 class PreparedAttention:

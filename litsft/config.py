@@ -88,6 +88,33 @@ class Config:
     layer_types: list[LayerType] | None = None
     """Each layer's attention, as transformers' `layer_types` names it; None: every layer alike (sliding when
     `sliding_window` is set). Read per layer by `attention_window`."""
+    # ---- Gemma 2 / Gemma 3 / OLMo 2 block features (each off by default) ----
+    rope_local_base: float | None = None
+    """RoPE base of the "sliding_attention" layers, which then rotate without `rope_scaling` (Gemma 3's
+    rope_local_base_freq); None: every layer uses `rope_theta` and `rope_scaling`."""
+    qk_norm_over: Literal["head", "all_heads"] = "head"
+    """What `qk_norm` normalizes: each head's D values (Qwen3, Gemma 3) or the whole projection, all heads
+    at once, before it is split into heads (OLMo 2)."""
+    pre_norms: bool = True
+    """RMSNorm before attention and before the MLP; OLMo 2 has none, only the post-norms."""
+    post_attention_norm: bool = False
+    """RMSNorm on the attention output before it is added to the residual stream (Gemma 2/3, OLMo 2)."""
+    post_mlp_norm: bool = False
+    """RMSNorm on the MLP output before it is added to the residual stream (Gemma 2/3, OLMo 2)."""
+    norm_unit_offset: bool = False
+    """Gemma's RMSNorm: scale by (1 + weight), computed in fp32 before the cast; weights start at zero."""
+    scale_embeddings: bool = False
+    """Multiply the embeddings by sqrt(hidden_size), rounded to the embedding dtype as transformers does
+    (Gemma)."""
+    mlp_activation: Literal["silu", "gelu_tanh"] = "silu"
+    """The gated MLP's activation: SwiGLU (silu) or GeGLU with tanh-approximated GELU (Gemma)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5."""
+    softcap_attention: float | None = None
+    """Attention logits are capped to c * tanh(score / c) before the softmax (Gemma 2)."""
+    softcap_final: float | None = None
+    """Output logits are capped to c * tanh(logit / c) (Gemma 2)."""
+    # ----
     hf_architecture: str = "LlamaForCausalLM"
     """The config.json architecture, which names the family (litsft.families) that builds and converts it."""
     bos_token_id: int | None = None
@@ -116,6 +143,10 @@ class Config:
             raise LitsftError(
                 f"{self.name}: sliding_window={self.sliding_window} must be at least 1 (or null for none)"
             )
+        for key in ("query_pre_attn_scalar", "softcap_attention", "softcap_final", "rope_local_base"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise LitsftError(f"{self.name}: {key}={value} must be positive (or null for none)")
         family_of(self.hf_architecture)  # refuses an architecture no family registered
         self._normalize_layer_types()
 
@@ -134,6 +165,14 @@ class Config:
             self.sliding_window, self.layer_types = None, None
         elif "full_attention" not in self.layer_types:
             self.layer_types = None
+
+    def attention_scale(self) -> float | None:
+        """What attention multiplies its scores by; None: the kernels' default, head_dim ** -0.5."""
+        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar**-0.5
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates with `rope_local_base` (a sliding layer of Gemma 3)."""
+        return self.rope_local_base is not None and self.attention_window(layer) is not None
 
     def attention_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (counting from 0), or None for full causal attention."""
@@ -188,11 +227,12 @@ class Config:
         """Build a Config from a Hugging Face `config.json` dict of a registered family: the keys every family
         shares are read here, the family reads its own (litsft.families)."""
         family = family_of_hf_config(hf_config)
+        own, consumed = family.config_from_hf(hf_config)
         if hf_config.get("mlp_bias"):
             raise LitsftError(
                 "mlp_bias=true is not supported by litsft's model; use a checkpoint without MLP biases"
             )
-        if hf_config.get("hidden_act", "silu") != "silu":
+        if "hidden_act" not in consumed and hf_config.get("hidden_act", "silu") != "silu":
             raise LitsftError(
                 f"hidden_act={hf_config['hidden_act']!r} is not supported; litsft's MLP is SwiGLU (silu)"
             )
@@ -205,7 +245,6 @@ class Config:
             rope_scaling = {k: v for k, v in rope_scaling.items() if k != "rope_theta"}
             if rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
                 rope_scaling = None
-        own, consumed = family.config_from_hf(hf_config)
         shared: dict[str, Any] = dict(
             name=name or hf_config.get("_name_or_path", "") or family.architecture,
             vocab_size=hf_config["vocab_size"],

@@ -73,7 +73,7 @@ def convert_from_hf(
     max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
     hf_model_id: str | None = None,
 ) -> None:
-    """Convert a Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3) into a litsft checkpoint directory.
+    """Convert a Hugging Face checkpoint of a registered family (litsft.families) into a litsft checkpoint.
 
     Args:
         hf_dir: Directory with config.json, the weights (safetensors or .bin, single or sharded) and the

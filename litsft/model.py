@@ -1,4 +1,4 @@
-"""The decoder-only transformer: Llama, Mistral, Qwen2/2.5 and Qwen3 in one flat file.
+"""The decoder-only transformer: Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2 and 3, OLMo 2 in one flat file.
 
 Shapes in comments: B batch, T query length, S key length, H query heads, K kv heads, D head dim,
 C hidden size, V vocab size, N tokens of a packed row.
@@ -26,6 +26,7 @@ from litsft.attention import (
     attend,
     choose_kernel,
     documents_of_ids,
+    kernel_for_softcap,
     prepare,
 )
 from litsft.batch import loss_positions_of, without_padding
@@ -35,9 +36,11 @@ from litsft.loss import chunked_cross_entropy
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.unit_offset = unit_offset
+        """Gemma's form: scale by (1 + weight) in fp32, then cast; the weight starts at zero."""
+        self.weight = nn.Parameter(torch.zeros(size) if unit_offset else torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,19 +48,28 @@ class RMSNorm(nn.Module):
         # parity in bf16 depends on the order.
         # F.rms_norm is one fused kernel, and bit-identical to x * rsqrt(mean(x^2) + eps).
         x_normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.unit_offset:  # Gemma scales before the cast (transformers' Gemma2RMSNorm)
+            return (x_normed * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x_normed.to(x.dtype)
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)
 
 
-def rope_inverse_frequencies(config: Config, device: torch.device | None = None) -> torch.Tensor:
-    """Per-pair rotation frequencies (D/2,), with Llama-3 or linear scaling applied when configured."""
+def rms_norm(config: Config, size: int) -> RMSNorm:
+    """The RMSNorm `config`'s family uses, over `size` values."""
+    return RMSNorm(size, config.rms_norm_eps, unit_offset=config.norm_unit_offset)
+
+
+def rope_inverse_frequencies(
+    config: Config, device: torch.device | None = None, local: bool = False
+) -> torch.Tensor:
+    """Per-pair rotation frequencies (D/2,), with Llama-3 or linear scaling applied when configured;
+    `local`: those of the sliding layers with their own base (`Config.rope_local_base`), never scaled."""
     dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.int64).float() / dim)
-    )
-    scaling = config.rope_scaling or {}
+    base = config.rope_local_base if local else config.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.int64).float() / dim))
+    scaling = {} if local else config.rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]
@@ -78,10 +90,10 @@ def rope_inverse_frequencies(config: Config, device: torch.device | None = None)
 
 
 def rope_cos_sin(
-    config: Config, position_ids: torch.Tensor, dtype: torch.dtype
+    config: Config, position_ids: torch.Tensor, dtype: torch.dtype, local: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for each position: (B, T) -> two (B, T, D) tensors."""
-    inv_freq = rope_inverse_frequencies(config, position_ids.device)
+    inv_freq = rope_inverse_frequencies(config, position_ids.device, local)
     angles = position_ids.float()[..., None] * inv_freq  # (B, T, D/2), in fp32 for long contexts
     angles = torch.cat((angles, angles), dim=-1)  # (B, T, D)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -133,8 +145,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(C, K * D, bias=config.qkv_bias)
         self.o_proj = nn.Linear(H * D, C, bias=config.out_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(D, config.rms_norm_eps)
-            self.k_norm = RMSNorm(D, config.rms_norm_eps)
+            over_all_heads = config.qk_norm_over == "all_heads"
+            self.q_norm = rms_norm(config, H * D if over_all_heads else D)
+            self.k_norm = rms_norm(config, K * D if over_all_heads else D)
 
     def forward(
         self,
@@ -146,17 +159,21 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         H, K, D = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
-        q = self.q_proj(x).view(B, T, H, D)
-        k = self.k_proj(x).view(B, T, K, D)
+        q, k = self.q_proj(x), self.k_proj(x)  # (B, T, H * D), (B, T, K * D)
+        if self.config.qk_norm and self.config.qk_norm_over == "all_heads":  # OLMo 2
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(B, T, H, D), k.view(B, T, K, D)
         v = self.v_proj(x).view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
-        if self.config.qk_norm:
+        if self.config.qk_norm and self.config.qk_norm_over == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, K, T, D)
         if kv_cache is not None:
             k, v = kv_cache.update(attention.cache_positions, k, v)  # (B, K, S, D)
         dropout = self.config.attention_dropout if self.training else 0.0
-        y = attend(q, k, v, attention, dropout)  # (B, T, H, D)
+        y = attend(
+            q, k, v, attention, dropout, self.config.attention_scale(), self.config.softcap_attention
+        )  # (B, T, H, D)
         return self.o_proj(y.reshape(B, T, H * D))
 
 
@@ -166,18 +183,25 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gelu = config.mlp_activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        activated = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)  # GeGLU or SwiGLU
+        return self.down_proj(activated * self.up_proj(x))
 
 
 class Block(nn.Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        C = config.hidden_size
+        # Norms before (Llama), after (OLMo 2) or on both sides (Gemma's "sandwich") of attention and MLP.
+        self.attn_norm = rms_norm(config, C) if config.pre_norms else nn.Identity()
         self.attn = Attention(config)
-        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_post_norm = rms_norm(config, C) if config.post_attention_norm else nn.Identity()
+        self.mlp_norm = rms_norm(config, C) if config.pre_norms else nn.Identity()
         self.mlp = MLP(config)
+        self.mlp_post_norm = rms_norm(config, C) if config.post_mlp_norm else nn.Identity()
 
     def forward(
         self,
@@ -187,13 +211,14 @@ class Block(nn.Module):
         attention: PreparedAttention,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, attention, kv_cache)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), cos, sin, attention, kv_cache))
+        return x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
 
 
 BLOCK_VARIANTS: dict[str, type[nn.Module]] = {"pre_norm": Block}
 """The blocks a family can name (`Family.block`): "pre_norm", Llama's norm -> attention -> norm -> MLP, each
-added to the residual stream."""
+added to the residual stream; the config's `pre_norms`, `post_attention_norm` and `post_mlp_norm` move or add
+norms (Gemma's sandwich, OLMo 2's post-norms) in the same block."""
 
 
 class Transformer(nn.Module):
@@ -203,12 +228,24 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         block = BLOCK_VARIANTS[family_of(config.hf_architecture).block]
         self.blocks = nn.ModuleList(block(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = rms_norm(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.kv_caches: list[KVCache] | None = None
-        self.attention_kernel: Kernel | None = None
-        """litsft.attention's kernel for packed documents; None: chosen for the device at the first forward."""
+        self.attention_kernel = None
+
+    @property
+    def attention_kernel(self) -> Kernel | None:
+        """litsft.attention's kernel for packed documents; None: chosen for the device at the first forward.
+        A kernel that cannot soft-cap attention logits is replaced, when set, by one that can
+        (litsft.attention.kernel_for_softcap), so the kernel the engine logs is the one that runs."""
+        return self._attention_kernel
+
+    @attention_kernel.setter
+    def attention_kernel(self, kernel: Kernel | None) -> None:
+        if kernel is not None and self.config.softcap_attention is not None:
+            kernel = kernel_for_softcap(kernel)
+        self._attention_kernel = kernel
 
     def forward(
         self,
@@ -236,7 +273,7 @@ class Transformer(nn.Module):
             documents = documents_of_ids(document_ids)
         hidden = self.hidden_states(input_ids, position_ids, documents)
         if labels is None:
-            return self.lm_head(hidden)
+            return self.logits(hidden)
         hidden, labels = hidden.flatten(0, 1), labels.flatten()
         if loss_positions is None:
             loss_positions = loss_positions_of(labels)  # waits for a GPU: callers pass them
@@ -244,7 +281,13 @@ class Transformer(nn.Module):
             # The output head runs on the tokens that carry a loss only: with the prompt masked, that skips
             # most of its work (and a 128k-vocabulary head is a fifth of a 1B model's).
             hidden, labels = hidden[loss_positions], labels[loss_positions]
-        return chunked_cross_entropy(hidden, self.lm_head, labels)
+        return chunked_cross_entropy(hidden, self.lm_head, labels, softcap=self.config.softcap_final)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head on final hidden states (..., C) -> (..., V), soft-capped when the config says so."""
+        logits = self.lm_head(hidden)
+        cap = self.config.softcap_final
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the output projection when the config ties them. Called again after
@@ -273,14 +316,22 @@ class Transformer(nn.Module):
         if joined:
             input_ids, position_ids = input_ids.reshape(1, B * T), position_ids.reshape(1, B * T)
         x = self.embed(input_ids)  # (B, T, C), or (1, B * T, C) joined
+        if self.config.scale_embeddings:
+            # Gemma: sqrt(C) rounded to the embedding dtype first, as transformers does.
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         if torch.is_autocast_enabled(x.device.type):
             # The residual stream stays fp32 under autocast, also when a frozen embedding is stored in the
             # compute dtype (LoRA under bf16-mixed): only the matmuls run in 16 bits.
             x = x.float()
         prepared = self.prepare_attention(tuple(x.shape[:2]), x.device, documents, position_ids)
-        cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)
+        layers = range(self.config.num_layers)
+        ropes = {
+            local: rope_cos_sin(self.config, position_ids, x.dtype, local)
+            for local in {self.config.uses_local_rope(i) for i in layers}
+        }  # one (cos, sin) per RoPE base the layers use
         for i, block in enumerate(self.blocks):
             kv_cache = self.kv_caches[i] if self.kv_caches is not None else None
+            cos, sin = ropes[self.config.uses_local_rope(i)]
             x = block(x, cos, sin, prepared[self.config.attention_window(i)], kv_cache)
         x = self.norm(x)
         return x.view(B, T, -1) if joined else x
@@ -331,11 +382,12 @@ class Transformer(nn.Module):
     def initial_value(
         self, name: str, shape: torch.Size, generator: torch.Generator, std: float = 0.02
     ) -> torch.Tensor:
-        """Fresh value of parameter `name` for pretraining: normal(0, std), norms at one, biases at zero, and the
-        projections that write into the residual stream scaled by 1/sqrt(2 * num_layers) so its variance does
-        not grow with depth. Drawn from `generator` alone, so the result does not depend on how it is sharded."""
-        if name.endswith("norm.weight"):
-            return torch.ones(shape)
+        """Fresh value of parameter `name` for pretraining: normal(0, std), norms at a unit scale, biases at
+        zero, and the projections that write into the residual stream scaled by 1/sqrt(2 * num_layers) so its
+        variance does not grow with depth. Drawn from `generator` alone, so the result does not depend on how
+        it is sharded."""
+        if name.endswith("norm.weight"):  # a unit scale: Gemma's norms scale by (1 + weight)
+            return torch.zeros(shape) if self.config.norm_unit_offset else torch.ones(shape)
         if name.endswith(".bias"):
             return torch.zeros(shape)
         if name.endswith(("o_proj.weight", "down_proj.weight")):

@@ -165,9 +165,13 @@ def block_activation_bytes_per_token(
     c = compute_bytes
     targets = set(lora.target_list) if lora is not None else set()
     mlp_input_kept = lora is None or bool(targets & {"gate", "up"})
-    # RMSNorm keeps its fp32 upcast input; its output is kept by the linear layers that read it.
-    attn_norm = 4 * C + c * C
-    mlp_norm = 4 * C + (c * C if mlp_input_kept else 0)
+    # RMSNorm keeps its fp32 upcast input; its output is kept by the linear layers that read it (without a
+    # norm before them, as in OLMo 2, they keep the residual stream's copy). A norm after attention or the
+    # MLP (Gemma, OLMo 2) keeps its fp32 input too; its output goes into the residual add, which keeps nothing.
+    upcast = 4 * C if layer.pre_norms else 0
+    attn_norm = upcast + c * C
+    mlp_norm = upcast + (c * C if mlp_input_kept else 0)
+    post_norms = layer.post_norms * 4 * C
     # SDPA keeps q, k, v (k and v repeated to all heads), its output and a fp32 logsumexp per head;
     # o_proj keeps its (contiguous) input.
     attention = 5 * q * c + 4 * config.num_heads
@@ -178,7 +182,7 @@ def block_activation_bytes_per_token(
     adapters = (
         len(targets - {"lm_head"}) * lora.rank * c if lora is not None else 0
     )  # each A's output, kept by its B
-    return attn_norm + mlp_norm + attention + qk_norm + mlp + adapters
+    return attn_norm + mlp_norm + post_norms + attention + qk_norm + mlp + adapters
 
 
 def estimate_memory(

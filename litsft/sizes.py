@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from litsft.config import NAMED_CONFIGS, Config, format_count
-from litsft.model import Transformer
+from litsft.model import RMSNorm, Transformer
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,10 @@ class LayerSizes:
     window: int | None
     """The layer's sliding window, or None for full causal attention."""
     qk_norm: bool
+    pre_norms: bool
+    """Whether RMSNorm runs before attention and the MLP (not in OLMo 2)."""
+    post_norms: int
+    """RMSNorms on the attention and MLP outputs, before the residual add (Gemma: 2, OLMo 2: 2)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,11 @@ def _sizes_of(config_json: str) -> ModelSizes:
                 kv_width=linear["k"][1],
                 window=config.attention_window(index),
                 qk_norm=any(name.endswith(("q_norm", "k_norm")) for name, _ in block.named_modules()),
+                pre_norms=isinstance(getattr(block, "attn_norm", None), RMSNorm),
+                post_norms=sum(
+                    isinstance(getattr(block, name, None), RMSNorm)
+                    for name in ("attn_post_norm", "mlp_post_norm")
+                ),
             )
         )
     head = model.lm_head

@@ -102,9 +102,9 @@ def litsft_two_nodes(args: list[str], tmp_path: Path, timeout: int = 300) -> Non
             raise AssertionError(f"node exited {p.returncode}:\n{out[-6000:]}")
 
 
-def write_tiny_checkpoint(directory: Path, seed: int = 0, **overrides) -> Path:
-    """A random tiny-llama litsft checkpoint with the tiny ChatML tokenizer."""
-    config = Config.from_name("tiny-llama", **overrides)
+def write_tiny_checkpoint(directory: Path, seed: int = 0, model: str = "tiny-llama", **overrides) -> Path:
+    """A random litsft checkpoint of the tiny named config `model` with the tiny ChatML tokenizer."""
+    config = Config.from_name(model, **overrides)
     model = Transformer(config)
     model.init_weights(seed)
     directory.mkdir(parents=True, exist_ok=True)

@@ -188,6 +188,23 @@ def test_varlen_features_come_from_the_signature():
     assert varlen_features(varlen_2_13) == {"window_size", "enable_gqa"}
 
 
+@pytest.mark.parametrize(
+    ("chosen", "flex", "expected"),
+    [("varlen", True, "flex"), ("varlen", False, "mask"), ("flex", True, "flex"), ("segmented", False, "mask"),
+     ("mask", False, "mask")],
+)  # fmt: skip
+def test_a_soft_capped_model_runs_a_kernel_that_can_cap(chosen, flex, expected, monkeypatch):
+    """Gemma 2 caps its attention logits: varlen's flash kernel and the CPU's buckets cannot, so setting them
+    sets flex (its score_mod caps) where torch has it, else the mask kernel (scores written out); the
+    kernel the engine logs is then the one that runs. A model without a cap keeps what it is given."""
+    support = KernelSupport(frozenset(), flex, (9, 0))
+    monkeypatch.setattr(KernelSupport, "installed", classmethod(lambda cls: support))
+    assert attention.kernel_for_softcap(chosen) == expected
+    capped, plain = Transformer(Config.from_name("tiny-gemma2")), Transformer(Config.from_name("tiny-llama"))
+    capped.attention_kernel = plain.attention_kernel = chosen
+    assert (capped.attention_kernel, plain.attention_kernel) == (expected, chosen)
+
+
 def test_the_model_chooses_a_kernel_at_its_first_forward_when_none_was_set():
     model = Transformer(Config.from_name("tiny-llama"))
     assert model.attention_kernel is None

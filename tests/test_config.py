@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from litsft.config import NAMED_CONFIGS, Config
 from litsft.errors import LitsftError
@@ -64,6 +65,32 @@ PUBLISHED = {
     "SmolLM2-1.7B": (24, 32, 32, 2048, 8192, 49152, 1.3e5, True),
     "TinyLlama-1.1B": (22, 32, 4, 2048, 5632, 32000, 1e4, False),
     "TinyLlama-1.1B-Chat-v1.0": (22, 32, 4, 2048, 5632, 32000, 1e4, False),
+    "tiny-gemma2": (2, 4, 2, 64, 176, 512, 1e4, True),
+    "gemma-2-2b": (26, 8, 4, 2304, 9216, 256000, 1e4, True),
+    "gemma-2-2b-it": (26, 8, 4, 2304, 9216, 256000, 1e4, True),
+    "gemma-2-9b": (42, 16, 8, 3584, 14336, 256000, 1e4, True),
+    "gemma-2-27b": (46, 32, 16, 4608, 36864, 256000, 1e4, True),
+    "gemma-3-1b-it": (26, 4, 1, 1152, 6912, 262144, 1e6, True),
+    "gemma-3-4b-it": (34, 8, 4, 2560, 10240, 262208, 1e6, True),
+    "gemma-3-12b-it": (48, 16, 8, 3840, 15360, 262208, 1e6, True),
+    "gemma-3-27b-it": (62, 32, 16, 5376, 21504, 262208, 1e6, True),
+    "OLMo-2-0425-1B": (16, 16, 16, 2048, 8192, 100352, 5e5, False),
+    "OLMo-2-1124-7B": (32, 32, 32, 4096, 11008, 100352, 5e5, False),
+    "OLMo-2-1124-13B": (40, 40, 40, 5120, 13824, 100352, 5e5, False),
+}
+
+# Gemma's own numbers, from the same config.json files (Gemma 3 4B-27B: their text_config, the keys it leaves
+# out at transformers' Gemma3TextConfig defaults): head_dim, query_pre_attn_scalar, sliding window, full
+# layers (every n-th), attention and final soft-caps, the sliding layers' RoPE base, the full layers' rope
+# scaling factor, max_position_embeddings.
+GEMMA_PUBLISHED = {
+    "gemma-2-2b": (256, 256, 4096, 2, 50.0, 30.0, None, None, 8192),
+    "gemma-2-9b": (256, 256, 4096, 2, 50.0, 30.0, None, None, 8192),
+    "gemma-2-27b": (128, 144, 4096, 2, 50.0, 30.0, None, None, 8192),
+    "gemma-3-1b-it": (256, 256, 512, 6, None, None, 1e4, None, 32768),
+    "gemma-3-4b-it": (256, 256, 1024, 6, None, None, 1e4, 8.0, 131072),
+    "gemma-3-12b-it": (256, 256, 1024, 6, None, None, 1e4, 8.0, 131072),
+    "gemma-3-27b-it": (128, 168, 1024, 6, None, None, 1e4, 8.0, 131072),
 }
 
 # Totals counted by instantiating each Hugging Face model on the meta device (test below).
@@ -72,6 +99,9 @@ KNOWN_PARAMETER_COUNTS = {
     "Meta-Llama-3-8B": 8_030_261_248,
     "Qwen2.5-0.5B": 494_032_768,
     "TinyLlama-1.1B": 1_100_048_384,
+    "gemma-2-2b": 2_614_341_888,
+    "gemma-3-1b-it": 999_885_952,
+    "OLMo-2-0425-1B": 1_484_916_736,
 }
 
 
@@ -128,6 +158,109 @@ def test_family_specific_fields():
     assert Config.from_name("Llama-2-7b-hf").torch_dtype == "float16"
 
 
+@pytest.mark.parametrize("name", GEMMA_PUBLISHED)
+def test_gemma_configs_match_published_numbers(name):
+    c = Config.from_name(name)
+    full_every = next(i + 1 for i in range(c.num_layers) if c.attention_window(i) is None)
+    assert [c.attention_window(i) is None for i in range(c.num_layers)] == [
+        (i + 1) % full_every == 0 for i in range(c.num_layers)
+    ]
+    actual = (
+        c.head_dim,
+        c.query_pre_attn_scalar,
+        c.sliding_window,
+        full_every,
+        c.softcap_attention,
+        c.softcap_final,
+        c.rope_local_base,
+        (c.rope_scaling or {}).get("factor"),
+        c.max_position_embeddings,
+    )
+    assert actual == GEMMA_PUBLISHED[name]
+    assert c.norm_unit_offset and c.post_attention_norm and c.post_mlp_norm and c.scale_embeddings
+    assert c.mlp_activation == "gelu_tanh" and c.qk_norm == name.startswith("gemma-3")
+
+
+# Published config.json files as the hub serves them (keys litsft does not model left out: they are kept in
+# hf_extra): https://huggingface.co/google/gemma-2-2b/blob/main/config.json,
+# https://huggingface.co/google/gemma-3-1b-it/blob/main/config.json,
+# https://huggingface.co/allenai/OLMo-2-1124-7B/blob/main/config.json.
+PUBLISHED_CONFIG_JSON = {
+    "gemma-2-2b": {
+        "architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "attn_logit_softcapping": 50.0, "bos_token_id": 2, "eos_token_id": 1, "final_logit_softcapping": 30.0,
+        "head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 2304, "initializer_range": 0.02, "intermediate_size": 9216, "max_position_embeddings": 8192,
+        "model_type": "gemma2", "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096,
+        "torch_dtype": "float32", "transformers_version": "4.42.4", "use_cache": True, "vocab_size": 256000,
+    },
+    "gemma-3-1b-it": {
+        "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "attn_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": [1, 106],
+        "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 1152, "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
+        "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None,
+        "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
+        "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 262144,
+    },
+    "OLMo-2-1124-7B": {
+        "architectures": ["Olmo2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "eos_token_id": 100257, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 11008, "max_position_embeddings": 4096, "model_type": "olmo2",
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-06,
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "vocab_size": 100352,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", PUBLISHED_CONFIG_JSON)
+def test_a_published_config_json_reads_as_the_named_config(name):
+    """The hub's own config.json (Gemma's with hidden_act gelu_pytorch_tanh, no tie_word_embeddings and no
+    layer_types; Gemma 3's with sliding_window_pattern and rope_local_base_freq) gives the named config."""
+    config = Config.from_hf_config(PUBLISHED_CONFIG_JSON[name], name=name)
+    named = Config.from_name(name)
+    token_ids = dict(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id)
+    assert dataclasses.replace(config, hf_extra={}) == dataclasses.replace(named, **token_ids)
+
+
+@pytest.mark.parametrize(
+    "key", ["query_pre_attn_scalar", "softcap_attention", "softcap_final", "rope_local_base"]
+)
+def test_a_scale_or_cap_that_is_not_positive_is_refused(key):
+    with pytest.raises(LitsftError) as error:
+        Config.from_name("tiny-gemma2", **{key: 0.0})
+    assert str(error.value) == f"tiny-gemma2: {key}=0.0 must be positive (or null for none)"
+
+
+def test_gemma3_rope_parameters_per_layer_type():
+    """transformers >= 5 writes Gemma 3's RoPE per layer type; the full layers' scaling and the sliding layers'
+    base are read from it, and scaling the sliding layers is refused (litsft rotates them with plain RoPE)."""
+    hf = dict(PUBLISHED_CONFIG_JSON["gemma-3-1b-it"])
+    for key in ("rope_theta", "rope_local_base_freq", "rope_scaling"):
+        del hf[key]
+    hf["rope_parameters"] = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    config = Config.from_hf_config(hf)
+    assert (config.rope_theta, config.rope_local_base) == (1e6, 1e4)
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    hf["rope_parameters"]["sliding_attention"]["rope_type"] = "linear"
+    with pytest.raises(LitsftError, match="rotates its sliding layers with plain RoPE only"):
+        Config.from_hf_config(hf)
+
+
+def test_olmo2_norms():
+    for name in ("OLMo-2-0425-1B", "OLMo-2-1124-7B", "OLMo-2-1124-13B"):
+        c = Config.from_name(name)
+        assert not c.pre_norms and c.post_attention_norm and c.post_mlp_norm
+        assert c.qk_norm and c.qk_norm_over == "all_heads" and c.rms_norm_eps == 1e-6
+        assert c.max_position_embeddings == 4096
+
+
 def test_from_name_returns_an_independent_copy():
     config = Config.from_name("Llama-3.1-8B")
     config.rope_scaling["factor"] = 1.0
@@ -146,7 +279,7 @@ def test_hf_config_round_trip(name):
 def test_transformers_builds_the_exported_config(name):
     config = Config.from_name(name)
     hf = hf_config_object(config)
-    assert type(hf).__name__ == config.hf_architecture.replace("ForCausalLM", "Config")
+    assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf.model_type] == config.hf_architecture
     assert (hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads) == (
         config.num_layers,
         config.num_heads,
@@ -158,7 +291,15 @@ def test_transformers_builds_the_exported_config(name):
         config.vocab_size,
         config.head_dim,
     )
-    assert hf.rope_parameters["rope_theta"] == config.rope_theta
+    # Gemma 3 has RoPE parameters per layer type: the full layers', then the sliding layers'.
+    rope = hf.rope_parameters.get("full_attention", hf.rope_parameters)
+    assert rope["rope_theta"] == config.rope_theta
+    if config.rope_local_base is not None:
+        assert hf.rope_parameters["sliding_attention"]["rope_theta"] == config.rope_local_base
+        assert hf.rope_parameters["sliding_attention"]["rope_type"] == "default"
+        assert rope.get("factor") == (config.rope_scaling or {}).get("factor")
+    if config.layer_types is not None:
+        assert hf.layer_types == config.layer_types and hf.sliding_window == config.sliding_window
     assert hf.tie_word_embeddings == config.tie_word_embeddings
     assert config == Config.from_name(name)  # building the HF config did not edit ours
 
@@ -171,6 +312,7 @@ def test_parameter_count_matches_transformers_on_a_tiny_shape(name):
     tiny = dataclasses.replace(
         config,
         num_layers=2,
+        layer_types=config.layer_types[:2] if config.layer_types else None,
         num_kv_heads=2,
         num_heads=2 * group,
         hidden_size=32 * group,
@@ -304,6 +446,6 @@ def test_unregistered_architecture_is_refused_with_the_supported_list():
     with pytest.raises(LitsftError) as error:
         Config.from_hf_config({"architectures": ["GPTNeoXForCausalLM"], "vocab_size": 8})
     assert str(error.value) == (
-        "unsupported architecture 'GPTNeoXForCausalLM'; litsft supports LlamaForCausalLM, MistralForCausalLM, "
-        "Qwen2ForCausalLM, Qwen3ForCausalLM"
+        "unsupported architecture 'GPTNeoXForCausalLM'; litsft supports LlamaForCausalLM, Gemma2ForCausalLM, "
+        "Gemma3ForCausalLM, MistralForCausalLM, Olmo2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
     )

@@ -101,6 +101,14 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "data": JSON,
         "data.json_path": Path("data/alpaca.json"),
     },
+    "finetune_lora/gemma-3-4b-it.yaml": {
+        "checkpoint_dir": Path("checkpoints/google/gemma-3-4b-it"),
+        "devices": 1,
+        "lora.rank": 16,
+        "lora.targets": "all-linear",
+        "data": JSON,
+        "data.json_path": Path("data/alpaca.json"),
+    },
     "finetune_lora/llama-2-70b.yaml": {
         "checkpoint_dir": Path("checkpoints/meta-llama/Llama-2-70b-hf"),
         "devices": 8,

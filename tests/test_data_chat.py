@@ -312,3 +312,61 @@ def test_real_templates_mask_exactly_the_assistant_turns(family, tmp_path):
             tokenizer.decode(tokens[start:end][targets[start:end]].tolist(), skip_special_tokens=False)
             == masked
         )
+
+
+# Gemma has no system role. Gemma 2's template refuses a system message
+# (https://huggingface.co/google/gemma-2-9b-it/blob/main/tokenizer_config.json); Gemma 3's puts it at the head
+# of the first user turn (https://huggingface.co/google/gemma-3-1b-it/blob/main/tokenizer_config.json). The
+# texts below are those templates as public projects quote them, not checked against the Hub files themselves.
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
+)
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}\n{%- set loop_messages = messages[1:] -%}\n"
+    '{%- else -%}\n{%- set first_user_prefix = "" -%}\n{%- set loop_messages = messages -%}\n{%- endif -%}\n'
+    "{%- for message in loop_messages -%}\n{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    '{{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}\n'
+    "{%- endif -%}\n{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}\n"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}{%- endif -%}\n"
+    "{{ '<end_of_turn>\\n' }}\n{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+
+
+def test_gemma_templates_and_the_system_role(tmp_path):
+    """Gemma 3's template folds the system message into the first user turn and the mask still covers the
+    replies only; Gemma 2's refuses it, and a record with a system message fails in one line that says how."""
+    write_tiny_tokenizer(tmp_path, chat_template="llama3")
+    tokenizer = Tokenizer(tmp_path)
+    tokenizer.chat_template = GEMMA3_TEMPLATE
+    chat_format = ChatFormat(tokenizer)
+    assert chat_format.render(CONVERSATION[:2], add_generation_prompt=True) == (
+        "<|begin_of_text|><start_of_turn>user\nYou answer in one line.\n\nWhat is 2 + 3?<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
+    tokens, targets = chat_format.tokenize(CONVERSATION)
+    assert (
+        "".join(pieces(tokenizer, tokens[targets]))
+        == "It is 5.<end_of_turn>The cat sings today!<end_of_turn>"
+    )
+
+    tokenizer.chat_template = GEMMA2_TEMPLATE
+    tokens, targets = ChatFormat(tokenizer).tokenize(CONVERSATION[1:])
+    assert (
+        "".join(pieces(tokenizer, tokens[targets]))
+        == "It is 5.<end_of_turn>The cat sings today!<end_of_turn>"
+    )
+    with pytest.raises(LitsftError) as error:
+        ChatFormat(tokenizer).tokenize(CONVERSATION)
+    assert str(error.value) == (
+        "conversation 0: the checkpoint chat template failed on this conversation: System role not supported; "
+        "fix the messages, or choose another --data.prompt_style"
+    )

@@ -46,6 +46,7 @@ def digest(directory: Path) -> dict[str, str]:
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("lora")
     write_tiny_checkpoint(root / "base", seed=1)
+    write_tiny_checkpoint(root / "base-tiny-gemma2", seed=1, model="tiny-gemma2")
     write_records(root / "data.json", count=48)
     return root
 
@@ -76,9 +77,10 @@ def test_resume_gives_identical_adapters_and_the_base_never_changes(workspace: P
     assert shard and all(".lora_" in key for key in shard)
 
 
-def test_lora_on_two_processes_equals_one_and_exports_to_transformers(workspace: Path) -> None:
-    base, data = workspace / "base", workspace / "data.json"
-    single, double = workspace / "single", workspace / "double"
+@pytest.mark.parametrize("named", ["tiny-llama", "tiny-gemma2"])
+def test_lora_on_two_processes_equals_one_and_exports_to_transformers(workspace: Path, named: str) -> None:
+    base, data = workspace / ("base" if named == "tiny-llama" else f"base-{named}"), workspace / "data.json"
+    single, double = workspace / named / "single", workspace / named / "double"
     # No dropout here: its masks depend on how rows are split over ranks.
     litsft(lora_args(base, data, single, 4, 4, dropout=0.0), workspace)
     litsft(lora_args(base, data, double, 2, 4, "--devices", "2", dropout=0.0), workspace)
@@ -91,10 +93,10 @@ def test_lora_on_two_processes_equals_one_and_exports_to_transformers(workspace:
     model = load_model(folder.base_dir, torch.device("cpu"), torch.float32)
     base = model.state_dict()
     model.load_state_dict(dict(iter_merged_tensors(base.items(), folder.adapters, folder.config)))
-    litsft(["convert_to_hf", str(single / "final"), "--out_dir", str(workspace / "hf")], workspace)
+    litsft(["convert_to_hf", str(single / "final"), "--out_dir", str(workspace / named / "hf")], workspace)
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(workspace / "hf").eval()
+    hf = AutoModelForCausalLM.from_pretrained(workspace / named / "hf").eval()
     tokens = torch.randint(0, 500, (2, 20))
     with torch.no_grad():
         assert (hf(tokens).logits - model(tokens)).abs().max().item() < 1e-4

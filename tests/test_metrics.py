@@ -392,7 +392,8 @@ def _tiny_of_family(architecture: str) -> Config:
     config = NAMED_CONFIGS[next(iter(FAMILIES[architecture].named_configs))]
     explicit_head_dim = config.head_dim != config.hidden_size // config.num_heads
     return dataclasses.replace(
-        config, num_layers=2, num_heads=4, num_kv_heads=2, hidden_size=32, head_dim=16 if explicit_head_dim else 0,
+        config, num_layers=2, layer_types=config.layer_types[:2] if config.layer_types else None,
+        num_heads=4, num_kv_heads=2, hidden_size=32, head_dim=16 if explicit_head_dim else 0,
         intermediate_size=48, vocab_size=96, rope_scaling=None,
     )  # fmt: skip
 

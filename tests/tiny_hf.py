@@ -9,10 +9,16 @@ from pathlib import Path
 import torch
 from tiny_tokenizer import write_tiny_tokenizer
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
@@ -82,6 +88,37 @@ TINY_HF_MODELS: dict[str, tuple[PretrainedConfig, type[PreTrainedModel]]] = {
     ),
     # Qwen3: q/k norms and a head_dim that is not hidden_size // num_heads.
     "qwen3": (Qwen3Config(**_SHAPES, head_dim=32, tie_word_embeddings=False), Qwen3ForCausalLM),
+    # Gemma 2: sandwich norms, (1 + w) RMSNorm, GeGLU, scaled embeddings, a query_pre_attn_scalar other than
+    # head_dim, soft-capped attention and logits (caps low enough to bite on random weights), a window on
+    # even layers; tied like the published models.
+    "gemma2": (
+        Gemma2Config(
+            **_SHAPES,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=SLIDING_WINDOW,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+        ),
+        Gemma2ForCausalLM,
+    ),
+    # Gemma 3: per-head q/k norms, 2 sliding layers then a full one (5:1 in the published models), a local
+    # RoPE base on the sliding layers and linearly scaled RoPE on the full ones.
+    "gemma3": (
+        Gemma3TextConfig(
+            **{**_SHAPES, "num_hidden_layers": 3},
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=SLIDING_WINDOW,
+            sliding_window_pattern=3,
+            rope_theta=1000000.0,
+            rope_local_base_freq=100.0,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+        ),
+        Gemma3ForCausalLM,
+    ),
+    # OLMo 2: norms after attention and MLP only, q/k norms over the whole projection.
+    "olmo2": (Olmo2Config(**_SHAPES, tie_word_embeddings=False, eos_token_id=None), Olmo2ForCausalLM),
 }
 
 
