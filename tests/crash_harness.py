@@ -35,15 +35,49 @@ FAULT_POINTS = [
 ]
 
 
-def train_args(base: Path, data: Path, out_dir: Path, *extra: str) -> list[str]:
+def train_args(
+    base: Path, data: Path | list[str], out_dir: Path, *extra: str, recipe: str = "finetune_full"
+) -> list[str]:
+    """`recipe` on `base`; `data` is a JSON file, or the --data options of any data module."""
+    if isinstance(data, Path):
+        data = ["--data", "JSON", "--data.json_path", str(data), "--data.val_split_fraction", "0.1"]
     return [
-        "finetune_full", str(base), "--out_dir", str(out_dir), "--devices", "2", "--accelerator", "cpu",
+        recipe, str(base), "--out_dir", str(out_dir), "--devices", "2", "--accelerator", "cpu",
         "--fsdp.sharding_strategy", "FULL_SHARD", "--precision", "32-true", "--train.deterministic", "true",
-        "--data", "JSON", "--data.json_path", str(data), "--data.val_split_fraction", "0.1",
-        "--train.global_batch_size", "4", "--train.micro_batch_size", "2", "--train.max_steps", "8",
+        *data, "--train.global_batch_size", "4", "--train.micro_batch_size", "2", "--train.max_steps", "8",
         "--train.max_seq_length", "64", "--train.save_interval", "2", "--train.keep_last", "2",
         "--optimizer.lr", "1e-3", "--optimizer.warmup_steps", "2", "--eval.max_new_tokens", "0", *extra,
     ]  # fmt: skip
+
+
+def write_data_inputs(root: Path, base: Path) -> None:
+    """Small inputs for every data module under `root` (see `data_options`), tokenized with `base`'s tokenizer."""
+    from launch import write_records
+
+    from litsft.data import write_demo_corpus
+    from litsft.data.prepare import prepare
+
+    root.mkdir(parents=True, exist_ok=True)
+    write_records(root / "data.json")
+    write_demo_corpus(root / "corpus", num_examples=300, num_files=3)
+    prepare(root / "corpus", root / "litdata", base, val_fraction=0.3, num_workers=1)
+
+
+# Each data module: the recipe that trains on it and its options, on the inputs of `write_data_inputs`.
+DATA_MODULES: dict[str, tuple[str, list[str]]] = {
+    "JSON": ("finetune_full", ["--data", "JSON", "--data.json_path", "{root}/data.json"]),
+    "Demo": (
+        "finetune_full",
+        ["--data", "Demo", "--data.num_train", "64", "--data.num_val", "8", "--data.num_eval", "2"],
+    ),  # fmt: skip
+    "TextFiles": ("pretrain", ["--data", "TextFiles", "--data.train_data_path", "{root}/corpus"]),
+    "LitData": ("pretrain", ["--data", "LitData", "--data.path", "{root}/litdata"]),
+}
+
+
+def data_options(module: str, root: Path) -> tuple[str, list[str]]:
+    recipe, options = DATA_MODULES[module]
+    return recipe, [option.format(root=root) for option in options]
 
 
 @dataclass

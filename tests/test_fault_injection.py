@@ -15,7 +15,16 @@ from pathlib import Path
 
 import launch
 import pytest
-from crash_harness import crash_and_recover, leftovers, logged_steps, run_litsft, train_args
+from crash_harness import (
+    DATA_MODULES,
+    crash_and_recover,
+    data_options,
+    leftovers,
+    logged_steps,
+    run_litsft,
+    train_args,
+    write_data_inputs,
+)
 from launch import free_port, max_difference, write_records, write_tiny_checkpoint
 
 from litsft.faults import FAULT_ENV
@@ -52,6 +61,37 @@ def test_three_kills_mid_checkpoint_then_relaunch_equals_uninterrupted_run(works
     assert_same_as_reference(workspace, "killed")
     # keep_last 2, applied only after each new checkpoint was complete.
     assert sorted(p.name for p in (workspace / "killed").glob("step-*")) == ["step-00000006", "step-00000008"]
+
+
+@pytest.fixture(scope="module")
+def data_inputs(workspace: Path) -> Path:
+    root = workspace / "data-modules"
+    with pytest.MonkeyPatch.context() as env:  # litdata's caches, as test_env places them for subprocesses
+        for name, value in launch.test_env(root).items():
+            if name.startswith("DATA_OPTIMIZER") or name == "TMPDIR":
+                env.setenv(name, value)
+        write_data_inputs(root, workspace / "base")
+    return root
+
+
+@pytest.mark.parametrize("module", list(DATA_MODULES))
+def test_every_data_module_resumes_after_a_kill_as_if_never_stopped(data_inputs: Path, module: str) -> None:
+    """One process, 4 steps, a checkpoint every 2, killed after step 3: the relaunch checks that the
+    checkpoint fits the data (before anything starts), resumes at step 2 mid-epoch, and ends where an
+    uninterrupted run ends."""
+    recipe, data = data_options(module, data_inputs)
+
+    def args(name: str) -> list[str]:
+        return train_args(data_inputs.parent / "base", data, data_inputs / name, "--devices", "1",
+                          "--train.max_steps", "4", recipe=recipe)  # fmt: skip
+
+    reference = run_litsft(args(f"{module}-reference"), data_inputs)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    runs = crash_and_recover(args(f"{module}-killed"), data_inputs, ["after_step_3"])
+    assert "Resumed from" in runs[-1].stdout + runs[-1].stderr
+    out_dir = data_inputs / f"{module}-killed"
+    assert max_difference(data_inputs / f"{module}-reference" / "final", out_dir / "final") == 0.0
+    assert logged_steps(out_dir) == [1, 2, 3, 4], "a step was lost or repeated"
 
 
 def start_paused_at_step_3(

@@ -119,8 +119,11 @@ class TextFiles(DataOptions, StreamingDataModule):
         return {"train": sorted(shuffled[num_val:]), "val": sorted(shuffled[:num_val])}
 
     def fingerprint(self) -> str | None:
-        # Path, size and modification time: hashing a pretraining corpus at every start would take minutes.
-        files = self.splits()["train"]
+        # Every file named, before validation files are held out: the split needs the run's seed, which
+        # `connect` brings, and a resume is checked before that. Path, size and modification time: hashing
+        # a pretraining corpus at every start would take minutes.
+        paths = [self.train_data_path, self.val_data_path]
+        files = [file for path in paths if path is not None for file in text_files(path)]
         return digest_of(
             [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in files]
         )
