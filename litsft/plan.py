@@ -11,7 +11,7 @@ ModelParallelStrategy; one process runs without FSDP. The byte counts:
 |------------|-------------------|-----------|----------------------------|--------------|
 | bf16-mixed | fp32, sharded     | fp32      | 2 x fp32                   | bf16         |
 | 16-mixed   | fp32, sharded     | fp32      | 2 x fp32                   | fp16         |
-| bf16-true  | bf16              | bf16      | 2 x bf16                   | none needed  |
+| bf16-true  | bf16              | bf16      | 2 x fp32, + bf16 Kahan compensation | none needed |
 | 32-true    | fp32              | fp32      | 2 x fp32                   | none needed  |
 
 LoRA's frozen base is stored in the compute dtype (bf16 under bf16-mixed: no fp32 master copy, no compute
@@ -61,8 +61,7 @@ from litsft.errors import LitsftError
 from litsft.flops import lora_parameters
 from litsft.sizes import model_sizes, num_parameters
 
-# (bytes of a stored parameter, bytes of a parameter as the matmuls see it). Gradients and AdamW's two
-# states take the stored dtype: FSDP2 reduces gradients in fp32 (reduce_dtype) into the fp32 shards.
+# (bytes of a stored parameter, bytes of a parameter as the matmuls see it). Gradients take the stored dtype: FSDP2 reduces gradients in fp32 (reduce_dtype) into the fp32 shards.
 PARAMETER_BYTES: dict[str, tuple[int, int]] = {
     "bf16-mixed": (4, 2),
     "16-mixed": (4, 2),
@@ -70,7 +69,7 @@ PARAMETER_BYTES: dict[str, tuple[int, int]] = {
     "32-true": (4, 4),
 }
 ADAM_STATES_PER_PARAMETER = 2
-"""exp_avg and exp_avg_sq, each the size and dtype of the parameter."""
+"""exp_avg and exp_avg_sq, each the size of the parameter, in fp32 (litsft.optimizer)."""
 PREFETCHED_BLOCKS = 2
 """Blocks whose unsharded parameters are alive at once when resharding after forward: the block being
 computed and the next one, all-gathered ahead (FSDP2's implicit prefetch)."""
@@ -220,7 +219,9 @@ def estimate_memory(
         ((num_parameters(config) - frozen) * stored + frozen * compute + adapters * stored) / shard
     )
     gradients = math.ceil(trainable * stored / shard)
-    optimizer_states = math.ceil(trainable * stored * ADAM_STATES_PER_PARAMETER / shard)
+    # Weights stored in fewer than 4 bytes also keep a compensation buffer of their own dtype (litsft.optimizer).
+    state_bytes = 4 * ADAM_STATES_PER_PARAMETER + (stored if stored < 4 else 0)
+    optimizer_states = math.ceil(trainable * state_bytes / shard)
 
     tokens = micro_batch_size * max_seq_length
     per_block = block_activation_bytes_per_token(config, compute, lora) * tokens

@@ -1,4 +1,5 @@
-"""litsft/optimizer.py: the learning-rate schedule by value against its closed form, and AdamW's groups."""
+"""litsft/optimizer.py: the learning-rate schedule by value against its closed form, AdamW's groups, and
+bf16 weights that keep their small updates."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import torch
 from torch import nn
 
 from litsft.args import OptimizerConfig
+from litsft.config import Config
 from litsft.errors import LitsftError
-from litsft.optimizer import build_optimizer, learning_rate, warmup_steps
+from litsft.model import Transformer, model_inputs
+from litsft.optimizer import COMPENSATION, CompensatedAdamW, build_optimizer, learning_rate, warmup_steps
 
 LR, MIN_LR, WARMUP, TOTAL = 1e-3, 1e-4, 10, 110
 
@@ -96,3 +99,58 @@ def test_a_model_with_nothing_to_train_is_refused() -> None:
     model = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(LitsftError, match="no trainable parameters"):
         build_optimizer(model, OptimizerConfig())
+
+
+def tiny_model(dtype: torch.dtype) -> Transformer:
+    """tiny-llama with the same bf16-representable weights in any dtype, so only training differs."""
+    model = Transformer(Config.from_name("tiny-llama"))
+    model.init_weights(0)
+    return model.to(torch.bfloat16).to(dtype)
+
+
+def train(model: Transformer, optimizer: torch.optim.Optimizer | None, steps: int) -> float:
+    """`steps` full-batch steps on one fixed batch; the mean loss after them."""
+    tokens = torch.randint(0, model.config.vocab_size, (4, 33), generator=torch.Generator().manual_seed(1))
+    batch = model_inputs({"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]})
+    for _ in range(steps):
+        (model(**batch) / batch["loss_positions"].numel()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        return (model(**batch) / batch["loss_positions"].numel()).item()
+
+
+def distance(weights: list[torch.Tensor], reference: Transformer, start: Transformer) -> float:
+    """|weights - the reference run's| / |the reference run's - the initial weights|, over every weight."""
+    apart = sum(((w.float() - r) ** 2).sum() for w, r in zip(weights, reference.parameters()))
+    moved = sum(((r - s) ** 2).sum() for r, s in zip(reference.parameters(), start.parameters()))
+    return (apart / moved).sqrt().item()
+
+
+def test_bf16_weights_follow_the_fp32_run_where_plain_bf16_adamw_loses_its_updates() -> None:
+    """20 steps at the default fine-tuning lr 2e-5 on tiny-llama. Measured: loss 6.264 -> 6.190 in fp32,
+    6.189 compensated, 6.231 with plain AdamW on bf16 weights (which rounds most updates away). The
+    compensated weights are as close to the fp32 run's as bf16 can hold them (0.102 of the fp32 run's
+    movement, against 0.0998 for the fp32 result rounded to bf16), and 0.021 with their compensation (the
+    rest is bf16 compute); plain bf16 weights are 0.83 away."""
+    config = OptimizerConfig(lr=2e-5)
+    start, fp32 = tiny_model(torch.float32), tiny_model(torch.float32)
+    start_loss = train(start, None, 0)
+    fp32_loss = train(fp32, build_optimizer(fp32, config), 20)
+
+    compensated = tiny_model(torch.bfloat16)
+    optimizer = build_optimizer(compensated, config)
+    assert isinstance(optimizer, CompensatedAdamW)
+    compensated_loss = train(compensated, optimizer, 20)
+    plain = tiny_model(torch.bfloat16)
+    plain_loss = train(plain, torch.optim.AdamW(plain.parameters(), lr=config.lr, betas=config.betas), 20)
+
+    bf16_floor = distance([w.to(torch.bfloat16) for w in fp32.parameters()], fp32, start)
+    weights = list(compensated.parameters())
+    held = [w.float() + optimizer.state[w][COMPENSATION].float() for w in weights]
+    assert distance(weights, fp32, start) < 1.05 * bf16_floor
+    assert distance(held, fp32, start) < 0.03
+    assert distance(list(plain.parameters()), fp32, start) > 0.5
+    decrease = start_loss - fp32_loss
+    assert abs(compensated_loss - fp32_loss) < 0.05 * decrease
+    assert abs(plain_loss - fp32_loss) > 0.3 * decrease

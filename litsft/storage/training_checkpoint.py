@@ -229,21 +229,21 @@ def _load_optimizer_state(
             f"{len(optimizer.param_groups)}; resume with the recipe and options that wrote it"
         )
     param_of = dict(model.named_parameters())
+    stored_names = optimizer_rows.names()
     for saved, group in zip(saved_groups, optimizer.param_groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
         for name in saved["params"]:
             param = param_of[name]
             param_state = {}
-            for key in ("step", "exp_avg", "exp_avg_sq"):
+            # Every state the optimizer saved (AdamW's moments, a compensation buffer), in its saved dtype.
+            for key in sorted(n.removeprefix(f"{name}/") for n in stored_names if n.startswith(f"{name}/")):
                 stored = f"{name}/{key}"
-                if stored not in optimizer_rows.names():
-                    continue
                 if key == "step":
                     step_tensor = optimizer_rows.read(stored, 0, 1).reshape(())
                     fused = group.get("fused") or group.get("capturable")
                     param_state[key] = step_tensor.to(param.device if fused else "cpu")
                 else:
-                    value = torch.zeros_like(param.data)
+                    value = torch.zeros_like(param.data, dtype=optimizer_rows.read(stored, 0, 1).dtype)
                     optimizer_rows.fill(stored, value)
                     param_state[key] = value
             if param_state:
