@@ -84,7 +84,8 @@ class EvalConfig:
     max_batches: int | None = 20
     """Micro-batches per validation pass (None: the whole validation set)."""
     max_new_tokens: int = 40
-    """Length of the sample generated at each validation."""
+    """Length of the sample generated at each validation from the first validation prompt (SFT data), printed
+    and written to out_dir/samples.txt; 0 generates none."""
 
     def __post_init__(self) -> None:
         check_number("--eval.interval", self.interval, at_least=1)

@@ -1,5 +1,5 @@
 """Validation during and after training: the held-out loss over the same batches on every pass, and a
-greedy sample of the first held-out prompt when the data module has one."""
+greedy sample of the first validation conversation's prompt (SFT data), written beside the metrics."""
 
 from __future__ import annotations
 
@@ -40,18 +40,16 @@ def validate(
 
 
 def generate_sample(model: nn.Module, tokenizer: Any, run: RunConfig) -> str | None:
-    """Greedy completion of the first held-out prompt (data modules with `eval_prompts`, e.g. Demo).
-    Every rank generates it: forwards of a sharded model are collective."""
-    if run.eval.max_new_tokens <= 0 or not hasattr(run.data, "eval_prompts"):
+    """Greedy completion of the first validation conversation's prompt (SFT data modules). Every rank
+    generates it: forwards of a sharded model are collective."""
+    if run.eval.max_new_tokens <= 0 or not hasattr(run.data, "validation_prompts"):
         return None
-    prompts = run.data.eval_prompts()
+    prompts = run.data.validation_prompts(1)
     if not prompts:
         return None
     from litsft.generate import generate_batch
 
-    messages, _ = prompts[0]
-    prompt_ids = run.data.chat_format.encode_prompt(messages)
     completion = generate_batch(
-        model, [prompt_ids], max_new_tokens=run.eval.max_new_tokens, stop_ids=tokenizer.stop_ids
+        model, prompts[:1], max_new_tokens=run.eval.max_new_tokens, stop_ids=tokenizer.stop_ids
     )[0]
-    return f"{run.data.render_prompt(messages)}{tokenizer.decode(completion)}"
+    return tokenizer.decode(prompts[0], skip_special_tokens=False) + tokenizer.decode(completion)

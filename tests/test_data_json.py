@@ -12,6 +12,7 @@ from tiny_tokenizer import write_tiny_tokenizer
 
 from litsft.data import JSON
 from litsft.data.loader import IGNORE_INDEX
+from litsft.data.records import to_conversation
 from litsft.data.samples import Samples
 from litsft.errors import LitsftError
 from litsft.tokenizer import Tokenizer
@@ -205,3 +206,31 @@ def test_multi_turn_reasoning_records_train_one_sample_per_reply(tmp_path):
     assert data.train_samples.subset(np.array([0])).tokens.tolist() == first_turn.tolist()
     batch = next(iter(data.train_dataloader(rank=0, world_size=1, micro_batch_size=1, global_batch_size=1)))
     assert (batch["labels"] != IGNORE_INDEX).any()
+
+
+@pytest.mark.parametrize("mask_prompt", [True, False])
+@pytest.mark.parametrize("layout", ["held-out", "val-file"])
+def test_validation_prompts_are_the_first_validation_conversations_up_to_their_reply(
+    tmp_path, tokenizer, mask_prompt, layout
+):
+    """What the sample at each validation is generated from: the prompt of each of the first validation
+    conversations, rendered with the chat template up to the assistant header, as in training."""
+    records = [{"instruction": f"Count to {i}", "output": "one " * (1 + i % 3)} for i in range(20)]
+    if layout == "val-file":
+        (tmp_path / "train.json").write_text(json.dumps(records[:12]))
+        (tmp_path / "val.json").write_text(json.dumps(records[12:]))
+        options = {"json_path": tmp_path}
+    else:
+        (tmp_path / "data.json").write_text(json.dumps(records))
+        options = {"json_path": tmp_path / "data.json", "val_split_fraction": 0.2}
+    data = prepared(tokenizer, cache_dir=tmp_path / "cache", mask_prompt=mask_prompt, **options)
+    conversations = [to_conversation(record) for record in records]
+    # Which records were held out, found by their tokens in the validation samples.
+    tokens_of = [tuple(data.chat_format.tokenize(c)[0].tolist()) for c in conversations]
+    first_val = [
+        conversations[tokens_of.index(tuple(data.val_samples.tokens[start:end].tolist()))]
+        for start, end in zip(data.val_samples.offsets[:2], data.val_samples.offsets[1:3])
+    ]
+    prompts = data.validation_prompts(2)
+    assert prompts == [data.chat_format.encode_prompt(c[:-1]) for c in first_val]
+    assert tokenizer.decode(prompts[0], skip_special_tokens=False).endswith("<|im_start|>assistant\n")

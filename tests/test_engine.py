@@ -195,11 +195,17 @@ def test_validation_runs_at_every_interval_and_at_the_end(workspace: Path) -> No
     base, data = workspace / "base", workspace / "data.json"
     for steps, expected in ((6, [2, 4, 6]), (5, [2, 4, 5])):
         out = workspace / f"validation-{steps}"
-        extra = ("--eval.interval", "2", "--eval.max_batches", "1")
+        extra = ("--eval.interval", "2", "--eval.max_batches", "1", "--eval.max_new_tokens", "3")
         litsft(finetune_args(base, data, out, 2, steps, *extra), workspace)
         rows = list(csv.DictReader((out / "metrics.csv").open()))
         assert [int(row["step"]) for row in rows if row["val_loss"]] == expected
         assert all(float(row["val_tokens"]) > 0 for row in rows if row["val_loss"])
+        # Beside the metrics, a sample from the first validation prompt at each validation (JSON data).
+        samples = (out / "samples.txt").read_text().split("## step ")[1:]
+        assert [int(sample.split("\n")[0]) for sample in samples] == expected
+        assert all(
+            "<|im_start|>user\n" in sample and "<|im_start|>assistant\n" in sample for sample in samples
+        )
 
 
 def test_a_run_prints_each_notice_once_and_no_python_warnings(workspace: Path) -> None:

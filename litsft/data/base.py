@@ -148,6 +148,32 @@ class SFTDataModule(DataOptions, DataModule):
         """A prompt as training formatted it, ending with the assistant header: for generation."""
         return self.chat_format.render(messages, add_generation_prompt=True)
 
+    def validation_prompts(self, count: int) -> list[list[int]]:
+        """Token ids of the first `count` validation conversations up to their first reply (rendered with
+        the chat template, ending with the assistant header), for the samples generated at validation."""
+        if self.val_samples is None:
+            return []
+        if self.mask_prompt:
+            # The tokens training saw, cut before the first loss target: the reply's first token.
+            samples = self.val_samples.subset(np.arange(min(count, len(self.val_samples))))
+            return [
+                samples.tokens[start:end][: samples.targets[start:end].argmax()].tolist()
+                for start, end in zip(samples.offsets[:-1], samples.offsets[1:])
+            ]
+        # Every token is a target, so the prompt comes from the conversation: one sample per conversation.
+        sources = self.sources()
+        if "val" in sources:
+            conversations = sources["val"][1]()
+        else:
+            train = sources["train"][1]()
+            conversations = [train[i] for i in self._held_out(len(train))[:count]]
+        first_replies = (
+            next((i for i, m in enumerate(messages) if m["role"] == "assistant"), 0)
+            for messages in conversations
+        )
+        prompts = [messages[:i] for messages, i in zip(conversations, first_replies) if i > 0]
+        return [self.chat_format.encode_prompt(messages) for messages in prompts[:count]]
+
     def prepare(self) -> None:
         sources = self.sources()
         missing = {
@@ -226,6 +252,11 @@ class SFTDataModule(DataOptions, DataModule):
         }
         return self.cache_root / "sft" / digest_of(key)[:24]
 
+    def _held_out(self, num_samples: int) -> np.ndarray:
+        """The sorted indices of the training samples held out for validation (val_split_fraction)."""
+        order = np.random.default_rng(self.data_seed).permutation(num_samples)
+        return np.sort(order[: max(1, round(self.val_split_fraction * num_samples))])
+
     def _load(self, warn: bool) -> tuple[Samples, Samples | None]:
         splits = {}
         for split, (identity, read) in self.sources().items():
@@ -237,9 +268,8 @@ class SFTDataModule(DataOptions, DataModule):
                 splits[split] = tokenize_conversations(read(), self.chat_format)
         train, val = splits["train"], splits.get("val")
         if val is None and self.val_split_fraction > 0 and len(train) > 1:
-            order = np.random.default_rng(self.data_seed).permutation(len(train))
-            num_val = max(1, round(self.val_split_fraction * len(train)))
-            val, train = train.subset(np.sort(order[:num_val])), train.subset(np.sort(order[num_val:]))
+            held_out = self._held_out(len(train))
+            val, train = train.subset(held_out), train.subset(np.setdiff1d(np.arange(len(train)), held_out))
         train, dropped = train.truncate(self.max_seq_length + 1)
         if val is not None:
             val, _ = val.truncate(self.max_seq_length + 1)
