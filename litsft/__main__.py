@@ -8,6 +8,7 @@ traceback. A training run stopped by SIGTERM/SIGUSR1 exits with status 124 after
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib
 import importlib.util
 import re
@@ -89,7 +90,13 @@ def main(argv: list[str] | None = None) -> None:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     command, *rest = argv
     if command not in COMMANDS:
-        fail(f"unknown command {command!r}; choose one of: {', '.join(COMMANDS)}")
+        close = difflib.get_close_matches(command, COMMANDS, n=1)
+        fail(
+            f"unknown command {command!r}; "
+            + (f"did you mean {close[0]}?" if close else f"choose one of: {', '.join(COMMANDS)}")
+        )
+    from litsft.cli_errors import bare_subclass_help, list_subclasses
+
     try:
         function = _load(COMMANDS[command])
         # exit_on_error=False: parse errors come back as exceptions, to be printed on one line.
@@ -102,6 +109,12 @@ def main(argv: list[str] | None = None) -> None:
             exit_on_error=False,
             allow_abbrev=False,
         )
+        group = bare_subclass_help(rest)
+        if group is not None:  # `--data.help` without a class: jsonargparse would print an empty help
+            from jsonargparse import capture_parser
+
+            print(list_subclasses(lambda: capture_parser(partial(cli, args=[])), group))
+            return
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", module="jsonargparse")
             cli(args=rest)

@@ -47,6 +47,7 @@ class TrainConfig:
     """Rows per device per forward pass; global_batch_size / (micro_batch_size x devices x nodes) is the
     number of gradient-accumulation steps."""
     epochs: int = 1
+    """Passes over the training data (used when max_steps is not given)."""
     max_steps: int | None = None
     """Stop after this many optimizer steps (overrides epochs; required for streaming data of unknown length)."""
     max_seq_length: int | None = None
@@ -98,6 +99,7 @@ class LogConfig:
     """Where metrics go."""
 
     loggers: list[Literal["csv", "tensorboard", "wandb"]] = field(default_factory=lambda: ["csv"])
+    """Where metrics are written besides the progress bar: csv (out_dir/metrics.csv), tensorboard, wandb."""
     timings: bool = False
     """Print the wall time of each phase of the run at its end (start-up, checks, imports, data, model, training,
     final validation and save)."""
@@ -114,7 +116,9 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     """Decoupled weight decay, applied to matrices and embeddings only (not to norms and biases)."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's decay rates of the gradient's running mean and of its running square, e.g. [0.9, 0.95]."""
     eps: float = 1e-8
+    """Added to the root of AdamW's running square before dividing by it, for numerical stability."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Shape of the decay after warmup."""
     warmup_steps: int | None = None

@@ -40,11 +40,38 @@ def explain_parse_error(make_parser: Callable[[], Any], argv: list[str]) -> str 
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             return f"--config {path}{where}: {problem}; fix the YAML syntax there"
     options = Options(make_parser(), argv, configs)
+    problems: dict[str | None, list[str]] = {}  # every unknown key, by where it was given
     for source, key in _given_keys(argv, configs):
         problem = options.unknown(key, prefix="--" if source is None else "")
         if problem is not None:
-            return problem if source is None else f"{source}: {problem}"
+            problems.setdefault(source, []).append(problem)
+    lines = [
+        ("" if source is None else f"{source}: ") + "; and ".join(found) for source, found in problems.items()
+    ]
+    return "; and ".join(lines) or None
+
+
+def bare_subclass_help(argv: list[str]) -> str | None:
+    """The option (`data`) of a `--data.help` given without a class name, for which jsonargparse would
+    print an empty help."""
+    for i, arg in enumerate(argv):
+        if (
+            arg.startswith("--")
+            and arg.endswith(".help")
+            and (i + 1 == len(argv) or argv[i + 1].startswith("-"))
+        ):
+            return arg[2:].removesuffix(".help")
     return None
+
+
+def list_subclasses(make_parser: Callable[[], Any], group: str) -> str:
+    """The classes that can fill option `group`, one a line with the first paragraph of its docstring."""
+    classes = Options(make_parser(), [], []).subclasses.get(group, [])
+    lines = [f"--{group} takes one of these (--{group}.help NAME lists its options):"]
+    for cls in classes:
+        summary = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+        lines.append(f"  {cls.__name__:<12} {summary}")
+    return "\n".join(lines)
 
 
 class Options:
@@ -76,20 +103,61 @@ class Options:
             listed = (
                 f"--{group}.help {chosen.__name__ if chosen is not None else '<class>'} lists its options"
             )
-            return _unknown_line(f"{prefix}{group}.", field, fields, which, listed)
+            matches = [f"{group}.{match}" for match in _matches(field, fields)]
+            return _unknown_line(prefix, f"{group}.{field}", matches, which, listed)
         if key in self.keys or key in PARSER_KEYS or (key.endswith("+") and key[:-1] in self.keys):
             return None
         # Close matches among the options of the same group (train.*, ...), or the top-level ones.
         siblings = [name.removeprefix(f"{group}.") for name in self.keys if name.startswith(f"{group}.")]
         if field and siblings:
-            return _unknown_line(f"{prefix}{group}.", field, sorted(siblings), "")
-        return _unknown_line(prefix, key, sorted(self.keys), "")
+            matches = [f"{group}.{match}" for match in _matches(field, sorted(siblings))]
+        else:
+            matches = _matches(key, sorted(self.keys))
+        if not matches:  # the name in another group (`--lr`), or another tool's name for it
+            name = key.rpartition(".")[2]
+            name = OTHER_TOOLS_NAMES.get(name, name)
+            matches = sorted(option for option in self.keys if option.rpartition(".")[2] == name)
+        return _unknown_line(prefix, key, matches, "")
+
+
+# Hugging Face TrainingArguments' names (https://huggingface.co/docs/transformers/main_classes/trainer) of
+# options litsft names otherwise.
+OTHER_TOOLS_NAMES = {
+    "learning_rate": "lr",
+    "num_train_epochs": "epochs",
+    "per_device_train_batch_size": "micro_batch_size",
+    "output_dir": "out_dir",
+    "max_grad_norm": "max_norm",
+    "warmup_ratio": "warmup_fraction",
+    "lr_scheduler_type": "schedule",
+    "adam_epsilon": "eps",
+    "adam_beta1": "betas",
+    "adam_beta2": "betas",
+    "gradient_checkpointing": "activation_checkpointing",
+    "logging_steps": "log_interval",
+    "save_steps": "save_interval",
+    "eval_steps": "interval",
+    "save_total_limit": "keep_last",
+    "resume_from_checkpoint": "resume",
+    "model_name_or_path": "checkpoint_dir",
+}
+
+
+def _matches(name: str, known: list[str]) -> list[str]:
+    """Up to three of `known` that `name` may have meant: another tool's name for one, close spellings, or
+    (when none is close) those that begin with the same word (`train_dir`: `train_data_path`)."""
+    name = OTHER_TOOLS_NAMES.get(name, name)
+    if name in known:
+        return [name]
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.7)
+    first_word = name.split("_")[0] + "_"
+    return close or [option for option in known if "_" in name and option.startswith(first_word)][:3]
 
 
 def _unknown_line(
-    prefix: str, name: str, known: list[str], which: str, listed: str = "--help lists every option"
+    prefix: str, name: str, matches: list[str], which: str, listed: str = "--help lists every option"
 ) -> str:
-    close = [f"{prefix}{match}" for match in difflib.get_close_matches(name, known, n=3, cutoff=0.7)]
+    close = [f"{prefix}{match}" for match in matches]
     hint = f"did you mean {' or '.join(close)}?" if close else listed
     kind = "option" if prefix.startswith("--") else "key"
     return f"unknown {kind} {prefix}{name}{which}; {hint}"

@@ -249,7 +249,7 @@ def _load_full_model(checkpoint_dir: Path, check_base: Callable[[str], None] | N
 
 
 def generate(
-    checkpoint_dir: Path,
+    checkpoint_dir: str,  # not Path, which would drop the ./ that marks a local directory
     prompt: str = "What food do llamas eat?",
     max_new_tokens: int = 50,
     temperature: float = 0.0,

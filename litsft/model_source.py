@@ -42,6 +42,11 @@ def resolve_checkpoint(model: str | Path, quiet: bool = False) -> Path:
             "directory (config.json is missing); pass a checkpoint directory or a hub id such as "
             "meta-llama/Llama-3.2-1B"
         )
+    if str(model).startswith(("./", "../", "/", "~")):  # written as a path: never read as a hub id
+        raise LitsftError(
+            f"{model}: no such directory; pass an existing litsft checkpoint or Hugging Face model directory, "
+            "or a hub id such as meta-llama/Llama-3.2-1B (without ./)"
+        )
     from litsft.hub import default_checkpoint_dir, download_checkpoint, is_converted, is_repo_id
 
     if not is_repo_id(str(model)) or path.exists():

@@ -25,7 +25,7 @@ from litsft.recipe import Recipe
 
 
 def setup(
-    checkpoint_dir: Path,
+    checkpoint_dir: str,  # not Path, which would drop the ./ that marks a local directory
     out_dir: Path = Path("out/finetune_lora"),
     data: DataModule | None = None,
     devices: int = 1,

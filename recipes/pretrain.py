@@ -48,7 +48,7 @@ def setup(
         tokenizer_dir: A directory with tokenizer.json (and tokenizer_config.json); its vocabulary must fit
             the model's vocab_size. Defaults to model_name when that is a checkpoint directory.
         out_dir: Where checkpoints, metrics and the final model (out_dir/final) are written.
-        data: The data module, e.g. `--data TextFiles --data.train_dir corpus/` or `--data LitData --data.path ...`.
+        data: The data module, e.g. `--data TextFiles --data.train_data_path corpus/` or `--data LitData --data.path ...`.
         devices: Processes (GPUs) per node.
         num_nodes: Nodes; with HYBRID_SHARD the model is replicated across nodes and sharded within one.
         accelerator: auto (CUDA GPUs when the machine has them, else the CPU), cpu or cuda. On the CPU,

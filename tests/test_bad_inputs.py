@@ -151,6 +151,46 @@ CASES: dict[str, Case] = {
         "c.yaml: unknown key train.max_step; did you mean train.max_steps?",
         NO_ENV,
     ),
+    "every unknown key of a config": (
+        lambda ws, t: train(ws, t / "out", "--config", _config(t, "train:\n  max_step: 3\n  epoch: 2\n")),
+        "c.yaml: unknown key train.max_step; did you mean train.max_steps?; and unknown key train.epoch; did "
+        "you mean train.epochs?",
+        NO_ENV,
+    ),
+    "misspelled command": (
+        lambda ws, t: ["finetune_ful", str(ws / "base")],
+        "unknown command 'finetune_ful'; did you mean finetune_full?",
+        NO_ENV,
+    ),
+    "an option by its Hugging Face name": (
+        lambda ws, t: train(ws, t / "out", "--optimizer.learning_rate", "1e-4"),
+        "unknown option --optimizer.learning_rate; did you mean --optimizer.lr?",
+        NO_ENV,
+    ),
+    "an option without its group": (
+        lambda ws, t: train(ws, t / "out", "--lr", "1e-4"),
+        "unknown option --lr; did you mean --optimizer.lr?",
+        NO_ENV,
+    ),
+    "the text files option by another name": (
+        lambda ws, t: [
+            "pretrain",
+            "tiny-llama",
+            "--tokenizer_dir",
+            str(ws / "base"),
+            "--data",
+            "TextFiles",
+            "--data.train_dir",
+            str(t),
+        ],  # fmt: skip
+        "unknown option --data.train_dir of --data TextFiles; did you mean --data.train_data_path?",
+        NO_ENV,
+    ),
+    "a missing directory written as a path": (
+        lambda ws, t: ["finetune_full", "./ck/nope", "--data", "Demo"],
+        "./ck/nope: no such directory",
+        NO_ENV,
+    ),
     "config that is not YAML": (
         lambda ws, t: train(ws, t / "out", "--config", _config(t, "train:\n  max_steps: 3\n   epochs: 2\n")),
         "c.yaml line 3, column 10: mapping values are not allowed here; fix the YAML syntax there",

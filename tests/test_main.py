@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from launch import litsft, write_records, write_tiny_checkpoint
 
-from litsft.__main__ import COMMANDS, main
+from litsft.__main__ import COMMANDS, _load, main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -125,3 +125,24 @@ def test_usage_lists_every_command_with_the_first_line_of_its_docstring(
         module_name, function_name = target.split(":")
         doc = getattr(importlib.import_module(module_name), function_name).__doc__.strip().splitlines()[0]
         assert f"  {name:<16} {doc}\n" in usage
+
+
+@pytest.mark.parametrize("command", ["finetune_full", "finetune_lora", "pretrain"])
+def test_every_option_of_a_training_command_says_what_it_does(command: str) -> None:
+    from functools import partial
+
+    from jsonargparse import CLI, capture_parser, set_parsing_settings
+
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # as main() does
+    parser = capture_parser(partial(CLI, _load(COMMANDS[command]), args=[], as_positional=True))
+    undocumented = [a.dest for a in parser._actions if not a.help or a.help.startswith("(type")]
+    assert undocumented == []
+
+
+def test_data_help_without_a_class_lists_the_data_modules(capsys: pytest.CaptureFixture) -> None:
+    main(["finetune_full", "--data.help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.startswith("--data takes one of these (--data.help NAME lists its options):")
+    for name, summary in [("JSON", "Records from a .json / .jsonl file"), ("Demo", "Synthetic instructions"),
+                          ("TextFiles", "Plain .txt files"), ("LitData", "A token dataset optimized")]:  # fmt: skip
+        assert f" {name} {summary}" in text
