@@ -12,10 +12,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from litsft.args import FSDPConfig, RunConfig
+from litsft.args import FSDPConfig, RunConfig, describe
 from litsft.devices import check_devices
 from litsft.errors import LitsftError, check_number
-from litsft.processes import check_world_size
+from litsft.processes import check_world_size, is_first_process
 from litsft.storage.checkpoint_dirs import STEP_PREFIX, read_trainer_state, resume_checkpoint
 
 FINAL_DIR = "final"
@@ -123,6 +123,9 @@ def check_out_dir(run: RunConfig, recipe_name: str) -> None:
     path = resume_checkpoint(run.resume, out_dir)
     if path is not None:
         check_resumable(path, run, recipe_name)
+        notice = schedule_changes(path, run)
+        if notice is not None and is_first_process():
+            print(notice, flush=True)
 
 
 def check_resumable(path: Path, run: RunConfig, recipe_name: str) -> None:
@@ -146,6 +149,26 @@ def check_resumable(path: Path, run: RunConfig, recipe_name: str) -> None:
             f"{path} was written for a different model ({key}={saved.get(key)!r}, this run has "
             f"{current.get(key)!r}); pass the checkpoint_dir it was trained from, or another --out_dir"
         )
+
+
+def schedule_changes(path: Path, run: RunConfig) -> str | None:
+    """One line naming the optimizer and run-length settings that differ from those `path` was trained with
+    (resuming applies the new ones from its step, so the learning rate may jump); None when none do."""
+    state = read_trainer_state(path)
+    saved, current = state.get("arguments", {}), _json_round_trip(describe(run.cli_arguments))
+    changes = [
+        f"--{group}.{key} {saved[group].get(key)} -> {value}"
+        for group, keys in (("optimizer", None), ("train", ("max_steps", "epochs", "global_batch_size")))
+        if isinstance(saved.get(group), dict) and isinstance(current.get(group), dict)
+        for key, value in current[group].items()
+        if (keys is None or key in keys) and saved[group].get(key) != value
+    ]
+    if not changes:
+        return None
+    return (
+        f"Resuming {path} with other settings than it was trained with ({', '.join(changes)}): they apply from "
+        f"step {state.get('step')} on, so the learning rate may jump there"
+    )
 
 
 def _json_round_trip(value: Any) -> Any:

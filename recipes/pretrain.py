@@ -55,7 +55,8 @@ def setup(
             --devices N runs N processes over gloo.
         precision: bf16-mixed, bf16-true, 16-mixed or 32-true; default bf16-mixed on GPUs that support it, else 32-true.
         resume: "auto" continues from the newest complete checkpoint in out_dir; a path resumes from that
-            checkpoint; false starts over.
+            checkpoint; false starts at step 0, refused when out_dir holds checkpoints (so that none is
+            overwritten): pass another --out_dir to start over.
         seed: Seed for initialization, data order and dropout.
         fsdp: Sharding strategy and memory options (used with more than one process).
         train: Batch sizes, length of the run and checkpointing.

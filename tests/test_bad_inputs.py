@@ -633,3 +633,17 @@ def test_crafted_pickle_is_refused_without_running(
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1, stderr
     assert "refuses to unpickle" in lines[0] and "posix.system" in lines[0], lines[0]
+
+
+def test_a_resume_with_another_learning_rate_says_so_in_one_line(
+    ws: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Accepted (lowering the rate on resume is a common fix), but never silently: the rate would jump."""
+    out_dir = copy_of(ws, tmp_path, "interrupted")
+    main(train(ws, out_dir, "--train.max_steps", "3", "--optimizer.lr", "1e-4"))
+    notices = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Resuming ")]
+    assert notices == [
+        f"Resuming {out_dir / 'step-00000002'} with other settings than it was trained with (--optimizer.lr "
+        "2e-05 -> 0.0001, --train.max_steps 2 -> 3): they apply from step 2 on, so the learning rate may "
+        "jump there"
+    ]

@@ -159,6 +159,19 @@ def test_too_little_data_for_one_global_batch(tmp_path, tokenizer):
     assert str(error.value) == (
         "there are 3 training samples, fewer than global_batch_size=4; lower global_batch_size or add data"
     )
+    # Packed, 8 short samples share rows of 256 tokens: the message says how many rows they make.
+    write_records(tmp_path / "data.jsonl", 8)
+    data = prepared(
+        tokenizer, 256, json_path=tmp_path / "data.jsonl", cache_dir=tmp_path, val_split_fraction=0
+    )
+    with pytest.raises(LitsftError) as error:
+        data.train_dataloader(0, 1, 8, 8)
+    rows = sum(1 for batch in data._loader(data.train_samples, 0, 1, 1, 1).global_batches() for _ in batch)
+    assert str(error.value) == (
+        f"the 8 training samples fill {rows} packed rows, fewer than global_batch_size=8; lower "
+        "global_batch_size or add data"
+    )
+    assert 1 < rows < 8
 
 
 # Marks the last message with its own header (so no render is a prefix of a longer one, turn by turn

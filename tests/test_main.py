@@ -146,3 +146,11 @@ def test_data_help_without_a_class_lists_the_data_modules(capsys: pytest.Capture
     for name, summary in [("JSON", "Records from a .json / .jsonl file"), ("Demo", "Synthetic instructions"),
                           ("TextFiles", "Plain .txt files"), ("LitData", "A token dataset optimized")]:  # fmt: skip
         assert f" {name} {summary}" in text
+
+
+def test_help_and_tutorial_say_what_resume_false_does_with_checkpoints(capsys: pytest.CaptureFixture) -> None:
+    """It is refused (tests/test_bad_inputs.py), so that no checkpoint is overwritten; both say so."""
+    said = "refused when out_dir holds checkpoints (so that none is overwritten): pass another --out_dir"
+    for command in ("finetune_full", "finetune_lora", "pretrain"):
+        assert said in help_text([command, "--help"], capsys)
+    assert said in " ".join((REPO / "tutorials" / "resume.md").read_text().replace("`", "").split())

@@ -198,8 +198,11 @@ class SFTDataModule(DataOptions, DataModule):
     ) -> Loader:
         loader = self._loader(self.train_samples, rank, world_size, micro_batch_size, global_batch_size)
         if len(loader) == 0:
+            from litsft.data.loader import pack
+
+            rows = len(pack(loader.positions.tolist(), np.arange(len(loader.positions)), self.max_seq_length))
             count = (
-                f"the {len(self.train_samples)} training samples fill fewer packed rows than"
+                f"the {len(self.train_samples)} training samples fill {rows} packed rows, fewer than"
                 if self.packing
                 else (f"there are {len(self.train_samples)} training samples, fewer than")
             )

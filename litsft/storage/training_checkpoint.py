@@ -231,7 +231,9 @@ def _load_optimizer_state(
     param_of = dict(model.named_parameters())
     stored_names = optimizer_rows.names()
     for saved, group in zip(saved_groups, optimizer.param_groups):
-        group.update({k: v for k, v in saved.items() if k != "params"})
+        # This run's hyper-parameters win: a changed one is announced before launch (validation.schedule_changes).
+        for key, value in saved.items():
+            group.setdefault(key, value)
         for name in saved["params"]:
             param = param_of[name]
             param_state = {}
