@@ -2,7 +2,7 @@
 crash a run at an exact moment. Inert unless the environment variable LITSFT_FAULT_AT is set; never set it
 outside tests.
 
-    LITSFT_FAULT_AT=<point>[@<rank>][:<action>]
+    LITSFT_FAULT_AT=<point>[@<rank>][:<action>][,<another point and action>...]
 
 `<point>` is a name passed to `fault_point`, e.g. `after_step_3`, `save_4_shards_written`,
 `save_4_before_rename`, `final_before_rename` (grep for `fault_point(` to see them all). The fault fires
@@ -26,13 +26,17 @@ FAULT_ENV = "LITSFT_FAULT_AT"
 
 def fault_point(name: str, rank: int = 0) -> None:
     """Crash here if LITSFT_FAULT_AT names this point and this rank; do nothing otherwise."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
+    specs = os.environ.get(FAULT_ENV)
+    if not specs:
         return
-    target, _, action = spec.partition(":")
-    point, _, target_rank = target.partition("@")
-    if point != name or int(target_rank or 0) != rank:
-        return
+    for spec in specs.split(","):
+        target, _, action = spec.partition(":")
+        point, _, target_rank = target.partition("@")
+        if point == name and int(target_rank or 0) == rank:
+            _fire(name, action)
+
+
+def _fire(name: str, action: str) -> None:
     if action == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"(fault injected at {name})")
     if action.startswith("pause="):

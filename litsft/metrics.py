@@ -22,6 +22,7 @@ import contextlib
 import math
 import resource
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -233,6 +234,7 @@ class MetricsLogger:
         self.history: list[dict[str, float | None]] = []
         """Every row logged (and, on resume, kept from metrics.csv): the data behind loss.png."""
         self._closed = False
+        self._close_lock = threading.Lock()
         self._writers: list[MetricWriter] = []
         self._bar: Any = None
         self._throughput: Throughput | None = None
@@ -410,13 +412,15 @@ class MetricsLogger:
 
     def close(self) -> None:
         """Close the bar and loggers, and write loss.png from the logged rows. Safe to call twice."""
-        if self._closed or not self.is_global_zero:
-            return
-        self._closed = True
-        self._bar.close()
-        self._plot()
-        for writer in self._writers:
-            writer.close()
+        # Also called from the signal thread (a second Ctrl-C after a stop's checkpoint): one closes at a time.
+        with self._close_lock:
+            if self._closed or not self.is_global_zero:
+                return
+            self._closed = True
+            self._bar.close()
+            self._plot()
+            for writer in self._writers:
+                writer.close()
 
     def _plot(self) -> None:
         # Figure without pyplot: renders with Agg and leaves the global backend and figures alone.

@@ -1,6 +1,6 @@
 """Stopping a run on a signal. SIGTERM, SIGUSR1 (SLURM's warning before the time limit) and Ctrl-C (SIGINT)
 make every rank finish its step, write a checkpoint and exit with PREEMPTED_EXIT_CODE; a second Ctrl-C
-stops every process at once, without one.
+stops every process at once: without that checkpoint (exit 130), or, once it is published, with it (124).
 
 Signals are read by a thread from Python's wakeup file descriptor, which the interpreter's C-level handler
 writes even while the main thread is blocked in C++ (a collective waiting for another rank, the
@@ -46,6 +46,9 @@ class PreemptionFlag:
         """Run before this process ends at once (stop the ranks it spawned, free the out_dir lock)."""
         self.listeners: list[Callable[[int], None]] = []
         """Called from the watching thread with each signal's number (the rendezvous watch uses it)."""
+        self.finish_stopped_run: Callable[[], None] | None = None
+        """Set once the checkpoint a stop wrote is published (`checkpoint_published`): what is left to do
+        (the loss plot) before a second Ctrl-C ends the process, which then loses no step."""
         self._previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
         self._read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
@@ -81,6 +84,15 @@ class PreemptionFlag:
 
     def _on_signal(self, signum: int) -> None:
         if signum == signal.SIGINT:
+            if self._interrupted and self.finish_stopped_run is not None:
+                try:
+                    self.finish_stopped_run()
+                finally:
+                    self.exit_at_once(
+                        "Stopped at once by a second Ctrl-C after the checkpoint was written: no step is lost; "
+                        "relaunch the same command to resume from it",
+                        PREEMPTED_EXIT_CODE,
+                    )
             if self._interrupted:
                 self.exit_at_once(
                     "Stopped at once by a second Ctrl-C: the steps since the last checkpoint are lost; "
@@ -92,6 +104,11 @@ class PreemptionFlag:
         self._received = True
         for listener in self.listeners:
             listener(signum)
+
+    def checkpoint_published(self, finish: Callable[[], None]) -> None:
+        """The checkpoint of a stop is published: from now on a second Ctrl-C runs `finish` and exits with
+        PREEMPTED_EXIT_CODE, as the stop itself would."""
+        self.finish_stopped_run = finish
 
     def say(self, line: str) -> None:
         if self.report:

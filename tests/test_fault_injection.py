@@ -97,15 +97,15 @@ def test_every_data_module_resumes_after_a_kill_as_if_never_stopped(data_inputs:
 
 
 def start_paused_at_step_3(
-    workspace: Path, name: str, marker: Path, action: str = "pause"
+    workspace: Path, name: str, marker: Path, action: str = "pause", more_faults: str = ""
 ) -> subprocess.Popen:
     """A run with no periodic checkpoint (the one a stop writes is the only one), rank 0 held after step 3
     until a signal reaches it (`pause`) or for ever (`hold`); in a session of its own, as a terminal's
-    foreground job is."""
+    foreground job is. `more_faults`: further LITSFT_FAULT_AT entries."""
     env = dict(
         launch.test_env(workspace),
         MASTER_PORT=str(free_port()),
-        **{FAULT_ENV: f"after_step_3:{action}={marker}"},
+        **{FAULT_ENV: f"after_step_3:{action}={marker}{more_faults}"},
     )
     process = subprocess.Popen(
         [sys.executable, "-m", "litsft", *args_for(workspace, name, "--train.save_interval", "100")],
@@ -169,6 +169,33 @@ def test_a_second_ctrl_c_stops_every_process_at_once_in_one_line(workspace: Path
     assert latest_checkpoint(out_dir) is None
     with pytest.raises(ProcessLookupError):  # no rank is left behind in the job's process group
         os.killpg(process.pid, 0)
+
+
+def test_a_second_ctrl_c_once_the_checkpoint_is_written_loses_nothing_and_exits_124(workspace: Path) -> None:
+    """The first Ctrl-C's checkpoint of step 3 is published, and rank 0 hangs on its way out: a second Ctrl-C
+    ends every process at once with the requeue code, says no step is lost, and leaves the loss plot."""
+    out_dir, paused, held = (
+        workspace / "ctrl-c-late",
+        workspace / "ctrl-c-late-at-3",
+        workspace / "ctrl-c-late-held",
+    )
+    process = start_paused_at_step_3(
+        workspace, "ctrl-c-late", paused, more_faults=f",stop_checkpoint_published:hold={held}"
+    )
+    os.killpg(process.pid, signal.SIGINT)
+    deadline = time.monotonic() + 120
+    while not held.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert held.exists(), process.communicate()[0][-3000:]
+    signalled = time.monotonic()
+    os.killpg(process.pid, signal.SIGINT)
+    output = process.communicate(timeout=60)[0]
+    assert time.monotonic() - signalled < 10, output[-3000:]
+    assert process.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
+    assert "Stopped at once by a second Ctrl-C after the checkpoint was written: no step is lost" in output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    assert latest_checkpoint(out_dir) == out_dir / "step-00000003"
+    assert (out_dir / "loss.png").is_file()
 
 
 def test_full_disk_during_save_keeps_previous_checkpoint_and_names_the_cause(workspace: Path) -> None:
