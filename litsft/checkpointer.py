@@ -87,13 +87,18 @@ class Checkpointer:
             # A different number of ranks: weights and optimizer state were resharded; data order does not
             # depend on the world size; only the per-rank random streams (dropout) cannot continue, so they
             # are reseeded.
-            fabric.print(
-                f"Resuming {path} (written by {trainer_state['world_size']} processes) on {fabric.world_size}: "
-                "random streams are reseeded, so dropout differs from an uninterrupted run."
-            )
+            fabric.print(resharding_notice(path, trainer_state["world_size"], fabric.world_size))
             rank_state = checkpoint.load_rank_zero_state(path)
             torch.manual_seed(self.run.seed + step * 7919 + fabric.global_rank)
         else:
             checkpoint.set_rng_state(rank_state["rng"])
         state.load_state_dict({"step": step, "epoch": rank_state["epoch"], "loader": rank_state["loader"]})
         fabric.print(f"Resumed from {path} at step {step}")
+
+
+def resharding_notice(path: Path, written_by: int, world_size: int) -> str:
+    """What a resume on another number of processes than the checkpoint's says."""
+    return (
+        f"Resuming {path} (written by {written_by} process{'es' if written_by != 1 else ''}) on {world_size}: "
+        "random streams are reseeded, so dropout differs from an uninterrupted run."
+    )

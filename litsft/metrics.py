@@ -59,6 +59,32 @@ PLOT_FILENAME = "loss.png"
 SAMPLES_FILENAME = "samples.txt"
 
 
+def loss_figure(history: list[dict[str, float | None]], title: str) -> Any:
+    """The training and validation losses of the logged rows against the optimizer step (whole steps on
+    the axis), as a matplotlib Figure; None when no row has a loss."""
+    # Figure without pyplot: renders with Agg and leaves the global backend and figures alone.
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    train = [(r["step"], r["loss"]) for r in history if r["loss"] is not None]
+    val = [(r["step"], r["val_loss"]) for r in history if r["val_loss"] is not None]
+    if not train and not val:
+        return None
+    figure = Figure(figsize=(8, 5), layout="constrained")
+    axes = figure.subplots()
+    if train:
+        axes.plot(*zip(*train), label="train loss", linewidth=1)
+    if val:
+        axes.plot(*zip(*val), label="validation loss", marker="o", linewidth=1.5)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("loss (nats per token)")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    return figure
+
+
 # ---- throughput and memory ------------------------------------------------------------------------
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -345,9 +371,15 @@ class MetricsLogger:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Leave a section (validation, checkpointing) out of the tokens/s and MFU measurement."""
+        """Leave a section (validation, checkpointing) out of the tokens/s and MFU measurement. What it
+        prints ("Saved checkpoint ...") starts a line of its own: the bar is cleared first and drawn again
+        after, where a terminal would otherwise show the message on the bar's line and the bar twice."""
+        if self._bar is not None and not self._closed:
+            self._bar.clear()
         with self._throughput.paused() if self._throughput is not None else contextlib.nullcontext():
             yield
+        if self._bar is not None and not self._closed:
+            self._bar.refresh()
 
     def log_step(self, step: int, metrics: dict[str, float | Tensor | None]) -> None:
         """Record a log step's training metrics (names from CSV_COLUMNS; tensors are read here, once).
@@ -423,25 +455,9 @@ class MetricsLogger:
                 writer.close()
 
     def _plot(self) -> None:
-        # Figure without pyplot: renders with Agg and leaves the global backend and figures alone.
-        from matplotlib.figure import Figure
-
-        train = [(r["step"], r["loss"]) for r in self.history if r["loss"] is not None]
-        val = [(r["step"], r["val_loss"]) for r in self.history if r["val_loss"] is not None]
-        if not train and not val:
-            return
-        figure = Figure(figsize=(8, 5), layout="constrained")
-        axes = figure.subplots()
-        if train:
-            axes.plot(*zip(*train), label="train loss", linewidth=1)
-        if val:
-            axes.plot(*zip(*val), label="validation loss", marker="o", linewidth=1.5)
-        axes.set_xlabel("optimizer step")
-        axes.set_ylabel("loss (nats per token)")
-        axes.set_title(self.out_dir.name)
-        axes.grid(alpha=0.3)
-        axes.legend()
-        figure.savefig(self.out_dir / PLOT_FILENAME, dpi=100)
+        figure = loss_figure(self.history, self.out_dir.name)
+        if figure is not None:
+            figure.savefig(self.out_dir / PLOT_FILENAME, dpi=100)
 
     def __enter__(self) -> MetricsLogger:
         return self

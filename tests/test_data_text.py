@@ -150,3 +150,21 @@ def test_text_files_epochs(tmp_path, checkpoint_dir):
     assert len(first) == len(second) == len(loader) > 0
     assert not all(torch.equal(a, b) for a, b in zip(first, second))  # reshuffled
     assert sorted(map(tuple, torch.cat(first).tolist())) == sorted(map(tuple, torch.cat(second).tolist()))
+
+
+def test_tokenizing_says_one_line_and_nothing_else(tmp_path, checkpoint_dir, capfd):
+    """litdata's own output (an advertisement, lines from every worker) is left out: one line says what runs."""
+    write_demo_corpus(tmp_path / "corpus", num_examples=100, num_files=2)
+    data = connected(
+        TextFiles(train_data_path=tmp_path / "corpus", cache_dir=tmp_path / "cache", val_split_fraction=0,
+                  tokenize_workers=1),
+        checkpoint_dir,
+    )  # fmt: skip
+    capfd.readouterr()
+    data.prepare()
+    out, err = capfd.readouterr()
+    files = data.splits()["train"]
+    assert out.splitlines() == [
+        f"Tokenizing 2 text files into {data.optimized_dir('train', files)} with 1 process"
+    ]
+    assert err == ""

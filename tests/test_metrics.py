@@ -1,4 +1,6 @@
+import contextlib
 import csv
+import io
 import math
 import sys
 
@@ -444,3 +446,46 @@ def test_attention_flops_stop_at_each_layers_window():
     assert flops_per_token(one_windowed, 16) - flops_per_token(full, 16) == -3 * 4 * width * (16 - 4)
     assert flops_per_token(both, 16) - flops_per_token(full, 16) == -2 * 3 * 4 * width * (16 - 4)
     assert flops_per_token(both, 3) == flops_per_token(full, 3)  # shorter than the window
+
+
+class Terminal(io.StringIO):
+    """stdout and stderr of a run in one terminal: what is left on screen after carriage returns."""
+
+    def isatty(self) -> bool:
+        return True
+
+    def screen(self) -> list[str]:
+        lines = []
+        for line in self.getvalue().split("\n"):
+            shown: list[str] = []
+            column = 0
+            for part in line.split("\r"):
+                shown[column : column + len(part)] = part
+                column = 0
+            lines.append("".join(shown).rstrip())
+        return lines
+
+
+def test_a_line_printed_at_a_checkpoint_takes_a_line_of_its_own_and_the_bar_shows_once(tmp_path):
+    terminal = Terminal()
+    with contextlib.redirect_stdout(terminal), contextlib.redirect_stderr(terminal):
+        logger = MetricsLogger(tmp_path, is_global_zero=True, total_steps=2)
+        logger.set_model(TINY, world_size=1, device=torch.device("cpu"), precision="32-true", seq_len=8)
+        for step in (1, 2):
+            logger.step_done(step, epoch=0, loss=1.0, learning_rate=0.1, grad_norm=None, target_tokens=4,
+                             input_tokens=4, log=True)  # fmt: skip
+            logger._bar.refresh()  # as a redraw after mininterval would
+            with logger.paused():
+                print(f"Saved checkpoint step-{step}", flush=True)
+        logger.close()
+    screen = terminal.screen()
+    assert "Saved checkpoint step-1" in screen and "Saved checkpoint step-2" in screen, screen
+    assert sum("2/2 [" in line for line in screen) == 1, screen
+
+
+def test_the_loss_plot_marks_whole_steps() -> None:
+    rows = [dict.fromkeys(CSV_COLUMNS) | {"step": step, "loss": 3.0 - step} for step in (1, 2, 3)]
+    figure = metrics.loss_figure(rows, "run")
+    figure.canvas.draw()
+    ticks = figure.axes[0].get_xticks()
+    assert len(ticks) > 1 and all(tick == int(tick) for tick in ticks), ticks

@@ -231,3 +231,12 @@ def test_a_stop_signal_ends_the_wait_for_a_node_at_once(two_node_inputs: Path, s
 def port_is_open(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_resume_on_another_number_of_processes_counts_them_in_words() -> None:
+    from litsft.checkpointer import resharding_notice
+
+    assert resharding_notice(Path("out/step-00000004"), 1, 2).startswith(
+        "Resuming out/step-00000004 (written by 1 process) on 2:"
+    )
+    assert "(written by 2 processes) on 1:" in resharding_notice(Path("out/step-00000004"), 2, 1)

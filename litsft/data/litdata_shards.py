@@ -135,6 +135,9 @@ def optimize_text(
 
     pieces = byte_ranges(files)
     num_workers = max(1, min(num_workers or os.cpu_count() or 1, len(pieces)))
+    # litdata's own output (an advertisement, a line per worker and per stage) is turned off for this one.
+    print(f"Tokenizing {_count(len(files), 'text file')} into {out_dir} with {_count(num_workers, 'process')}",
+          flush=True)  # fmt: skip
     with publish_atomically(out_dir, "the tokenized text", fix=CACHE_FIX) as staging:
         optimize(
             fn=partial(tokenize_piece, checkpoint_dir=str(checkpoint_dir)),
@@ -145,7 +148,12 @@ def optimize_text(
             item_loader=TokensLoader(),
             reorder_files=False,  # keep the pieces of a file in order, so its document stays whole
             start_method="fork" if "fork" in _start_methods() else None,
+            verbose=False,
         )
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "es" if noun.endswith("s") else "s")
 
 
 def _start_methods() -> list[str]:
