@@ -25,7 +25,7 @@ ONE_DEVICE_FULL = {"devices": 1, "precision": "bf16-mixed", "resume": "auto", "t
 # reproduce (docs: tutorials/finetune_full.md, finetune_lora.md, pretrain.md).
 EXPECTED: dict[str, dict[str, Any]] = {
     "finetune_full/llama-2-7b-vicuna.yaml": {
-        "checkpoint_dir": Path("checkpoints/meta-llama/Llama-2-7b-hf"),
+        "checkpoint_dir": "checkpoints/meta-llama/Llama-2-7b-hf",
         "fsdp.sharding_strategy": "FULL_SHARD",
         "precision": "bf16-mixed",
         "optimizer.lr": 2e-5,
@@ -41,7 +41,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "resume": "auto",
     },
     "finetune_full/qwen2.5-3b-instruct.yaml": {
-        "checkpoint_dir": Path("checkpoints/Qwen/Qwen2.5-3B"),
+        "checkpoint_dir": "checkpoints/Qwen/Qwen2.5-3B",
         "optimizer.lr": 1e-5,
         "optimizer.schedule": "cosine",
         "optimizer.min_lr": 0.0,
@@ -63,40 +63,40 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "train.max_steps": None,
     },
     "finetune_full/llama-3.2-1b.yaml": {
-        "checkpoint_dir": Path("checkpoints/meta-llama/Llama-3.2-1B"),
+        "checkpoint_dir": "checkpoints/meta-llama/Llama-3.2-1B",
         **ONE_DEVICE_FULL,
     },
     "finetune_full/llama-3.2-3b.yaml": {
-        "checkpoint_dir": Path("checkpoints/meta-llama/Llama-3.2-3B"),
+        "checkpoint_dir": "checkpoints/meta-llama/Llama-3.2-3B",
         **ONE_DEVICE_FULL,
     },
     "finetune_full/qwen3-0.6b.yaml": {
-        "checkpoint_dir": Path("checkpoints/Qwen/Qwen3-0.6B"),
+        "checkpoint_dir": "checkpoints/Qwen/Qwen3-0.6B",
         **ONE_DEVICE_FULL,
     },
     "finetune_full/qwen3-1.7b.yaml": {
-        "checkpoint_dir": Path("checkpoints/Qwen/Qwen3-1.7B"),
+        "checkpoint_dir": "checkpoints/Qwen/Qwen3-1.7B",
         **ONE_DEVICE_FULL,
     },
     "finetune_full/smollm2-1.7b.yaml": {
-        "checkpoint_dir": Path("checkpoints/HuggingFaceTB/SmolLM2-1.7B"),
+        "checkpoint_dir": "checkpoints/HuggingFaceTB/SmolLM2-1.7B",
         **ONE_DEVICE_FULL,
     },
     "finetune_full/llama-3.1-8b.yaml": {
-        "checkpoint_dir": Path("checkpoints/meta-llama/Llama-3.1-8B"),
+        "checkpoint_dir": "checkpoints/meta-llama/Llama-3.1-8B",
         "devices": 8,
         "num_nodes": 1,
         "fsdp.sharding_strategy": "FULL_SHARD",
         "precision": "bf16-mixed",
     },
     "finetune_lora/llama-2-7b.yaml": {
-        "checkpoint_dir": Path("checkpoints/meta-llama/Llama-2-7b-hf"),
+        "checkpoint_dir": "checkpoints/meta-llama/Llama-2-7b-hf",
         "devices": 4,
         "data": JSON,
         "data.json_path": Path("data/alpaca.json"),
     },
     "finetune_lora/llama-3.1-8b.yaml": {
-        "checkpoint_dir": Path("checkpoints/meta-llama/Llama-3.1-8B"),
+        "checkpoint_dir": "checkpoints/meta-llama/Llama-3.1-8B",
         "devices": 4,
         "data": JSON,
         "data.json_path": Path("data/alpaca.json"),
@@ -110,7 +110,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "data.json_path": Path("data/alpaca.json"),
     },
     "finetune_lora/llama-2-70b.yaml": {
-        "checkpoint_dir": Path("checkpoints/meta-llama/Llama-2-70b-hf"),
+        "checkpoint_dir": "checkpoints/meta-llama/Llama-2-70b-hf",
         "devices": 8,
         "data": JSON,
         "data.json_path": Path("data/alpaca.json"),
@@ -168,13 +168,14 @@ def test_config_parses_with_its_values(name: str) -> None:
     world_size = config.devices * config.num_nodes
     accumulation = accumulation_steps(config.train, world_size)
     assert accumulation * config.train.micro_batch_size * world_size == config.train.global_batch_size
-    model = config.model_name if name.startswith("pretrain/") else config.checkpoint_dir.name
+    model = config.model_name if name.startswith("pretrain/") else Path(config.checkpoint_dir).name
     assert model in NAMED_CONFIGS
     if config.train.max_seq_length is not None:
         assert config.train.max_seq_length <= NAMED_CONFIGS[model].max_position_embeddings
     if name.startswith("finetune"):
         # The conventional location of `litsft convert_from_hf <hf dir> --out_dir checkpoints/<org>/<name>`.
-        assert config.checkpoint_dir.parts[0] == "checkpoints" and len(config.checkpoint_dir.parts) == 3
+        parts = Path(config.checkpoint_dir).parts
+        assert parts[0] == "checkpoints" and len(parts) == 3
 
 
 def test_an_unknown_key_is_rejected(tmp_path: Path) -> None:
