@@ -113,8 +113,10 @@ def main(argv: list[str] | None = None) -> None:
         if group is not None:  # `--data.help` without a class: jsonargparse would print an empty help
             from jsonargparse import capture_parser
 
-            print(list_subclasses(lambda: capture_parser(partial(cli, args=[])), group))
-            return
+            listed = list_subclasses(lambda: capture_parser(partial(cli, args=[])), group)
+            if listed is not None:
+                print(listed)
+                return
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", module="jsonargparse")
             cli(args=rest)

@@ -64,9 +64,12 @@ def bare_subclass_help(argv: list[str]) -> str | None:
     return None
 
 
-def list_subclasses(make_parser: Callable[[], Any], group: str) -> str:
-    """The classes that can fill option `group`, one a line with the first paragraph of its docstring."""
+def list_subclasses(make_parser: Callable[[], Any], group: str) -> str | None:
+    """The classes that can fill option `group`, one a line with the first paragraph of its docstring; None
+    when `group` takes no class."""
     classes = Options(make_parser(), [], []).subclasses.get(group, [])
+    if not classes:
+        return None
     lines = [f"--{group} takes one of these (--{group}.help NAME lists its options):"]
     for cls in classes:
         summary = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())

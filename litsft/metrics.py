@@ -263,6 +263,7 @@ class MetricsLogger:
         self._close_lock = threading.Lock()
         self._writers: list[MetricWriter] = []
         self._bar: Any = None
+        self._bar_in_terminal = False
         self._throughput: Throughput | None = None
         self._device = torch.device("cpu")
         # The engine's step loss and token counts are already global: no second all-reduce.
@@ -278,12 +279,13 @@ class MetricsLogger:
         from tqdm import tqdm
 
         # Outside a terminal (a batch job's log file) redraw rarely: each redraw is a line there.
+        self._bar_in_terminal = sys.stderr.isatty()
         self._bar = tqdm(
             total=total_steps,
             initial=start_step,
             unit="step",
             dynamic_ncols=True,
-            mininterval=1.0 if sys.stderr.isatty() else 30.0,
+            mininterval=1.0 if self._bar_in_terminal else 30.0,
         )
 
     def _write(self, row: dict[str, float | None], prefix: str) -> None:
@@ -374,11 +376,13 @@ class MetricsLogger:
         """Leave a section (validation, checkpointing) out of the tokens/s and MFU measurement. What it
         prints ("Saved checkpoint ...") starts a line of its own: the bar is cleared first and drawn again
         after, where a terminal would otherwise show the message on the bar's line and the bar twice."""
-        if self._bar is not None and not self._closed:
+        # In a log file (no terminal) every redraw is more text, and the bar is drawn rarely anyway.
+        redraw = self._bar is not None and not self._closed and self._bar_in_terminal
+        if redraw:
             self._bar.clear()
         with self._throughput.paused() if self._throughput is not None else contextlib.nullcontext():
             yield
-        if self._bar is not None and not self._closed:
+        if redraw and not self._closed:
             self._bar.refresh()
 
     def log_step(self, step: int, metrics: dict[str, float | Tensor | None]) -> None:
