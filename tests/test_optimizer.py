@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from litsft.args import OptimizerConfig
+from litsft.batch import model_inputs
 from litsft.config import Config
 from litsft.errors import LitsftError
-from litsft.model import Transformer, model_inputs
+from litsft.model import Transformer
 from litsft.optimizer import COMPENSATION, CompensatedAdamW, build_optimizer, learning_rate, warmup_steps
 
 LR, MIN_LR, WARMUP, TOTAL = 1e-3, 1e-4, 10, 110
