@@ -52,13 +52,16 @@ def train_args(
 
 def write_data_inputs(root: Path, base: Path) -> None:
     """Small inputs for every data module under `root` (see `data_options`), tokenized with `base`'s tokenizer."""
+    import datasets
     from launch import write_records
+    from tiny_datasets import sharegpt_rows
 
     from litsft.data import write_demo_corpus
     from litsft.data.prepare import prepare
 
     root.mkdir(parents=True, exist_ok=True)
     write_records(root / "data.json")
+    datasets.Dataset.from_list(sharegpt_rows(48)).to_parquet(root / "records.parquet")
     write_demo_corpus(root / "corpus", num_examples=300, num_files=3)
     prepare(root / "corpus", root / "litdata", base, val_fraction=0.3, num_workers=1)
 
@@ -70,6 +73,7 @@ DATA_MODULES: dict[str, tuple[str, list[str]]] = {
         "finetune_full",
         ["--data", "Demo", "--data.num_train", "64", "--data.num_val", "8", "--data.num_eval", "2"],
     ),  # fmt: skip
+    "HFDataset": ("finetune_full", ["--data", "HFDataset", "--data.path", "{root}/records.parquet"]),
     "TextFiles": ("pretrain", ["--data", "TextFiles", "--data.train_data_path", "{root}/corpus"]),
     "LitData": ("pretrain", ["--data", "LitData", "--data.path", "{root}/litdata"]),
 }

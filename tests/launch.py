@@ -30,6 +30,7 @@ def test_env(tmp_path: Path) -> dict[str, str]:
         DATA_OPTIMIZER_CACHE_FOLDER=str(tmp_path / "litdata-cache"),
         DATA_OPTIMIZER_DATA_CACHE_FOLDER=str(tmp_path / "litdata-data"),
         TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+        HF_DATASETS_CACHE=str(tmp_path / "hf-datasets"),
         PYTHONWARNINGS="ignore",
     )
     return env
