@@ -251,3 +251,21 @@ def test_data_files_and_a_revision_pick_what_is_loaded(hub, tmp_path, tokenizer)
         len(prepared(HFDataset(path=REPO, name=CONFIG, revision="v2", **options), tokenizer).train_samples)
         == 4
     )
+
+
+def test_validation_prompts_are_the_same_whether_read_from_tokens_or_from_records(
+    tmp_path, tokenizer, monkeypatch
+):
+    """The validation sample's prompts: cut from the held-out samples' tokens (mask_prompt) or rendered from
+    the held-out records (every token trained); the same for a parquet dataset."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-datasets")
+    datasets.Dataset.from_list(sharegpt_rows(20)).to_parquet(tmp_path / "train.parquet")
+    prompts = [
+        prepared(HFDataset(path=str(tmp_path / "train.parquet"), mask_prompt=mask, cache_dir=tmp_path / "cache",
+                           val_split_fraction=0.2), tokenizer).validation_prompts(2)
+        for mask in (True, False)
+    ]  # fmt: skip
+    assert prompts[0] == prompts[1] and len(prompts[0]) == 2
+    assert tokenizer.decode(prompts[0][0], skip_special_tokens=False).endswith("<|im_start|>assistant\n")

@@ -166,7 +166,7 @@ class SFTDataModule(DataOptions, DataModule):
             conversations = sources["val"][1]()
         else:
             train = sources["train"][1]()
-            conversations = [train[i] for i in self._held_out(len(train))[:count]]
+            conversations = [train[int(i)] for i in self._held_out(len(train))[:count]]
         first_replies = (
             next((i for i, m in enumerate(messages) if m["role"] == "assistant"), 0)
             for messages in conversations
