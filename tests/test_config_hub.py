@@ -102,7 +102,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "data.json_path": Path("data/alpaca.json"),
     },
     "finetune_lora/gemma-3-4b-it.yaml": {
-        "checkpoint_dir": Path("checkpoints/google/gemma-3-4b-it"),
+        "checkpoint_dir": "checkpoints/google/gemma-3-4b-it",
         "devices": 1,
         "lora.rank": 16,
         "lora.targets": "all-linear",
