@@ -76,7 +76,9 @@ def _hf_from_config(config: Any) -> dict[str, Any]:
         raise LitsftError(
             f"{config.name}: Phi3ForCausalLM windows every layer or none; its config.json has no layer_types"
         )
-    hf: dict[str, Any] = {"sliding_window": config.sliding_window}
+    # Phi3Config's default pad id, 32000, is Phi-3-mini's: past the vocabulary of another model. An imported
+    # config.json's own pad id is kept in hf_extra and written over this.
+    hf: dict[str, Any] = {"sliding_window": config.sliding_window, "pad_token_id": None}
     if config.rotary_fraction != 1.0:
         hf["partial_rotary_factor"] = config.rotary_fraction
     scaling = dict(config.rope_scaling or {})
