@@ -162,7 +162,7 @@ def block_activation_bytes_per_token(
 
     Assumes a fused attention kernel (flash or memory-efficient: q, k, v, the output and a logsumexp per head
     and query are kept, no (T, T) matrix), and counts what autograd keeps: a frozen projection without an
-    adapter keeps no input under LoRA. Dropout masks are not counted.
+    adapter keeps no input under LoRA, each adapter with dropout keeps its dropped input and the mask.
     """
     return block_saved_bytes_per_token(config, COMPUTE_DTYPES[compute_bytes], lora)
 

@@ -114,7 +114,8 @@ def block_saved_bytes_per_token(config: Config, dtype: torch.dtype, lora: LoRACo
     Recorded with `saved_tensors_hooks` in a forward pass of that block on fake tensors, counting each saved
     storage once and leaving out what the block does not own: parameters (and views of them) and the tensors
     every block shares (RoPE's cos and sin). Assumes a fused attention kernel (no (T, T) scores kept) without
-    a window, and no dropout (the forward runs in eval mode)."""
+    a window and no attention dropout. LoRA's dropout runs as in training: each adapter keeps its own dropped
+    input and the mask, here in `dtype` (the CPU's dropout; a GPU's mask takes one byte per element)."""
     lora_json = json.dumps(asdict(lora), sort_keys=True) if lora is not None else ""
     return _saved_bytes_of(
         json.dumps(asdict(config), sort_keys=True), str(dtype).removeprefix("torch."), lora_json
@@ -132,10 +133,10 @@ def _saved_bytes_of(config_json: str, dtype_name: str, lora_json: str) -> int:
     with FakeTensorMode():
         torch.set_default_dtype(dtype)  # parameters built in `dtype`: fake parameters cannot be cast
         try:
-            model = Transformer(config).eval()
+            model = Transformer(config).eval()  # no attention dropout
         finally:
             torch.set_default_dtype(default_dtype)
-        if lora_json:
+        if lora_json:  # adapters in training mode: their dropout keeps masks
             apply_lora(model, LoRAConfig(**json.loads(lora_json)))
         block = model.blocks[largest]
         x = torch.empty(1, T, config.hidden_size, dtype=dtype, requires_grad=True)  # (B, T, C)
