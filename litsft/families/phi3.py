@@ -59,6 +59,8 @@ def _config_from_hf(hf_config: dict[str, Any]) -> tuple[dict[str, Any], set[str]
         "out_bias": False,
     }
     consumed = {"partial_rotary_factor"}
+    if "pad_token_id" in hf_config and hf_config["pad_token_id"] is None:
+        consumed.add("pad_token_id")  # what the export writes anyway (`_hf_from_config`); any other is kept
     rope = dict(hf_config.get("rope_scaling") or rope_parameters)
     if _rope_type(rope) in LONG_ROPE_TYPES:
         rope = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
