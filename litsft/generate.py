@@ -98,7 +98,7 @@ def generate_tokens(
             new_tokens.append(token)
             input_ids = token[:, None]  # (1, 1): the cache holds everything before it
             position_ids = position_ids[:, -1:] + 1
-            if int(position_ids) == refeed_at:  # the cached keys were rotated for a shorter sequence
+            if prompt_length + len(new_tokens) - 1 == refeed_at:  # cached keys rotated for a shorter sequence
                 input_ids = torch.cat((prompt_ids[0], *new_tokens))[None]
                 position_ids = torch.arange(input_ids.shape[1], device=device)[None]
     return torch.cat(new_tokens) if new_tokens else prompt_ids.new_empty(0)
