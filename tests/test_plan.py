@@ -165,15 +165,19 @@ def test_llama_block_activations_by_hand():
 
 
 def test_post_norms_add_their_fp32_inputs_and_a_block_without_pre_norms_keeps_no_upcast():
-    """Gemma's sandwich adds two norms after attention and the MLP, each keeping its fp32 input; OLMo 2 moves
-    the norms there, so the q/k/v and MLP inputs are kept without an fp32 upcast beside them."""
+    """Gemma's sandwich adds two norms after attention and the MLP, each keeping its fp32 input, 1/rms and the
+    normalized input cast for its weight's gradient (its output goes into the residual add, which keeps
+    nothing); OLMo 2 moves the norms there, so the q/k/v and MLP inputs are the residual stream's own bf16
+    tensors, kept without an fp32 upcast, a cast or a norm output beside them."""
     llama = Config.from_name("tiny-llama", hidden_size=64, num_heads=4, num_kv_heads=2)
     C = llama.hidden_size
     gemma = dataclasses.replace(llama, post_attention_norm=True, post_mlp_norm=True)
     olmo = dataclasses.replace(gemma, pre_norms=False)
     plain = block_activation_bytes_per_token(llama, 2)
-    assert block_activation_bytes_per_token(gemma, 2) == plain + 2 * 4 * C
-    assert block_activation_bytes_per_token(olmo, 2) == plain + 2 * 4 * C - 2 * 4 * C
+    post_norm = 4 * C + 4 + 2 * C
+    assert block_activation_bytes_per_token(gemma, 2) == plain + 2 * post_norm
+    pre_norm = 4 * C + 4 + 2 * C + 2 * C
+    assert block_activation_bytes_per_token(olmo, 2) == plain + 2 * post_norm - 2 * pre_norm + 2 * 2 * C
 
 
 def test_activation_checkpointing_keeps_block_inputs_and_one_block():
