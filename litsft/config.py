@@ -18,7 +18,9 @@ from litsft.storage.files import read_json
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 """The dtype a conversion stores the weights in; "auto" keeps theirs."""
 LayerType = Literal["full_attention", "sliding_attention"]
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "su")
+LONG_ROPE_TYPES = ("longrope", "su")
+"""LongRoPE (Phi-3 128k, Phi-4-mini); "su" is the name Phi-3's first config.json files gave it."""
 HF_KEYS_READ = frozenset(
     {
         "architectures",
@@ -72,7 +74,12 @@ class Config:
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
-    """HF-style rope scaling, e.g. {"rope_type": "llama3", "factor": 8.0, ...}; None for plain RoPE."""
+    """HF-style rope scaling, e.g. {"rope_type": "llama3", "factor": 8.0, ...}; None for plain RoPE. LongRoPE
+    ({"type": "longrope", "short_factor": [...], "long_factor": [...], "original_max_position_embeddings": n})
+    rotates a sequence of up to n tokens with the short factors, a longer one with the long factors."""
+    rotary_fraction: float = 1.0
+    """The share of each head's dimensions RoPE rotates, the first ones (transformers' partial_rotary_factor;
+    Phi-4-mini: 0.75); the rest pass through unrotated."""
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -131,14 +138,12 @@ class Config:
             raise LitsftError(
                 f"{self.name}: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
-        rope_type = (self.rope_scaling or {}).get(
-            "rope_type", (self.rope_scaling or {}).get("type", "default")
-        )
-        if rope_type not in SUPPORTED_ROPE_TYPES:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise LitsftError(
-                f"{self.name}: rope_scaling type {rope_type!r} is not supported; "
+                f"{self.name}: rope_scaling type {self.rope_type!r} is not supported; "
                 f"supported types are {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        self._check_rotary()
         if self.sliding_window is not None and self.sliding_window < 1:
             raise LitsftError(
                 f"{self.name}: sliding_window={self.sliding_window} must be at least 1 (or null for none)"
@@ -149,6 +154,37 @@ class Config:
                 raise LitsftError(f"{self.name}: {key}={value} must be positive (or null for none)")
         family_of(self.hf_architecture)  # refuses an architecture no family registered
         self._normalize_layer_types()
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dimensions RoPE rotates."""
+        return int(self.head_dim * self.rotary_fraction)
+
+    @property
+    def rope_type(self) -> str:
+        scaling = self.rope_scaling or {}
+        return scaling.get("rope_type", scaling.get("type", "default"))
+
+    def _check_rotary(self) -> None:
+        if not 0 < self.rotary_fraction <= 1 or self.rotary_dim % 2:
+            raise LitsftError(
+                f"{self.name}: rotary_fraction={self.rotary_fraction} must rotate an even number of each head's "
+                f"{self.head_dim} dimensions (0 < fraction <= 1)"
+            )
+        if self.rope_type not in LONG_ROPE_TYPES:
+            return
+        scaling = self.rope_scaling or {}
+        for key in ("short_factor", "long_factor"):
+            if len(scaling.get(key) or ()) != self.rotary_dim // 2:
+                raise LitsftError(
+                    f"{self.name}: LongRoPE's {key} must hold one factor per rotated pair of dimensions, "
+                    f"{self.rotary_dim // 2}; got {len(scaling.get(key) or ())}"
+                )
+        if "original_max_position_embeddings" not in scaling:
+            raise LitsftError(
+                f"{self.name}: LongRoPE needs original_max_position_embeddings, the length past which the long "
+                "factors apply"
+            )
 
     def _normalize_layer_types(self) -> None:
         """One spelling per layout, so that equal models compare equal: uniform layers as None."""
@@ -242,7 +278,10 @@ class Config:
         rope_theta = rope_parameters.pop("rope_theta", None) or hf_config.get("rope_theta", 10000.0)
         rope_scaling = hf_config.get("rope_scaling") or rope_parameters or None
         if rope_scaling is not None:
-            rope_scaling = {k: v for k, v in rope_scaling.items() if k != "rope_theta"}
+            # transformers >= 5 also files partial_rotary_factor there; families that have it read it themselves.
+            rope_scaling = {
+                k: v for k, v in rope_scaling.items() if k not in ("rope_theta", "partial_rotary_factor")
+            }
             if rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
                 rope_scaling = None
         shared: dict[str, Any] = dict(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
@@ -23,7 +23,7 @@ import torch
 from litsft.config import Config, DType
 from litsft.errors import LitsftError
 from litsft.families import FAMILIES, WeightMap, family_of
-from litsft.lora import MODULE_OF_TARGET, iter_merged_tensors, merged_config
+from litsft.lora import iter_merged_tensors, merged_config
 from litsft.model import Transformer
 from litsft.storage.files import publish_atomically, read_json, write_json
 from litsft.storage.lora_folder import LoRAFolder, is_lora_folder, read_lora_folder
@@ -245,16 +245,52 @@ def _merged_base(folder: LoRAFolder) -> Iterator[tuple[Iterator[tuple[str, torch
     folder.check_base(fingerprint.hexdigest())
 
 
-def peft_name(litsft_name: str, weights: WeightMap) -> str:
-    """`blocks.0.attn.q_proj.lora_A.weight` -> `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
-    module, adapter, suffix = litsft_name.rsplit(".", 2)
-    hf_module = weights.hf_name(module + ".weight")
-    if len(weights.litsft_names(hf_module) or ()) > 1:
-        raise LitsftError(
-            f"{module} is part of the fused Hugging Face tensor {hf_module!r}, which a PEFT adapter cannot "
-            "split; export with --lora_format merged instead"
-        )
-    return f"base_model.model.{hf_module.removesuffix('.weight')}.{adapter}.{suffix}"
+def peft_adapter_tensors(
+    adapters: Mapping[str, torch.Tensor], config: Config
+) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """litsft adapters -> the tensors of a PEFT adapter for the Hugging Face model, in PEFT's names
+    (`blocks.0.attn.o_proj.lora_A.weight` -> `base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight`),
+    and for each fused Hugging Face module, how many litsft adapters it joins.
+
+    A fused tensor (Phi-3's qkv_proj holds q, k and v) is one module to PEFT, with one A and one B. The
+    adapters of its n adapted parts are exactly one LoRA of rank n * r: A stacks their A's (n * r, in); B (out,
+    n * r) holds each part's B (out_i, r) in that part's rows and its own r columns, zero elsewhere (an unadapted
+    part's rows stay zero), so that B A stacks each part's B_i A_i as the weight stacks the parts. With alpha
+    n * alpha as well (`_peft_config`), PEFT's scaling alpha / rank is litsft's."""
+    weights, shapes = weight_map(config), expected_shapes(config)
+    modules_of: dict[str, list[str]] = {}  # HF weight -> the litsft modules with adapters it holds
+    for name in adapters:
+        module = name.rsplit(".", 2)[0]
+        held = modules_of.setdefault(weights.hf_name(f"{module}.weight"), [])
+        if module not in held:
+            held.append(module)
+    tensors: dict[str, torch.Tensor] = {}
+    fused: dict[str, int] = {}
+    for hf_weight, modules in modules_of.items():
+        parts = [part.removesuffix(".weight") for part in weights.litsft_names(hf_weight) or ()]
+        adapted = [part for part in parts if part in modules]
+        lora_A = torch.cat([adapters[f"{part}.lora_A.weight"] for part in adapted])  # (n * r, in)
+        if len(parts) == 1:
+            lora_B = adapters[f"{adapted[0]}.lora_B.weight"]
+        else:
+            rank = lora_A.shape[0] // len(adapted)
+            lora_B = lora_A.new_zeros(sum(shapes[f"{part}.weight"][0] for part in parts), lora_A.shape[0])
+            row = column = 0
+            for part in parts:
+                rows = shapes[f"{part}.weight"][0]
+                if part in adapted:
+                    lora_B[row : row + rows, column : column + rank] = adapters[f"{part}.lora_B.weight"]
+                    column += rank
+                row += rows
+            fused[_module_name(hf_weight)] = len(adapted)
+        prefix = f"base_model.model.{hf_weight.removesuffix('.weight')}"
+        tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = lora_A, lora_B
+    return tensors, fused
+
+
+def _module_name(hf_weight: str) -> str:
+    """`model.layers.0.self_attn.qkv_proj.weight` -> `qkv_proj`: what PEFT's target_modules match."""
+    return hf_weight.removesuffix(".weight").rpartition(".")[2]
 
 
 def export_peft_adapter(lora_checkpoint_dir: Path, out_dir: Path, base_model_name_or_path: str = "") -> None:
@@ -280,14 +316,18 @@ def export_peft_adapter(lora_checkpoint_dir: Path, out_dir: Path, base_model_nam
             write_hf_checkpoint(
                 iter_model_tensors(folder.base_dir), base_config, tmp_dir / "base", folder.base_dir
             )
-        weights = weight_map(Config.from_checkpoint(folder.base_dir))
-        adapters = {peft_name(name, weights): tensor for name, tensor in folder.adapters.items()}
+        adapters, fused = peft_adapter_tensors(folder.adapters, Config.from_checkpoint(folder.base_dir))
         save_safetensors(adapters, tmp_dir / PEFT_ADAPTER_NAME)
-        write_json(tmp_dir / PEFT_CONFIG_NAME, _peft_config(folder, base_name))
+        modules = sorted({name.split(".")[-3] for name in adapters})  # <module>.lora_A.weight
+        write_json(tmp_dir / PEFT_CONFIG_NAME, _peft_config(folder, base_name, modules, fused))
         copy_tokenizer_files(Path(lora_checkpoint_dir), tmp_dir)
 
 
-def _peft_config(folder: LoRAFolder, base_model_name_or_path: str) -> dict[str, object]:
+def _peft_config(
+    folder: LoRAFolder, base_model_name_or_path: str, target_modules: list[str], fused: dict[str, int]
+) -> dict[str, object]:
+    """PEFT's adapter_config.json; a fused module joining n adapters has rank and alpha n times litsft's
+    (`peft_adapter_tensors`), in PEFT's per-module rank_pattern and alpha_pattern."""
     lora_config = folder.config
     alpha = int(lora_config.alpha) if float(lora_config.alpha).is_integer() else lora_config.alpha
     return {
@@ -297,7 +337,9 @@ def _peft_config(folder: LoRAFolder, base_model_name_or_path: str) -> dict[str, 
         "r": lora_config.rank,
         "lora_alpha": alpha,
         "lora_dropout": lora_config.dropout,
-        "target_modules": sorted(MODULE_OF_TARGET[t] for t in lora_config.target_list),
+        "target_modules": target_modules,
+        "rank_pattern": {module: n * lora_config.rank for module, n in fused.items()},
+        "alpha_pattern": {module: n * alpha for module, n in fused.items()},
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,

@@ -16,7 +16,7 @@ from torch import nn
 from litsft.config import Config
 from litsft.errors import LitsftError
 from litsft.lora import apply_lora
-from litsft.model import Transformer
+from litsft.model import Transformer, long_rope_length
 from litsft.model_source import resolve_checkpoint
 from litsft.storage.lora_folder import is_lora_folder, read_lora_folder
 from litsft.storage.model_folder import fingerprint_of_state_dict, load_model_state_dict
@@ -86,6 +86,7 @@ def generate_tokens(
         raise LitsftError("the prompt is empty; generation needs at least one token to continue")
     stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
     new_tokens: list[torch.Tensor] = []
+    refeed_at = _refeed_position(model)
     with _kv_cached(model, 1, prompt_length + max_new_tokens):
         input_ids = prompt_ids
         position_ids = torch.arange(prompt_length, device=device)[None]  # (1, T)
@@ -97,7 +98,18 @@ def generate_tokens(
             new_tokens.append(token)
             input_ids = token[:, None]  # (1, 1): the cache holds everything before it
             position_ids = position_ids[:, -1:] + 1
+            if prompt_length + len(new_tokens) - 1 == refeed_at:  # cached keys rotated for a shorter sequence
+                input_ids = torch.cat((prompt_ids[0], *new_tokens))[None]
+                position_ids = torch.arange(input_ids.shape[1], device=device)[None]
     return torch.cat(new_tokens) if new_tokens else prompt_ids.new_empty(0)
+
+
+def _refeed_position(model: nn.Module) -> int | None:
+    """The position whose token makes the sequence long enough that RoPE changes for all of it (LongRoPE's
+    switch to its long factors): there the whole sequence is fed again and the cache rewritten, as transformers'
+    Phi-3 generation does. None: the cache stays valid."""
+    config: Config | None = getattr(model, "config", None)
+    return long_rope_length(config) if config is not None else None
 
 
 @torch.no_grad()
@@ -153,6 +165,7 @@ def _greedy_batch(
         tokens[row, : len(prompt)] = torch.tensor(prompt, device=device)
     stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
     done = torch.zeros(batch_size, dtype=torch.bool, device=device)
+    refeed_at = _refeed_position(model)
     if max_new_tokens > 0:
         with _kv_cached(model, batch_size, total):
             position_ids = torch.arange(shortest, device=device).expand(batch_size, -1)  # (B, T)
@@ -165,8 +178,9 @@ def _greedy_batch(
                 done |= slot + 1 >= lengths + max_new_tokens
                 if done.all().item():
                     break
-                position_ids = torch.full((batch_size, 1), slot, device=device)
-                logits = model(tokens[:, slot : slot + 1], position_ids=position_ids)[:, -1]
+                first = 0 if slot == refeed_at else slot  # see _refeed_position
+                position_ids = torch.arange(first, slot + 1, device=device).expand(batch_size, -1)
+                logits = model(tokens[:, first : slot + 1], position_ids=position_ids)[:, -1]
     outputs = []
     stop_set = set(stop_ids)
     for row, prompt in enumerate(prompts):

@@ -1,4 +1,5 @@
-"""The decoder-only transformer: Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2 and 3, OLMo 2 in one flat file.
+"""The decoder-only transformer: Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2 and 3, OLMo 2, Phi-3 and Phi-4 in one
+flat file.
 
 Shapes in comments: B batch, T query length, S key length, H query heads, K kv heads, D head dim,
 C hidden size, V vocab size, N tokens of a packed row.
@@ -28,9 +29,10 @@ from litsft.attention import (
     documents_of_ids,
     kernel_for_softcap,
     prepare,
+    token_document_ids,
 )
 from litsft.batch import loss_positions_of, without_padding
-from litsft.config import Config
+from litsft.config import LONG_ROPE_TYPES, Config
 from litsft.families import family_of
 from litsft.loss import chunked_cross_entropy
 
@@ -62,15 +64,21 @@ def rms_norm(config: Config, size: int) -> RMSNorm:
 
 
 def rope_inverse_frequencies(
-    config: Config, device: torch.device | None = None, local: bool = False
+    config: Config, device: torch.device | None = None, local: bool = False, long_context: bool = False
 ) -> torch.Tensor:
-    """Per-pair rotation frequencies (D/2,), with Llama-3 or linear scaling applied when configured;
+    """Per-pair rotation frequencies (R/2,) of the R = `config.rotary_dim` rotated dimensions, with Llama-3,
+    linear or LongRoPE scaling applied when configured (LongRoPE: the long factors when `long_context`);
     `local`: those of the sliding layers with their own base (`Config.rope_local_base`), never scaled."""
-    dim = config.head_dim
+    dim = config.rotary_dim
     base = config.rope_local_base if local else config.rope_theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, device=device, dtype=torch.int64).float() / dim
     scaling = {} if local else config.rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in LONG_ROPE_TYPES:
+        # LongRoPE: a factor per pair stretches its wavelength, in transformers' order of operations.
+        factors = scaling["long_factor" if long_context else "short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32, device=device) * base**exponents)
+    inv_freq = 1.0 / (base**exponents)
     if rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif rope_type == "llama3":
@@ -89,19 +97,68 @@ def rope_inverse_frequencies(
     return inv_freq
 
 
+def long_rope_length(config: Config) -> int | None:
+    """LongRoPE's original_max_position_embeddings: a sequence longer than this is rotated with the long factors
+    (all of it, as in transformers), so keys cached while it was shorter must be computed again. None: RoPE does
+    not depend on the sequence's length."""
+    if config.rope_type not in LONG_ROPE_TYPES:
+        return None
+    return int(config.rope_scaling["original_max_position_embeddings"])  # type: ignore[index]
+
+
+def rope_attention_scaling(config: Config) -> float:
+    """LongRoPE scales cos and sin, so the attention logits, by sqrt(1 + ln(s) / ln(n)) for a context stretched
+    s times past its original n (or by its `attention_factor`), as transformers' _compute_longrope_parameters."""
+    if config.rope_type not in LONG_ROPE_TYPES:
+        return 1.0
+    scaling = config.rope_scaling or {}
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def sequence_lengths(position_ids: torch.Tensor, documents: Documents | None) -> torch.Tensor:
+    """The length of the sequence each token belongs to, (B, T): its document's (its last position + 1) in a
+    joined row, else its row's. On the device, without a host sync."""
+    if documents is None:
+        return (position_ids.amax(dim=-1, keepdim=True) + 1).expand_as(position_ids)
+    document_of_token = token_document_ids(documents.to(position_ids.device), position_ids.numel())
+    last = torch.zeros(documents.cu_seqlens.numel() - 1, dtype=position_ids.dtype, device=position_ids.device)
+    last = last.scatter_reduce(0, document_of_token, position_ids.flatten(), "amax", include_self=False)
+    return (last[document_of_token] + 1).view_as(position_ids)
+
+
 def rope_cos_sin(
-    config: Config, position_ids: torch.Tensor, dtype: torch.dtype, local: bool = False
+    config: Config,
+    position_ids: torch.Tensor,
+    dtype: torch.dtype,
+    local: bool = False,
+    documents: Documents | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for each position: (B, T) -> two (B, T, D) tensors."""
-    inv_freq = rope_inverse_frequencies(config, position_ids.device, local)
-    angles = position_ids.float()[..., None] * inv_freq  # (B, T, D/2), in fp32 for long contexts
-    angles = torch.cat((angles, angles), dim=-1)  # (B, T, D)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    """cos and sin for each position: (B, T) -> two (B, T, R) tensors, R = `config.rotary_dim`; `local`: the
+    sliding layers' own base. With LongRoPE, each sequence (each document of a joined row) takes the short or
+    the long factors by its own length: a document packed with others is rotated as it would be alone."""
+    inv_freq = rope_inverse_frequencies(config, position_ids.device, local)  # (R/2,)
+    threshold = None if local else long_rope_length(config)
+    if threshold is not None:
+        long = sequence_lengths(position_ids, documents) > threshold  # (B, T)
+        long_inv_freq = rope_inverse_frequencies(config, position_ids.device, long_context=True)
+        inv_freq = torch.where(long[..., None], long_inv_freq, inv_freq)  # (B, T, R/2)
+    angles = position_ids.float()[..., None] * inv_freq  # (B, T, R/2), in fp32 for long contexts
+    angles = torch.cat((angles, angles), dim=-1)  # (B, T, R)
+    scale = 1.0 if local else rope_attention_scaling(config)
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, T, D) by the angles in cos/sin (B, T, D); pairs are (i, i + D/2) as in HF."""
-    half = x.shape[-1] // 2
+    """Rotate (B, H, T, D) by the angles in cos/sin (B, T, R); pairs are (i, i + R/2) as in HF. With partial
+    rotary (R < D) the last D - R dimensions pass through unrotated."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
+    half = rotary // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None] + rotated * sin[:, None]
 
@@ -326,7 +383,7 @@ class Transformer(nn.Module):
         prepared = self.prepare_attention(tuple(x.shape[:2]), x.device, documents, position_ids)
         layers = range(self.config.num_layers)
         ropes = {
-            local: rope_cos_sin(self.config, position_ids, x.dtype, local)
+            local: rope_cos_sin(self.config, position_ids, x.dtype, local, documents)
             for local in {self.config.uses_local_rope(i) for i in layers}
         }  # one (cos, sin) per RoPE base the layers use
         for i, block in enumerate(self.blocks):

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from litsft.args import (
     MAX_DEFAULT_SEQ_LENGTH,
     Accelerator,
@@ -59,7 +61,7 @@ from litsft.args import (
 from litsft.config import Config, format_count
 from litsft.errors import LitsftError
 from litsft.flops import lora_parameters
-from litsft.sizes import model_sizes, num_parameters
+from litsft.sizes import block_saved_bytes_per_token, model_sizes, num_parameters
 
 # (bytes of a stored parameter, bytes of a parameter as the matmuls see it). Gradients take the stored dtype: FSDP2 reduces gradients in fp32 (reduce_dtype) into the fp32 shards.
 PARAMETER_BYTES: dict[str, tuple[int, int]] = {
@@ -68,6 +70,8 @@ PARAMETER_BYTES: dict[str, tuple[int, int]] = {
     "bf16-true": (2, 2),
     "32-true": (4, 4),
 }
+COMPUTE_DTYPES = {2: torch.bfloat16, 4: torch.float32}
+"""The dtype activations are recorded in, by its bytes (fp16 takes as many bytes as bf16)."""
 ADAM_STATES_PER_PARAMETER = 2
 """exp_avg and exp_avg_sq, each the size of the parameter, in fp32 (litsft.optimizer)."""
 PREFETCHED_BLOCKS = 2
@@ -151,37 +155,15 @@ def block_parameters(config: Config) -> int:
 def block_activation_bytes_per_token(
     config: Config, compute_bytes: int, lora: LoRAConfig | None = None
 ) -> int:
-    """Bytes one block saves for the backward pass per token, for the widths of the model as built
-    (litsft.sizes; the largest block where they differ) and the tensors litsft/model.py's Block keeps.
+    """Bytes one block saves for the backward pass per token: the tensors autograd saves in a forward pass of
+    the model's largest block as built, recorded by litsft.sizes.block_saved_bytes_per_token with the
+    activations in a dtype of `compute_bytes` bytes (so a new family's block is counted as it is built).
 
-    Assumes a fused attention kernel (flash or memory-efficient: no (T, T) matrix is saved) and that a
-    linear layer keeps its input only when a weight that reads it is trained (autograd saves what a
-    gradient needs): under LoRA, a frozen projection without an adapter keeps nothing.
+    Assumes a fused attention kernel (flash or memory-efficient: q, k, v, the output and a logsumexp per head
+    and query are kept, no (T, T) matrix), and counts what autograd keeps: a frozen projection without an
+    adapter keeps no input under LoRA, each adapter with dropout keeps its dropped input and the mask.
     """
-    layer = max(model_sizes(config).layers, key=lambda layer: layer.parameters)
-    C, inter = layer.linear["q"][0], layer.linear["gate"][1]
-    q, kv = layer.attention_width, layer.kv_width
-    c = compute_bytes
-    targets = set(lora.target_list) if lora is not None else set()
-    mlp_input_kept = lora is None or bool(targets & {"gate", "up"})
-    # RMSNorm keeps its fp32 upcast input; its output is kept by the linear layers that read it (without a
-    # norm before them, as in OLMo 2, they keep the residual stream's copy). A norm after attention or the
-    # MLP (Gemma, OLMo 2) keeps its fp32 input too; its output goes into the residual add, which keeps nothing.
-    upcast = 4 * C if layer.pre_norms else 0
-    attn_norm = upcast + c * C
-    mlp_norm = upcast + (c * C if mlp_input_kept else 0)
-    post_norms = layer.post_norms * 4 * C
-    # SDPA keeps q, k, v (k and v repeated to all heads), its output and a fp32 logsumexp per head;
-    # o_proj keeps its (contiguous) input.
-    attention = 5 * q * c + 4 * config.num_heads
-    qk_norm = (q + kv) * (4 + c) if layer.qk_norm else 0
-    # SwiGLU: gate output (silu's input), silu output, up output, and their product (down_proj's input,
-    # kept only when down_proj's weight or adapter trains).
-    mlp = (4 if lora is None or "down" in targets else 3) * inter * c
-    adapters = (
-        len(targets - {"lm_head"}) * lora.rank * c if lora is not None else 0
-    )  # each A's output, kept by its B
-    return attn_norm + mlp_norm + post_norms + attention + qk_norm + mlp + adapters
+    return block_saved_bytes_per_token(config, COMPUTE_DTYPES[compute_bytes], lora)
 
 
 def estimate_memory(

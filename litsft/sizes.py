@@ -1,18 +1,24 @@
 """The model's sizes read off the model itself: `Transformer(config)` built on the meta device (shapes, no
 memory), so that parameter, FLOP, adapter and activation counts (litsft.flops, litsft.plan) follow whatever
-block a family builds, with no formula written beside the model."""
+block a family builds, with no formula written beside the model. The activations a block keeps for the
+backward pass are the tensors autograd saves in one block's forward pass, recorded on fake tensors (shapes
+and dtypes, no memory, no compute)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from litsft.args import LoRAConfig
+from litsft.attention import prepare
 from litsft.config import NAMED_CONFIGS, Config, format_count
-from litsft.model import RMSNorm, Transformer
+from litsft.lora import apply_lora
+from litsft.model import RMSNorm, Transformer, rope_cos_sin
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,60 @@ def _sizes_of(config_json: str) -> ModelSizes:
         layers=tuple(layers),
         lm_head=(head.in_features, head.out_features),
     )
+
+
+ACTIVATION_PROBE_TOKENS = 64
+"""Tokens of the one-block forward pass whose saved tensors are recorded: fewer than the CPU attention's query
+chunk (litsft.attention.QUERY_CHUNK), so that attention is one fused SDPA call, whose saved tensors (q, k, v,
+its output, a logsumexp per head and query) grow with the tokens as a flash kernel's do."""
+
+
+def block_saved_bytes_per_token(config: Config, dtype: torch.dtype, lora: LoRAConfig | None = None) -> int:
+    """Bytes the largest block saves for its backward pass per token, running in `dtype`, with `lora`'s
+    adapters (a frozen projection keeps no input, autograd saves only what a gradient needs).
+
+    Recorded with `saved_tensors_hooks` in a forward pass of that block on fake tensors, counting each saved
+    storage once and leaving out what the block does not own: parameters (and views of them) and the tensors
+    every block shares (RoPE's cos and sin). Assumes a fused attention kernel (no (T, T) scores kept) without
+    a window and no attention dropout. LoRA's dropout runs as in training: each adapter keeps its own dropped
+    input and the mask, here in `dtype` (the CPU's dropout; a GPU's mask takes one byte per element)."""
+    lora_json = json.dumps(asdict(lora), sort_keys=True) if lora is not None else ""
+    return _saved_bytes_of(
+        json.dumps(asdict(config), sort_keys=True), str(dtype).removeprefix("torch."), lora_json
+    )
+
+
+@lru_cache(maxsize=64)
+def _saved_bytes_of(config_json: str, dtype_name: str, lora_json: str) -> int:
+    # A fused kernel keeps the same tensors whether it soft-caps the scores or not (flex's score_mod).
+    config = replace(Config(**json.loads(config_json)), softcap_attention=None)
+    dtype = getattr(torch, dtype_name)
+    largest = max(range(config.num_layers), key=lambda i: model_sizes(config).layers[i].parameters)
+    T = ACTIVATION_PROBE_TOKENS
+    default_dtype = torch.get_default_dtype()
+    with FakeTensorMode():
+        torch.set_default_dtype(dtype)  # parameters built in `dtype`: fake parameters cannot be cast
+        try:
+            model = Transformer(config).eval()  # no attention dropout
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if lora_json:  # adapters in training mode: their dropout keeps masks
+            apply_lora(model, LoRAConfig(**json.loads(lora_json)))
+        block = model.blocks[largest]
+        x = torch.empty(1, T, config.hidden_size, dtype=dtype, requires_grad=True)  # (B, T, C)
+        cos, sin = rope_cos_sin(config, torch.arange(T)[None], dtype)
+        not_owned = {tensor.untyped_storage()._cdata for tensor in (*block.parameters(), cos, sin)}
+        saved: dict[int, int] = {}
+
+        def record(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage._cdata not in not_owned:
+                saved[storage._cdata] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
+            block(x, cos, sin, prepare("segmented", (1, T), x.device))
+    return -(-sum(saved.values()) // T)
 
 
 def num_parameters(config: Config) -> int:

@@ -103,6 +103,21 @@ def litsft_two_nodes(args: list[str], tmp_path: Path, timeout: int = 300) -> Non
             raise AssertionError(f"node exited {p.returncode}:\n{out[-6000:]}")
 
 
+TINY_PHI3 = dict(
+    hf_architecture="Phi3ForCausalLM",
+    rotary_fraction=0.75,
+    sliding_window=16,
+    rope_scaling={
+        "type": "longrope",
+        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+        "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0],
+        "original_max_position_embeddings": 32,
+    },
+)
+"""tiny-llama made a Phi-3 model (`write_tiny_checkpoint(..., **TINY_PHI3)`): fused weights in its Hugging Face
+export, 3/4 of each head rotated, LongRoPE's long factors past 32 tokens, a 16-token window."""
+
+
 def write_tiny_checkpoint(directory: Path, seed: int = 0, model: str = "tiny-llama", **overrides) -> Path:
     """A random litsft checkpoint of the tiny named config `model` with the tiny ChatML tokenizer."""
     config = Config.from_name(model, **overrides)

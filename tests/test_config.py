@@ -65,6 +65,10 @@ PUBLISHED = {
     "SmolLM2-1.7B": (24, 32, 32, 2048, 8192, 49152, 1.3e5, True),
     "TinyLlama-1.1B": (22, 32, 4, 2048, 5632, 32000, 1e4, False),
     "TinyLlama-1.1B-Chat-v1.0": (22, 32, 4, 2048, 5632, 32000, 1e4, False),
+    "Phi-3-mini-4k-instruct": (32, 32, 32, 3072, 8192, 32064, 1e4, False),
+    "Phi-3-mini-128k-instruct": (32, 32, 32, 3072, 8192, 32064, 1e4, False),
+    "phi-4": (40, 40, 10, 5120, 17920, 100352, 2.5e5, False),
+    "Phi-4-mini-instruct": (32, 24, 8, 3072, 8192, 200064, 1e4, True),
     "tiny-gemma2": (2, 4, 2, 64, 176, 512, 1e4, True),
     "gemma-2-2b": (26, 8, 4, 2304, 9216, 256000, 1e4, True),
     "gemma-2-2b-it": (26, 8, 4, 2304, 9216, 256000, 1e4, True),
@@ -107,6 +111,7 @@ KNOWN_PARAMETER_COUNTS = {
 
 def hf_config_object(config: Config):
     hf = config.to_hf_config()
+    hf.setdefault("pad_token_id", None)  # Phi3Config's default, 32000, is past a tiny vocabulary
     return AutoConfig.for_model(hf.pop("model_type"), **hf)
 
 
@@ -261,6 +266,43 @@ def test_olmo2_norms():
         assert c.max_position_embeddings == 4096
 
 
+def test_phi_specific_fields():
+    """Phi-3-mini-4k's window, the 128k model's and Phi-4-mini's LongRoPE (48 factors each: one per rotated pair
+    of 96), Phi-4-mini's partial rotary, as their config.json files say."""
+    mini_4k, mini_128k = (
+        Config.from_name("Phi-3-mini-4k-instruct"),
+        Config.from_name("Phi-3-mini-128k-instruct"),
+    )
+    assert (mini_4k.sliding_window, mini_4k.max_position_embeddings, mini_4k.rope_scaling) == (
+        2047,
+        4096,
+        None,
+    )
+    assert (mini_128k.sliding_window, mini_128k.max_position_embeddings) == (262144, 131072)
+    scaling = mini_128k.rope_scaling
+    assert (scaling["type"], scaling["original_max_position_embeddings"]) == ("longrope", 4096)
+    assert scaling["long_factor"][:2] + scaling["long_factor"][-2:] == [
+        1.0700000524520874, 1.1200000047683716, 64.69000244140625, 64.76000213623047
+    ]  # fmt: skip
+    assert scaling["short_factor"][:4] + scaling["short_factor"][-1:] == [1.1, 1.1, 1.1, 1.3000000000000003,
+                                                                           3.049999999999997]  # fmt: skip
+    assert len(scaling["short_factor"]) == len(scaling["long_factor"]) == 48
+    phi4 = Config.from_name("phi-4")
+    assert (phi4.max_position_embeddings, phi4.sliding_window, phi4.rope_scaling, phi4.eos_token_id) == (
+        16384, None, None, 100265
+    )  # fmt: skip
+    mini4 = Config.from_name("Phi-4-mini-instruct")
+    assert (mini4.rotary_fraction, mini4.rotary_dim, mini4.head_dim, mini4.sliding_window) == (
+        0.75,
+        96,
+        128,
+        262144,
+    )
+    assert mini4.rope_scaling["short_factor"] == [1.0] * 48
+    assert mini4.rope_scaling["long_factor"][-3:] == [33.5, 44.16, 47.77]
+    assert (mini4.bos_token_id, mini4.eos_token_id, mini4.max_position_embeddings) == (199999, 199999, 131072)
+
+
 def test_from_name_returns_an_independent_copy():
     config = Config.from_name("Llama-3.1-8B")
     config.rope_scaling["factor"] = 1.0
@@ -319,6 +361,7 @@ def test_parameter_count_matches_transformers_on_a_tiny_shape(name):
         head_dim=16 if config.head_dim != config.hidden_size // config.num_heads else 0,
         intermediate_size=48,
         vocab_size=96,
+        rope_scaling=None,  # LongRoPE's factors fit the published head width only; RoPE has no parameters
     )
     assert num_parameters(tiny) == meta_parameter_count(tiny)
 
@@ -354,7 +397,8 @@ def test_unsupported_rope_type():
     with pytest.raises(LitsftError) as error:
         Config.from_name("tiny-llama", rope_scaling={"rope_type": "yarn", "factor": 4.0})
     assert str(error.value) == (
-        "tiny-llama: rope_scaling type 'yarn' is not supported; supported types are default, llama3, linear"
+        "tiny-llama: rope_scaling type 'yarn' is not supported; supported types are default, llama3, linear, "
+        "longrope, su"
     )
 
 
@@ -447,5 +491,6 @@ def test_unregistered_architecture_is_refused_with_the_supported_list():
         Config.from_hf_config({"architectures": ["GPTNeoXForCausalLM"], "vocab_size": 8})
     assert str(error.value) == (
         "unsupported architecture 'GPTNeoXForCausalLM'; litsft supports LlamaForCausalLM, Gemma2ForCausalLM, "
-        "Gemma3ForCausalLM, MistralForCausalLM, Olmo2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+        "Gemma3ForCausalLM, MistralForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, "
+        "Qwen3ForCausalLM"
     )

@@ -89,6 +89,16 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "fsdp.sharding_strategy": "FULL_SHARD",
         "precision": "bf16-mixed",
     },
+    "finetune_full/phi-4-mini-instruct.yaml": {
+        "checkpoint_dir": Path("checkpoints/microsoft/Phi-4-mini-instruct"),
+        "devices": 2,
+        "fsdp.sharding_strategy": "FULL_SHARD",
+        "fsdp.activation_checkpointing": True,
+        "precision": "bf16-mixed",
+        "train.epochs": 3,
+        "train.global_batch_size": 32,
+        "data": JSON,
+    },
     "finetune_lora/llama-2-7b.yaml": {
         "checkpoint_dir": "checkpoints/meta-llama/Llama-2-7b-hf",
         "devices": 4,

@@ -64,32 +64,53 @@ def test_merge_lora_command_writes_equivalent_checkpoint(tmp_path, tied):
     assert torch.equal(logits_of(load_checkpoint_model(tmp_path / "cli")), logits_of(merged))
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama-tied", "gemma2", "gemma3", "olmo2"])
-def test_peft_adapter_reproduces_lora_model(tmp_path, kind):
+ALL_TARGETS = ["q", "k", "v", "o", "gate", "up", "down", "lm_head"]
+LLAMA_MODULES = sorted(
+    ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+)
+
+
+@pytest.mark.parametrize(
+    ("kind", "targets", "target_modules", "fused"),
+    [
+        ("llama", ALL_TARGETS, LLAMA_MODULES, {}),
+        ("llama-tied", ALL_TARGETS, LLAMA_MODULES, {}),
+        ("gemma2", ALL_TARGETS, LLAMA_MODULES, {}),
+        ("gemma3", ALL_TARGETS, LLAMA_MODULES, {}),
+        ("olmo2", ALL_TARGETS, LLAMA_MODULES, {}),
+        # Phi-3's fused modules, one of them adapted in part (q and v, not k): stacked A, block-diagonal B.
+        ("phi3-longrope", ["q", "v", "gate", "up", "down", "lm_head"],
+         ["down_proj", "gate_up_proj", "lm_head", "qkv_proj"], {"qkv_proj": 2, "gate_up_proj": 2}),
+    ],
+)  # fmt: skip
+def test_peft_adapter_reproduces_lora_model(tmp_path, kind, targets, target_modules, fused):
+    """The PEFT export, loaded by peft on the original transformers model, gives the LoRA model's logits and the
+    merged export's (within 1e-5), also where one PEFT module holds several litsft adapters (Phi-3's qkv_proj)."""
     hf_model = tiny_hf_model(kind)
     save_tiny_hf(hf_model, tmp_path / "hf", tokenizer=False)
     convert_from_hf(tmp_path / "hf", tmp_path / "base")
-    lora_config = LoRAConfig(targets=["q", "k", "v", "o", "gate", "up", "down", "lm_head"], alpha=24)
+    lora_config = LoRAConfig(targets=targets, alpha=24)
     model = apply_lora(load_checkpoint_model(tmp_path / "base"), lora_config)
     train(model)
     save_lora_folder(lora_state_dict(model), lora_config, tmp_path / "base", tmp_path / "lora")
 
     export_peft_adapter(tmp_path / "lora", tmp_path / "peft")
     peft_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
-    assert {k: peft_config[k] for k in ("peft_type", "task_type", "r", "lora_alpha", "target_modules")} == {
+    keys = ("peft_type", "task_type", "r", "lora_alpha", "target_modules", "rank_pattern", "alpha_pattern")
+    assert {k: peft_config[k] for k in keys} == {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": 8,
         "lora_alpha": 24,
-        "target_modules": sorted(
-            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
-        ),
+        "target_modules": target_modules,
+        "rank_pattern": {module: n * 8 for module, n in fused.items()},
+        "alpha_pattern": {module: n * 24 for module, n in fused.items()},
     }
     peft_model = peft.PeftModel.from_pretrained(hf_model, tmp_path / "peft").eval()
     # PEFT saves exactly these names (plus, by default, a copy of the base lm_head, which is not needed).
     saved = load_file(tmp_path / "peft" / "adapter_model.safetensors")
     assert saved.keys() == peft.get_peft_model_state_dict(peft_model, save_embedding_layers=False).keys()
-    assert "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight" in saved
+    assert f"base_model.model.model.layers.1.self_attn.{target_modules[-1]}.lora_A.weight" in saved
     assert "base_model.model.lm_head.lora_B.weight" in saved
     with torch.no_grad():
         peft_logits = peft_model(TOKENS).logits

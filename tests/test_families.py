@@ -6,33 +6,14 @@ from tiny_hf import SLIDING_WINDOW, save_tiny_hf, tiny_hf_model
 
 from litsft.config import NAMED_CONFIGS, Config
 from litsft.convert import convert_from_hf, expected_shapes
-from litsft.families import FAMILIES, WeightMap
-from litsft.families.spec import LLAMA_WEIGHT_NAMES, LLAMA_WEIGHTS
+from litsft.families import FAMILIES
+from litsft.families.phi3 import PHI3_WEIGHTS
+from litsft.families.spec import LLAMA_WEIGHTS
 from litsft.generate import generate_tokens
 from litsft.model import Transformer
 from litsft.storage.model_folder import load_model_state_dict
 
 torch.set_num_threads(1)
-
-# Phi-3's layout (transformers' Phi3ForCausalLM): q, k and v in one qkv_proj, gate and up in one gate_up_proj.
-PHI3_STYLE = WeightMap(
-    {
-        litsft: hf
-        for litsft, hf in LLAMA_WEIGHT_NAMES.items()
-        if not any(part in litsft for part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
-    },
-    fused={
-        "model.layers.{i}.self_attn.qkv_proj.weight": (
-            "blocks.{i}.attn.q_proj.weight",
-            "blocks.{i}.attn.k_proj.weight",
-            "blocks.{i}.attn.v_proj.weight",
-        ),
-        "model.layers.{i}.mlp.gate_up_proj.weight": (
-            "blocks.{i}.mlp.gate_proj.weight",
-            "blocks.{i}.mlp.up_proj.weight",
-        ),
-    },
-)
 
 
 def test_llama_names_both_ways():
@@ -52,18 +33,18 @@ def test_fused_tensors_split_and_fuse_back_bit_exactly():
     shapes = expected_shapes(config)
     generator = torch.Generator().manual_seed(0)
     model = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
-    hf = dict(PHI3_STYLE.to_hf(reversed(list(model.items())), torch.cat))  # parts arrive in any order
+    hf = dict(PHI3_WEIGHTS.to_hf(reversed(list(model.items())), torch.cat))  # parts arrive in any order
     assert hf["model.layers.1.self_attn.qkv_proj.weight"].shape == (64 + 2 * 32, 64)
     assert hf["model.layers.0.mlp.gate_up_proj.weight"].shape == (2 * 176, 64)
     assert torch.equal(
         hf["model.layers.1.self_attn.qkv_proj.weight"][64:96], model["blocks.1.attn.k_proj.weight"]
     )
-    back = dict(PHI3_STYLE.from_hf(hf.items(), shapes))
+    back = dict(PHI3_WEIGHTS.from_hf(hf.items(), shapes))
     assert back.keys() == model.keys()
     assert all(torch.equal(back[name], model[name]) for name in model)
-    again = dict(PHI3_STYLE.to_hf(back.items(), torch.cat))
+    again = dict(PHI3_WEIGHTS.to_hf(back.items(), torch.cat))
     assert all(torch.equal(again[name], hf[name]) for name in hf)
-    assert PHI3_STYLE.hf_name("blocks.0.mlp.up_proj.weight") == "model.layers.0.mlp.gate_up_proj.weight"
+    assert PHI3_WEIGHTS.hf_name("blocks.0.mlp.up_proj.weight") == "model.layers.0.mlp.gate_up_proj.weight"
 
 
 def test_a_fused_tensor_with_a_missing_part_is_an_error():
@@ -72,21 +53,24 @@ def test_a_fused_tensor_with_a_missing_part_is_an_error():
         (n, torch.zeros(s)) for n, s in expected_shapes(config).items() if n != "blocks.0.attn.v_proj.weight"
     ]
     with pytest.raises(KeyError, match="never came"):
-        list(PHI3_STYLE.to_hf(parts, torch.cat))
+        list(PHI3_WEIGHTS.to_hf(parts, torch.cat))
 
 
 @pytest.mark.parametrize("architecture", FAMILIES)
 def test_every_family_names_every_parameter_of_its_configs(architecture):
-    """Each family's weight map covers every parameter its named configs build, one-to-one."""
+    """Each family's weight map covers every parameter its named configs build: one-to-one, or several parts
+    to one fused tensor whose parts are all parameters of the model."""
     family = FAMILIES[architecture]
     for name in family.named_configs:
         config = NAMED_CONFIGS[name]
         first_type = config.layer_types[:1] if config.layer_types else None
         config = dataclasses.replace(config, num_layers=1, layer_types=first_type)
         names = list(expected_shapes(config))
-        hf = [family.weights.hf_name(n) for n in names]
-        assert len(set(hf)) == len(hf)
-        assert [family.weights.litsft_names(h) for h in hf] == [(n,) for n in names]
+        hf = {n: family.weights.hf_name(n) for n in names}
+        assert all(n in family.weights.litsft_names(h) for n, h in hf.items())
+        assert sorted(part for h in set(hf.values()) for part in family.weights.litsft_names(h)) == sorted(
+            names
+        )
 
 
 # ---- each family against transformers -----------------------------------------------------------------

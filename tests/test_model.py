@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_hf import SLIDING_WINDOW, save_tiny_hf, tiny_hf_model
+from tiny_hf import PHI3_LONG_ROPE_LENGTH, SLIDING_WINDOW, save_tiny_hf, tiny_hf_model
 
 from litsft.config import Config
 from litsft.convert import convert_from_hf
-from litsft.generate import generate_tokens
+from litsft.generate import generate_batch, generate_tokens
 from litsft.model import RMSNorm, Transformer
 from litsft.storage.model_folder import load_model_state_dict
 
@@ -92,8 +92,18 @@ def test_packed_loss_without_padding_equals_documents_one_by_one():
 LENGTH = 2 * SLIDING_WINDOW + 8  # past twice the window
 
 
-def _converted(tmp_path, kind):
+def _converted(tmp_path, kind, attention_sharpness=1.0):
+    """A tiny transformers model and the litsft model converted from it; `attention_sharpness` scales the query
+    and key weights, so that attention (and so RoPE) decides more of the logits than in a fresh model."""
     hf_model = tiny_hf_model(kind)
+    config = hf_model.config
+    query_and_key_rows = (config.num_attention_heads + config.num_key_value_heads) * (
+        config.hidden_size // config.num_attention_heads
+    )
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if name.endswith("qkv_proj.weight"):  # Phi-3's q, k and v, in this order
+                param[:query_and_key_rows] *= attention_sharpness
     convert_from_hf(save_tiny_hf(hf_model, tmp_path / "hf"), tmp_path / "litsft")
     model = Transformer(Config.from_checkpoint(tmp_path / "litsft")).eval()
     model.load_state_dict(load_model_state_dict(tmp_path / "litsft"))
@@ -102,7 +112,7 @@ def _converted(tmp_path, kind):
 
 @pytest.mark.parametrize(
     ("kind", "windowed_layers"),
-    [("mistral-window", [0, 1]), ("qwen2-window", [1]), ("qwen2-window-first", [0])],
+    [("mistral-window", [0, 1]), ("qwen2-window", [1]), ("qwen2-window-first", [0]), ("phi3", [0, 1])],
 )
 @pytest.mark.parametrize("kernel", ["segmented", "mask"])
 def test_sliding_window_matches_transformers(tmp_path, kind, windowed_layers, kernel):
@@ -124,7 +134,7 @@ def test_sliding_window_matches_transformers(tmp_path, kind, windowed_layers, ke
         assert (model(tokens) - expected).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("kind", ["mistral-window", "qwen2-window"])
+@pytest.mark.parametrize("kind", ["mistral-window", "qwen2-window", "phi3"])
 def test_sliding_window_in_kv_cache_decoding(tmp_path, kind):
     """Decoding one token at a time against the KV cache keeps the window: each step's logits are the full
     forward's at that position, up to twice the window, and greedy tokens are transformers' own."""
@@ -136,3 +146,54 @@ def test_sliding_window_in_kv_cache_decoding(tmp_path, kind):
             prompt[None], max_new_tokens=LENGTH - 5, do_sample=False, min_new_tokens=LENGTH - 5
         )[0, 5:]
     assert new_tokens.tolist() == expected.tolist()
+
+
+# ---- Phi-3 / Phi-4: fused weights, partial rotary, LongRoPE -----------------------------------------------
+PHI_LENGTH = 2 * PHI3_LONG_ROPE_LENGTH  # past LongRoPE's switch to its long factors
+
+
+@pytest.mark.parametrize("kind", ["phi3", "phi3-longrope"])
+def test_phi_logits_match_transformers_alone_and_packed(tmp_path, kind):
+    """64 tokens (LongRoPE's long factors), 20 tokens (its short ones), and both packed in one row: each
+    document is rotated by its own length, so packed logits are each document's logits alone, and those are
+    transformers'."""
+    hf_model, model = _converted(tmp_path, kind)
+    generator = torch.Generator().manual_seed(0)
+    long, short = torch.randint(0, 512, (2, PHI_LENGTH), generator=generator), torch.randint(0, 512, (1, 20))
+    with torch.no_grad():
+        expected_long, expected_short = hf_model(long).logits, hf_model(short).logits
+        assert (model(long) - expected_long).abs().max() < 1e-4
+        assert (model(short) - expected_short).abs().max() < 1e-4
+        row = torch.cat((long[0], short[0], long[1]))[None]
+        document_ids = torch.tensor([0] * PHI_LENGTH + [1] * 20 + [2] * PHI_LENGTH)[None]
+        positions = torch.cat([torch.arange(n) for n in (PHI_LENGTH, 20, PHI_LENGTH)])[None]
+        for kernel in ("segmented", "mask"):
+            model.attention_kernel = kernel
+            packed = model(row, positions, document_ids)[0]
+            expected = torch.cat((expected_long[0], expected_short[0], expected_long[1]))
+            assert (packed - expected).abs().max() < 1e-4, kernel
+        if kind == "phi3-longrope":  # the long factors and the attention scaling were in use
+            model.config.rope_scaling["original_max_position_embeddings"] = PHI_LENGTH
+            assert (model(long) - expected_long).abs().max() > 1e-3
+
+
+def test_phi_greedy_generation_across_the_long_rope_switch_equals_transformers(tmp_path):
+    """From a 5-token prompt to 64 tokens, past LongRoPE's switch at 32 where transformers computes the cache
+    again: every step's logits and the greedy tokens of generate_tokens, and the batched generate_batch's
+    tokens, are transformers'."""
+    hf_model, model = _converted(tmp_path, "phi3-longrope", attention_sharpness=8.0)
+    prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9)]
+    steps = []
+    model.register_forward_hook(lambda module, args, output: steps.append(output[0, -1]))
+    expected = []
+    for prompt in prompts:
+        new = PHI_LENGTH - len(prompt)
+        with torch.no_grad():
+            hf = hf_model.generate(prompt[None], max_new_tokens=new, do_sample=False, min_new_tokens=new,
+                                   output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        expected.append(hf.sequences[0, len(prompt) :].tolist())
+        steps.clear()
+        assert generate_tokens(model, prompt, max_new_tokens=new).tolist() == expected[-1]
+        assert max((a - b[0]).abs().max().item() for a, b in zip(steps, hf.logits)) < 1e-4
+    batched = generate_batch(model, [p.tolist() for p in prompts], max_new_tokens=PHI_LENGTH - 9)
+    assert batched == [tokens[: PHI_LENGTH - 9] for tokens in expected]

@@ -149,38 +149,45 @@ def test_lora_trains_only_the_adapters():
 
 
 def test_llama_block_activations_by_hand():
+    """What autograd saves in a Llama-2-7b block, by hand (bf16, per token), against the count recorded from
+    the block's forward pass."""
     config = Config.from_name("Llama-2-7b-hf")
-    norms = 2 * (4 * 4096 + 2 * 4096)  # fp32 upcast + bf16 output, twice
-    attention = 5 * 4096 * 2 + 4 * 32  # q, k, v, attention output, o_proj input + logsumexp
+    # Each RMSNorm: its fp32 input and 1/rms (both for the input's gradient), the normalized input cast to
+    # bf16 (for its weight's gradient) and its output (for the projections' weight gradients).
+    norms = 2 * (4 * 4096 + 4 + 2 * 4096 + 2 * 4096)
+    # The fused kernel: q, k, v and its output (which o_proj reads as it is), a fp32 logsumexp per head.
+    attention = 4 * 4096 * 2 + 4 * 32
     mlp = 4 * 11008 * 2  # gate, silu, up, product
-    assert block_activation_bytes_per_token(config, 2) == norms + attention + mlp == 178_304
-    # LoRA on q, k, v, o: frozen MLP projections keep neither the MLP norm output nor the product; each
-    # adapter keeps A's output.
-    lora = block_activation_bytes_per_token(config, 2, LORA_QKVO)
-    assert lora == 178_304 - 2 * 4096 - 2 * 11008 + 4 * 8 * 2
-    # All-linear: the MLP adapters train, so both inputs stay; seven A outputs.
-    assert block_activation_bytes_per_token(config, 2, LoRAConfig()) == 178_304 + 7 * 8 * 2
+    assert block_activation_bytes_per_token(config, 2) == norms + attention + mlp == 186_504
+    # Everything frozen in the blocks (an adapter on lm_head only): no weight gradient needs the norms'
+    # outputs or the product down_proj reads; what the input's gradient needs stays.
+    frozen = 2 * (4 * 4096 + 4) + attention + 3 * 11008 * 2
+    assert block_activation_bytes_per_token(config, 2, LoRAConfig(targets=["lm_head"])) == frozen == 131_720
 
 
 def test_post_norms_add_their_fp32_inputs_and_a_block_without_pre_norms_keeps_no_upcast():
-    """Gemma's sandwich adds two norms after attention and the MLP, each keeping its fp32 input; OLMo 2 moves
-    the norms there, so the q/k/v and MLP inputs are kept without an fp32 upcast beside them."""
+    """Gemma's sandwich adds two norms after attention and the MLP, each keeping its fp32 input, 1/rms and the
+    normalized input cast for its weight's gradient (its output goes into the residual add, which keeps
+    nothing); OLMo 2 moves the norms there, so the q/k/v and MLP inputs are the residual stream's own bf16
+    tensors, kept without an fp32 upcast, a cast or a norm output beside them."""
     llama = Config.from_name("tiny-llama", hidden_size=64, num_heads=4, num_kv_heads=2)
     C = llama.hidden_size
     gemma = dataclasses.replace(llama, post_attention_norm=True, post_mlp_norm=True)
     olmo = dataclasses.replace(gemma, pre_norms=False)
     plain = block_activation_bytes_per_token(llama, 2)
-    assert block_activation_bytes_per_token(gemma, 2) == plain + 2 * 4 * C
-    assert block_activation_bytes_per_token(olmo, 2) == plain + 2 * 4 * C - 2 * 4 * C
+    post_norm = 4 * C + 4 + 2 * C
+    assert block_activation_bytes_per_token(gemma, 2) == plain + 2 * post_norm
+    pre_norm = 4 * C + 4 + 2 * C + 2 * C
+    assert block_activation_bytes_per_token(olmo, 2) == plain + 2 * post_norm - 2 * pre_norm + 2 * 2 * C
 
 
 def test_activation_checkpointing_keeps_block_inputs_and_one_block():
     config = Config.from_name("Llama-2-7b-hf")
     head = 2048 * (4096 * 6 + 2 * 128 * 2)  # final norm, RoPE cos and sin
     plain = estimate_memory(config, devices=8)
-    assert plain.activations == 32 * 178_304 * 2048 + head
+    assert plain.activations == 32 * 186_504 * 2048 + head
     checkpointed = estimate_memory(config, devices=8, activation_checkpointing=True)
-    assert checkpointed.activations == 32 * 2048 * 4096 * 2 + 178_304 * 2048 + head == 953_417_728
+    assert checkpointed.activations == 32 * 2048 * 4096 * 2 + 186_504 * 2048 + head == 970_211_328
 
 
 def test_transients():
@@ -201,12 +208,12 @@ def test_transients():
 
 def test_total_counts_gradients_against_activations():
     # 7B FULL_SHARD on 8 GPUs, by hand (tutorials/memory_planning.md): weights and AdamW states always,
-    # then the larger of gradients (3.14 GiB) and activations + transients (10.93 + 3.23 GiB).
+    # then the larger of gradients (3.14 GiB) and activations + transients (11.43 + 3.23 GiB).
     estimate = estimate_memory(Config.from_name("Llama-2-7b-hf"), devices=8)
     assert estimate.total == (
         estimate.parameters + estimate.optimizer_states + estimate.activations + estimate.transients
     )
-    assert round(estimate.total / 2**30, 2) == 23.57
+    assert round(estimate.total / 2**30, 2) == 24.07
     # NO_SHARD: the replicated fp32 gradients (25.10 GiB) outweigh the activations.
     no_shard = estimate_memory(Config.from_name("Llama-2-7b-hf"), devices=8, sharding_strategy="NO_SHARD")
     assert no_shard.total == (4 + 8 + 4) * LLAMA_2_7B

@@ -19,6 +19,8 @@ from transformers import (
     MistralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
@@ -44,6 +46,14 @@ LLAMA3_ROPE_SCALING = {
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
+}
+# Phi-3 128k's LongRoPE, at a scale the tests reach: sequences past 32 tokens take the long factors (one per
+# rotated pair: 3/4 of 16 dimensions rotated, as Phi-4-mini rotates 3/4 of its heads).
+PHI3_LONG_ROPE_LENGTH = 32
+PHI3_LONG_ROPE = {
+    "type": "longrope",
+    "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+    "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0],
 }
 
 # Name -> (config, model class). Each one differs from plain Llama in what its name says.
@@ -119,6 +129,23 @@ TINY_HF_MODELS: dict[str, tuple[PretrainedConfig, type[PreTrainedModel]]] = {
     ),
     # OLMo 2: norms after attention and MLP only, q/k norms over the whole projection.
     "olmo2": (Olmo2Config(**_SHAPES, tie_word_embeddings=False, eos_token_id=None), Olmo2ForCausalLM),
+    # Phi-3: q/k/v and gate/up fused in one tensor each; Phi-3-mini-4k's window on every layer.
+    "phi3": (
+        Phi3Config(**_SHAPES, sliding_window=SLIDING_WINDOW, pad_token_id=None, tie_word_embeddings=False),
+        Phi3ForCausalLM,
+    ),
+    # Phi-4-mini: partial rotary (3/4 of each head) and LongRoPE, tied embeddings.
+    "phi3-longrope": (
+        Phi3Config(
+            **_SHAPES,
+            partial_rotary_factor=0.75,
+            rope_scaling=PHI3_LONG_ROPE,
+            original_max_position_embeddings=PHI3_LONG_ROPE_LENGTH,
+            pad_token_id=None,
+            tie_word_embeddings=True,
+        ),
+        Phi3ForCausalLM,
+    ),
 }
 
 

@@ -15,7 +15,7 @@ family (tests/test_families.py, tests/test_metrics.py) cover it at once; add its
 tests/tiny_hf.py for the conversion and logits tests.
 """
 
-from litsft.families import gemma2, gemma3, llama, mistral, olmo2, qwen2, qwen3  # noqa: F401  (each registers its family)
+from litsft.families import gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3  # noqa: F401  (each registers its family)
 from litsft.families.spec import (
     FAMILIES,
     Family,
