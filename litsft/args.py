@@ -9,6 +9,7 @@ resolved by `with_defaults`, a pure function; nothing changes a RunConfig in pla
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -151,6 +152,7 @@ class OptimizerConfig:
 
 LoRATarget = Literal["q", "k", "v", "o", "gate", "up", "down", "lm_head"]
 LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
+LoRAVariant = Literal["lora", "rslora", "dora"]
 # PEFT's "all-linear" leaves the output layer out; so does litsft's.
 ALL_LINEAR: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -169,6 +171,9 @@ class LoRAConfig:
     """Projections to adapt: a list of q, k, v, o, gate, up, down, lm_head, or all-linear (every attention
     and MLP projection, not lm_head). Adapting the MLP too is what lets LoRA approach full fine-tuning
     (QLoRA, Dettmers et al. 2023), for a few more adapter parameters."""
+    variant: LoRAVariant = "lora"
+    """lora (scaling alpha / rank), rslora (alpha / sqrt(rank): the update's size no longer shrinks as the
+    rank grows) or dora (LoRA on the direction of each weight row plus a trained magnitude per row)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.targets, str):
@@ -190,6 +195,10 @@ class LoRAConfig:
             fix="the adapters' output is scaled by alpha / rank, so 0 trains nothing; use e.g. 2 x rank",
         )  # fmt: skip
         check_number("--lora.dropout", self.dropout, at_least=0, below=1, fix="use e.g. 0.05, or 0 for none")
+        if self.variant not in get_args(LoRAVariant):
+            raise LitsftError(
+                f"--lora.variant={self.variant!r} is not valid; choose one of {', '.join(get_args(LoRAVariant))}"
+            )
 
     @property
     def target_list(self) -> list[str]:
@@ -198,7 +207,8 @@ class LoRAConfig:
 
     @property
     def scaling(self) -> float:
-        return self.alpha / self.rank
+        """The factor on B A: alpha / rank, or alpha / sqrt(rank) for rsLoRA."""
+        return self.alpha / (math.sqrt(self.rank) if self.variant == "rslora" else self.rank)
 
 
 @dataclass

@@ -11,6 +11,7 @@ so a failed conversion leaves nothing behind.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -259,6 +260,7 @@ def peft_adapter_tensors(
     n * alpha as well (`_peft_config`), PEFT's scaling alpha / rank is litsft's."""
     weights, shapes = weight_map(config), expected_shapes(config)
     modules_of: dict[str, list[str]] = {}  # HF weight -> the litsft modules with adapters it holds
+    dora = any(name.endswith(".lora_magnitude_vector.weight") for name in adapters)
     for name in adapters:
         module = name.rsplit(".", 2)[0]
         held = modules_of.setdefault(weights.hf_name(f"{module}.weight"), [])
@@ -272,6 +274,12 @@ def peft_adapter_tensors(
         lora_A = torch.cat([adapters[f"{part}.lora_A.weight"] for part in adapted])  # (n * r, in)
         if len(parts) == 1:
             lora_B = adapters[f"{adapted[0]}.lora_B.weight"]
+        elif dora:
+            # PEFT's magnitude for the fused module would need the row norms of its unadapted parts' weights.
+            raise LitsftError(
+                f"DoRA adapters on part of the fused Hugging Face module {hf_weight!r} have no PEFT form here; "
+                "export with --lora_format merged instead"
+            )
         else:
             rank = lora_A.shape[0] // len(adapted)
             lora_B = lora_A.new_zeros(sum(shapes[f"{part}.weight"][0] for part in parts), lora_A.shape[0])
@@ -285,6 +293,10 @@ def peft_adapter_tensors(
             fused[_module_name(hf_weight)] = len(adapted)
         prefix = f"base_model.model.{hf_weight.removesuffix('.weight')}"
         tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = lora_A, lora_B
+        if dora:  # PEFT saves DoRA's magnitude without the `.weight` of litsft's module
+            tensors[f"{prefix}.lora_magnitude_vector"] = adapters[
+                f"{adapted[0]}.lora_magnitude_vector.weight"
+            ]
     return tensors, fused
 
 
@@ -318,7 +330,7 @@ def export_peft_adapter(lora_checkpoint_dir: Path, out_dir: Path, base_model_nam
             )
         adapters, fused = peft_adapter_tensors(folder.adapters, Config.from_checkpoint(folder.base_dir))
         save_safetensors(adapters, tmp_dir / PEFT_ADAPTER_NAME)
-        modules = sorted({name.split(".")[-3] for name in adapters})  # <module>.lora_A.weight
+        modules = sorted({name.split(".")[-3] for name in adapters if name.endswith(".lora_A.weight")})
         write_json(tmp_dir / PEFT_CONFIG_NAME, _peft_config(folder, base_name, modules, fused))
         copy_tokenizer_files(Path(lora_checkpoint_dir), tmp_dir)
 
@@ -339,11 +351,15 @@ def _peft_config(
         "lora_dropout": lora_config.dropout,
         "target_modules": target_modules,
         "rank_pattern": {module: n * lora_config.rank for module, n in fused.items()},
-        "alpha_pattern": {module: n * alpha for module, n in fused.items()},
+        # rsLoRA scales by alpha / sqrt(rank): n times the rank needs sqrt(n) times alpha.
+        "alpha_pattern": {
+            module: alpha * math.sqrt(n) if lora_config.variant == "rslora" else n * alpha
+            for module, n in fused.items()
+        },
         "bias": "none",
         "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
+        "use_rslora": lora_config.variant == "rslora",
+        "use_dora": lora_config.variant == "dora",
         "init_lora_weights": True,
         "modules_to_save": None,
         "inference_mode": True,

@@ -1,7 +1,18 @@
 """LoRA: low-rank adapters on a frozen Transformer, and the math that folds them into base weights.
 
-A projection `W` becomes `W x + B A dropout(x) * alpha / rank`, with A (rank, in) and B (out, rank); B starts
-at zero, so a fresh adapter leaves the model's outputs unchanged.
+A projection `W` becomes `W x + B A dropout(x) * scaling`, with A (rank, in) and B (out, rank); B starts
+at zero, so a fresh adapter leaves the model's outputs unchanged. Three variants, as PEFT defines them
+(https://github.com/huggingface/peft/blob/main/src/peft/tuners/lora/layer.py):
+
+| variant | scaling             | output                                                              |
+|---------|---------------------|---------------------------------------------------------------------|
+| lora    | alpha / rank        | W x + s B A x                                                       |
+| rslora  | alpha / sqrt(rank)  | W x + s B A x (rank-stabilized, Kalajdzievski 2023)                 |
+| dora    | alpha / rank        | m / ||W + s B A||_row * (W x + s B A x) (Liu et al. 2024)           |
+
+DoRA's magnitude m (out,) starts as the row norms of W, so a fresh DoRA adapter changes nothing either; it
+is trained, while the row norm ||W + s B A|| is treated as a constant in the backward pass (section 4.3 of
+the DoRA paper, and PEFT).
 
 Parameter names. Each adapted `nn.Linear` is wrapped in a `LoRALinear` that keeps it as a child named `base`,
 so FSDP2 can put the frozen base and the trainable adapters in separate units:
@@ -9,6 +20,7 @@ so FSDP2 can put the frozen base and the trainable adapters in separate units:
     blocks.0.attn.q_proj.weight   ->  blocks.0.attn.q_proj.base.weight     (frozen)
                                       blocks.0.attn.q_proj.lora_A.weight   (rank, in)
                                       blocks.0.attn.q_proj.lora_B.weight   (out, rank)
+                                      blocks.0.attn.q_proj.lora_magnitude_vector.weight  (out,) DoRA only
 
 `model.load_state_dict(plain_litsft_state_dict)` still works: `LoRALinear` renames `weight`/`bias` to
 `base.weight`/`base.bias` while loading and leaves its adapters as they are when the state dict has none.
@@ -26,6 +38,7 @@ from dataclasses import replace
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from litsft.args import LORA_TARGETS, LoRAConfig
 from litsft.config import Config
@@ -100,33 +113,105 @@ class AdapterDropout(nn.Dropout):
 
 
 class LoRALinear(nn.Module):
-    """A frozen `nn.Linear` plus a trainable low-rank update: base(x) + B(A(dropout(x))) * alpha / rank."""
+    """A frozen `nn.Linear` plus a trainable low-rank update: base(x) + B(A(dropout(x))) * scaling, or its
+    DoRA form (module docstring) when built with `dora=True`."""
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
+    def __init__(
+        self, base: nn.Linear, rank: int, alpha: float, dropout: float, scaling: float | None = None,
+        dora: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.base = base
-        factory = dict(device=base.weight.device, dtype=base.weight.dtype)
+        factory = dict(
+            device=base.weight.device, dtype=base.weight.dtype
+        )  # an NF4 weight's dtype is its dequantized one
         self.lora_A = nn.Linear(base.in_features, rank, bias=False, **factory)
         self.lora_B = LoRAUp(rank, base.out_features, bias=False, **factory)
+        self.lora_magnitude_vector = DoRAMagnitude(base.out_features, **factory) if dora else None
         self.dropout = AdapterDropout(dropout) if dropout > 0 else nn.Identity()
-        self.scaling = alpha / rank
+        self.scaling = alpha / rank if scaling is None else scaling
         if base.weight.device.type != "meta":
             self.reset_lora_parameters()
         self.register_load_state_dict_pre_hook(_load_plain_names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.base(x)
+        h = self.dropout(x)
         # Scaling the rank-wide intermediate costs out_features / rank times less than scaling the output.
-        return self.base(x) + self.lora_B(self.lora_A(self.dropout(x)) * self.scaling)
+        update = self.lora_B(self.lora_A(h) * self.scaling)
+        if self.lora_magnitude_vector is None:
+            return result + update
+        # DoRA, computed as PEFT does: W x is the base output without its bias (recomputed on the dropped-out
+        # input when dropout is active), the row norms of W + s B A come from B A through the adapters' own
+        # forward (so a sharded adapter is gathered the way FSDP gathers it) and are held constant.
+        weight = base_weight(self.base).to(x.dtype)
+        eye = torch.eye(self.lora_A.in_features, device=x.device, dtype=x.dtype)
+        delta = self.lora_B(self.lora_A(eye)).t() * self.scaling  # (out, in)
+        row_norm = torch.linalg.vector_norm(weight + delta.detach(), dim=1).detach()
+        if isinstance(self.dropout, nn.Identity) or not self.training:
+            bias = self.base.bias
+            plain = result if bias is None else result - bias
+        else:
+            plain = nn.functional.linear(h, weight)
+        return result + self.lora_magnitude_vector(plain, update, row_norm)
 
     @torch.no_grad()
     def reset_lora_parameters(self) -> None:
-        """A as PEFT and the LoRA paper initialize it (nn.Linear's default), B zero."""
+        """A as PEFT and the LoRA paper initialize it (nn.Linear's default), B zero, DoRA's magnitude the
+        row norms of the base weight."""
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
+        self.reset_magnitude()
+
+    @torch.no_grad()
+    def reset_magnitude(self) -> None:
+        """DoRA's magnitude := the row norms of the base weight (with B = 0, of W + s B A), for the rows this
+        rank holds: FSDP2 splits the magnitude (out,) and the weight (out, in) into the same row ranges."""
+        if self.lora_magnitude_vector is None:
+            return
+        magnitude, weight = self.lora_magnitude_vector.weight.data, self.base.weight.data
+        if isinstance(magnitude, DTensor):
+            if magnitude.placements != weight.placements or magnitude.device_mesh != weight.device_mesh:
+                raise RuntimeError("DoRA's magnitude and its base weight are sharded differently")
+            magnitude, weight = magnitude.to_local(), weight.to_local()
+        if magnitude.numel():
+            magnitude.copy_(torch.linalg.vector_norm(dequantized(weight).float(), dim=1))
 
     def delta_weight(self) -> torch.Tensor:
         """B @ A * scaling (out, in), in fp32."""
         return lora_delta(self.lora_A.weight, self.lora_B.weight, self.scaling)
+
+
+class DoRAMagnitude(nn.Module):
+    """DoRA's trained magnitude, one value per output row; a module of its own so that, like lora_A and
+    lora_B, FSDP2 can gather it on its own and its name matches PEFT's `lora_magnitude_vector`."""
+
+    def __init__(
+        self, out_features: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(out_features, device=device, dtype=dtype))
+
+    def reset_parameters(self) -> None:
+        # Placeholder until the base weights are loaded (`LoRALinear.reset_magnitude`).
+        nn.init.ones_(self.weight)
+
+    def forward(self, plain: torch.Tensor, update: torch.Tensor, row_norm: torch.Tensor) -> torch.Tensor:
+        """The DoRA output minus the base output: (m / n - 1) W x + (m / n) s B A x."""
+        scale = (self.weight / row_norm).to(plain.dtype)
+        return (scale - 1) * plain + scale * update
+
+
+def base_weight(base: nn.Module) -> torch.Tensor:
+    """The base layer's weight as a plain tensor, dequantized when it is stored in NF4."""
+    return dequantized(base.weight)
+
+
+def dequantized(weight: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: `weight` itself, or the values an NF4 weight stands for."""
+    if hasattr(weight, "get_original_weight"):  # torchao's NF4Tensor
+        return weight.get_original_weight()
+    return weight
 
 
 def _load_plain_names(
@@ -137,8 +222,9 @@ def _load_plain_names(
     for suffix in ("weight", "bias"):
         if prefix + suffix in state_dict:
             state_dict[prefix + "base." + suffix] = state_dict.pop(prefix + suffix)
-    for name in ("lora_A", "lora_B"):
-        state_dict.setdefault(f"{prefix}{name}.weight", getattr(module, name).weight)
+    for name, adapter in module.named_children():
+        if name.startswith("lora_"):
+            state_dict.setdefault(f"{prefix}{name}.weight", adapter.weight)
 
 
 def lora_delta(lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -151,16 +237,26 @@ def apply_lora(model: Transformer, config: LoRAConfig) -> Transformer:
     """Wrap the targeted projections of `model` in LoRALinear (in place) and freeze everything but the
     adapters. Works on a model on the meta device: after `to_empty()`, let Fabric's materialization
     call each module's `reset_parameters()` (or draw the adapters with `initial_adapter_value`), then load the
-    base weights."""
+    base weights and, for DoRA, `reset_magnitudes`."""
     module_names = {MODULE_OF_TARGET[t] for t in config.target_list}
     for parent in list(model.modules()):
         if isinstance(parent, LoRALinear):
             continue
         for name, child in list(parent.named_children()):
             if name in module_names and type(child) is nn.Linear:
-                setattr(parent, name, LoRALinear(child, config.rank, config.alpha, config.dropout))
+                adapted = LoRALinear(
+                    child, config.rank, config.alpha, config.dropout, config.scaling, config.variant == "dora"
+                )
+                setattr(parent, name, adapted)
     mark_only_lora_trainable(model)
     return model
+
+
+def reset_magnitudes(model: nn.Module) -> None:
+    """DoRA: set every magnitude to the row norms of its (loaded) base weight, as a fresh adapter needs."""
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            module.reset_magnitude()
 
 
 def mark_only_lora_trainable(model: nn.Module) -> None:
@@ -168,8 +264,11 @@ def mark_only_lora_trainable(model: nn.Module) -> None:
         param.requires_grad = _is_adapter_name(name)
 
 
+ADAPTER_MODULES = ("lora_A", "lora_B", "lora_magnitude_vector")
+
+
 def _is_adapter_name(name: str) -> bool:
-    return ".lora_A." in f".{name}" or ".lora_B." in f".{name}"
+    return any(f".{adapter}." in f".{name}" for adapter in ADAPTER_MODULES)
 
 
 def lora_state_dict(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -203,7 +302,11 @@ def iter_merged_tensors(
         if lora_A is None:
             return tensor
         delta = lora_delta(lora_A, adapter_state_dict[f"{module}.lora_B.weight"], lora_config.scaling)
-        return (tensor.float() + delta.to(tensor.device)).to(tensor.dtype)
+        merged = tensor.float() + delta.to(tensor.device)
+        magnitude = adapter_state_dict.get(f"{module}.lora_magnitude_vector.weight")
+        if magnitude is not None:  # DoRA: each row rescaled to its trained magnitude, as PEFT merges it
+            merged *= (magnitude.float().to(merged.device) / torch.linalg.vector_norm(merged, dim=1))[:, None]
+        return merged.to(tensor.dtype)
 
     for name, tensor in base_tensors:
         module, _, suffix = name.rpartition(".")
@@ -256,7 +359,10 @@ def base_weight_name(name: str) -> str | None:
 
 def initial_adapter_value(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
     """A fresh adapter drawn from `generator` alone, so it does not depend on how the model is sharded:
-    A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (nn.Linear's default, PEFT's choice), B = 0."""
+    A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (nn.Linear's default, PEFT's choice), B = 0, DoRA's magnitude 1
+    until `reset_magnitudes` sets it from the loaded base weights."""
+    if name.endswith("lora_magnitude_vector.weight"):
+        return torch.ones(shape)
     if name.endswith("lora_B.weight"):
         return torch.zeros(shape)
     bound = 1 / math.sqrt(shape[1])

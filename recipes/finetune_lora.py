@@ -58,7 +58,7 @@ def setup(
             checkpoint; false starts at step 0, refused when out_dir holds checkpoints (so that none is
             overwritten): pass another --out_dir to start over.
         seed: Seed for data order, adapter initialization, dropout and sampling.
-        lora: Rank, alpha, dropout and which projections get adapters.
+        lora: Rank, alpha, dropout, variant (lora, rslora, dora) and which projections get adapters.
         fsdp: Sharding strategy and memory options (used with more than one process).
         train: Batch sizes, length of the run and checkpointing.
         eval: Validation settings.
@@ -75,7 +75,13 @@ def setup(
 def lora_finetuning(checkpoint_dir: Path, lora: LoRAConfig, seed: int) -> Recipe:
     """Adapters on the frozen base train; step checkpoints and the final result hold the adapters alone."""
     # Imported here: litsft.launcher calls this once the run has passed its checks, and torch takes seconds.
-    from litsft.lora import apply_lora, base_weight_name, initial_adapter_value, lora_state_dict
+    from litsft.lora import (
+        apply_lora,
+        base_weight_name,
+        initial_adapter_value,
+        lora_state_dict,
+        reset_magnitudes,
+    )
     from litsft.model import Transformer, parameter_generator
     from litsft.storage.lora_folder import save_lora_folder
     from litsft.storage.model_folder import load_model_weights
@@ -88,6 +94,8 @@ def lora_finetuning(checkpoint_dir: Path, lora: LoRAConfig, seed: int) -> Recipe
                 copy_rows(
                     param.data, initial_adapter_value(name, param.shape, parameter_generator(seed, name))
                 )
+        reset_magnitudes(model)  # DoRA: from the loaded base rows
+        reset_magnitudes(model)  # DoRA: from the loaded base rows
 
     def save_final(model: Transformer, final_dir: Path) -> None:
         adapters = lora_state_dict(model)  # collective: every rank gathers

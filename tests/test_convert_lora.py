@@ -4,6 +4,7 @@ LoRA folder itself (storage/lora_folder.py) is tested here too: these tests writ
 
 import copy
 import json
+import math
 
 import peft
 import pytest
@@ -49,6 +50,7 @@ def test_merge_lora_command_writes_equivalent_checkpoint(tmp_path, tied):
         "alpha": 16,
         "dropout": 0.05,
         "targets": ["q", "v", "gate", "lm_head"],
+        "variant": "lora",
         "base_checkpoint": str((tmp_path / "base").resolve()),
         "base_weights_sha256": weights_fingerprint(tmp_path / "base"),
     }
@@ -71,25 +73,31 @@ LLAMA_MODULES = sorted(
 
 
 @pytest.mark.parametrize(
-    ("kind", "targets", "target_modules", "fused"),
+    ("kind", "targets", "target_modules", "fused", "variant"),
     [
-        ("llama", ALL_TARGETS, LLAMA_MODULES, {}),
-        ("llama-tied", ALL_TARGETS, LLAMA_MODULES, {}),
-        ("gemma2", ALL_TARGETS, LLAMA_MODULES, {}),
-        ("gemma3", ALL_TARGETS, LLAMA_MODULES, {}),
-        ("olmo2", ALL_TARGETS, LLAMA_MODULES, {}),
+        ("llama", ALL_TARGETS, LLAMA_MODULES, {}, "lora"),
+        ("llama-tied", ALL_TARGETS, LLAMA_MODULES, {}, "lora"),
+        ("gemma2", ALL_TARGETS, LLAMA_MODULES, {}, "lora"),
+        ("gemma3", ALL_TARGETS, LLAMA_MODULES, {}, "lora"),
+        ("olmo2", ALL_TARGETS, LLAMA_MODULES, {}, "lora"),
+        ("llama", ALL_TARGETS, LLAMA_MODULES, {}, "rslora"),
+        ("llama", ALL_TARGETS, LLAMA_MODULES, {}, "dora"),
+        ("llama-tied", ALL_TARGETS, LLAMA_MODULES, {}, "dora"),
         # Phi-3's fused modules, one of them adapted in part (q and v, not k): stacked A, block-diagonal B.
         ("phi3-longrope", ["q", "v", "gate", "up", "down", "lm_head"],
-         ["down_proj", "gate_up_proj", "lm_head", "qkv_proj"], {"qkv_proj": 2, "gate_up_proj": 2}),
+         ["down_proj", "gate_up_proj", "lm_head", "qkv_proj"], {"qkv_proj": 2, "gate_up_proj": 2}, "lora"),
+        ("phi3-longrope", ["q", "v", "gate", "up", "down", "lm_head"],
+         ["down_proj", "gate_up_proj", "lm_head", "qkv_proj"], {"qkv_proj": 2, "gate_up_proj": 2}, "rslora"),
     ],
 )  # fmt: skip
-def test_peft_adapter_reproduces_lora_model(tmp_path, kind, targets, target_modules, fused):
+def test_peft_adapter_reproduces_lora_model(tmp_path, kind, targets, target_modules, fused, variant):
     """The PEFT export, loaded by peft on the original transformers model, gives the LoRA model's logits and the
-    merged export's (within 1e-5), also where one PEFT module holds several litsft adapters (Phi-3's qkv_proj)."""
+    merged export's (within 1e-5), also where one PEFT module holds several litsft adapters (Phi-3's qkv_proj),
+    for LoRA, rsLoRA (use_rslora) and DoRA (use_dora)."""
     hf_model = tiny_hf_model(kind)
     save_tiny_hf(hf_model, tmp_path / "hf", tokenizer=False)
     convert_from_hf(tmp_path / "hf", tmp_path / "base")
-    lora_config = LoRAConfig(targets=targets, alpha=24)
+    lora_config = LoRAConfig(targets=targets, alpha=24, variant=variant)
     model = apply_lora(load_checkpoint_model(tmp_path / "base"), lora_config)
     train(model)
     save_lora_folder(lora_state_dict(model), lora_config, tmp_path / "base", tmp_path / "lora")
@@ -97,14 +105,18 @@ def test_peft_adapter_reproduces_lora_model(tmp_path, kind, targets, target_modu
     export_peft_adapter(tmp_path / "lora", tmp_path / "peft")
     peft_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     keys = ("peft_type", "task_type", "r", "lora_alpha", "target_modules", "rank_pattern", "alpha_pattern")
-    assert {k: peft_config[k] for k in keys} == {
+    assert {k: peft_config[k] for k in (*keys, "use_rslora", "use_dora")} == {
+        "use_rslora": variant == "rslora",
+        "use_dora": variant == "dora",
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": 8,
         "lora_alpha": 24,
         "target_modules": target_modules,
         "rank_pattern": {module: n * 8 for module, n in fused.items()},
-        "alpha_pattern": {module: n * 24 for module, n in fused.items()},
+        "alpha_pattern": {
+            module: 24 * math.sqrt(n) if variant == "rslora" else n * 24 for module, n in fused.items()
+        },
     }
     peft_model = peft.PeftModel.from_pretrained(hf_model, tmp_path / "peft").eval()
     # PEFT saves exactly these names (plus, by default, a copy of the base lm_head, which is not needed).
@@ -112,11 +124,12 @@ def test_peft_adapter_reproduces_lora_model(tmp_path, kind, targets, target_modu
     assert saved.keys() == peft.get_peft_model_state_dict(peft_model, save_embedding_layers=False).keys()
     assert f"base_model.model.model.layers.1.self_attn.{target_modules[-1]}.lora_A.weight" in saved
     assert "base_model.model.lm_head.lora_B.weight" in saved
+    assert ("base_model.model.lm_head.lora_magnitude_vector" in saved) == (variant == "dora")
     with torch.no_grad():
         peft_logits = peft_model(TOKENS).logits
         with peft_model.disable_adapter():
             assert (peft_model(TOKENS).logits - peft_logits).abs().max() > 1e-3
-    torch.testing.assert_close(peft_logits, logits_of(model), atol=1e-4, rtol=0)
+    torch.testing.assert_close(peft_logits, logits_of(model), atol=1e-5, rtol=0)
 
     export_lora_to_hf(tmp_path / "lora", tmp_path / "merged-hf", format="merged")
     merged_hf = AutoModelForCausalLM.from_pretrained(tmp_path / "merged-hf").eval()

@@ -111,6 +111,69 @@ def test_merged_model_equals_model_with_adapters(targets, tied):
     assert merged.config.tie_word_embeddings == (tied and "lm_head" not in lora_config.target_list)
 
 
+@pytest.mark.parametrize("variant", ["rslora", "dora"])
+def test_variants_start_as_the_base_train_and_merge(variant):
+    """rsLoRA and DoRA, like LoRA: a fresh adapter changes nothing, the merged model equals the adapted one.
+    DoRA trains a magnitude per output row, which starts as the row norms of the base weight."""
+    base = base_model(tied=True)
+    base_state = {name: tensor.clone() for name, tensor in base.state_dict().items()}
+    expected = logits_of(base)
+    lora_config = LoRAConfig(targets=["q", "down", "lm_head"], variant=variant, rank=4, alpha=8)
+    model = apply_lora(base, lora_config)
+    if variant == "dora":  # m / ||W|| is 1 up to rounding
+        torch.testing.assert_close(logits_of(model), expected, atol=1e-6, rtol=0)
+    else:
+        assert torch.equal(logits_of(model), expected)
+    magnitudes = {n: t.clone() for n, t in lora_state_dict(model).items() if "magnitude" in n}
+    assert magnitudes.keys() == (
+        {
+            f"blocks.{i}.{m}.lora_magnitude_vector.weight"
+            for i in range(2)
+            for m in ("attn.q_proj", "mlp.down_proj")
+        }
+        | {"lm_head.lora_magnitude_vector.weight"}
+        if variant == "dora"
+        else set()
+    )
+    for name, magnitude in magnitudes.items():
+        weight = base_state[name.replace(".lora_magnitude_vector", "").replace("lm_head", "embed")]
+        torch.testing.assert_close(magnitude, weight.norm(dim=1))
+    train(model)
+    assert all(not torch.equal(lora_state_dict(model)[n], t) for n, t in magnitudes.items())
+    merged = Transformer(merged_config(model.config, lora_config))
+    merged.load_state_dict(
+        dict(iter_merged_tensors(base_state.items(), lora_state_dict(model), lora_config, True))
+    )
+    torch.testing.assert_close(logits_of(merged.eval()), logits_of(model), atol=1e-5, rtol=0)
+
+
+def test_rslora_scales_by_the_square_root_of_the_rank():
+    assert LoRAConfig(rank=16, alpha=8).scaling == 0.5
+    assert LoRAConfig(rank=16, alpha=8, variant="rslora").scaling == 2.0
+    layer = (
+        apply_lora(base_model(False), LoRAConfig(rank=16, alpha=8, variant="rslora")).blocks[0].attn.q_proj
+    )
+    assert layer.scaling == 2.0
+    with pytest.raises(
+        LitsftError, match="--lora.variant='qlora' is not valid; choose one of lora, rslora, dora"
+    ):
+        LoRAConfig(variant="qlora")
+
+
+def test_dora_gradient_treats_the_row_norm_as_a_constant():
+    """PEFT's DoRA (section 4.3 of the paper): the magnitude's gradient is (W x + s B A x) / ||W + s B A|| times
+    the output gradient, with no term from the norm; dropout recomputes W x on the dropped-out input."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(16, 8)
+    layer = LoRALinear(base, rank=2, alpha=4, dropout=0.0, dora=True)
+    torch.nn.init.normal_(layer.lora_B.weight)
+    x = torch.randn(5, 16)
+    layer(x).sum().backward()
+    combined = base.weight + layer.delta_weight()
+    norm = combined.norm(dim=1)
+    torch.testing.assert_close(layer.lora_magnitude_vector.weight.grad, (x @ combined.t() / norm).sum(0))
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_only_adapters_are_trained(tied):
     base = base_model(tied)
