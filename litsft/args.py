@@ -20,6 +20,9 @@ from litsft.errors import LitsftError, check_number
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
 Precision = Literal["bf16-mixed", "bf16-true", "16-mixed", "32-true"]
 Accelerator = Literal["auto", "cpu", "cuda"]
+Quantization = Literal["nf4"]
+"""How finetune_lora stores the frozen base weights of the projections it adapts: nf4 is QLoRA's 4-bit
+NormalFloat with double-quantized scales (litsft.quantization)."""
 
 MAX_DEFAULT_SEQ_LENGTH = 2048
 """--train.max_seq_length when none is given: the model's context length, capped here."""

@@ -16,6 +16,7 @@ import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -26,6 +27,7 @@ from litsft.errors import LitsftError
 from litsft.families import FAMILIES, WeightMap, family_of
 from litsft.lora import iter_merged_tensors, merged_config
 from litsft.model import Transformer
+from litsft.quantization import iter_nf4_base
 from litsft.storage.files import publish_atomically, read_json, write_json
 from litsft.storage.lora_folder import LoRAFolder, is_lora_folder, read_lora_folder
 from litsft.storage.model_folder import (
@@ -147,7 +149,7 @@ def convert_to_hf(
     checkpoint_dir = Path(checkpoint_dir)
     out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir.with_name(checkpoint_dir.name + "-hf")
     if is_lora_folder(checkpoint_dir):
-        export_lora_to_hf(checkpoint_dir, out_dir, lora_format)
+        export_lora_to_hf(checkpoint_dir, out_dir, lora_format, dtype)
         print(f"Saved Hugging Face {lora_format} export of the LoRA checkpoint to {out_dir}")
         return
     if lora_format == "peft":
@@ -192,7 +194,7 @@ def write_hf_checkpoint(
 
 
 # ---- LoRA folders ----------------------------------------------------------------------------------------
-def merge_lora(checkpoint_dir: Path, out_dir: Path | None = None) -> None:
+def merge_lora(checkpoint_dir: Path, out_dir: Path | None = None, dtype: DType = "auto") -> None:
     """Fold a LoRA checkpoint's adapters into its base weights and write a plain litsft checkpoint.
 
     Args:
@@ -200,18 +202,23 @@ def merge_lora(checkpoint_dir: Path, out_dir: Path | None = None) -> None:
             adapter.safetensors); its lora_config.json names the base checkpoint.
         out_dir: Where to write the merged checkpoint; default `<checkpoint_dir>/merged`. Must not exist or
             be empty.
+        dtype: Write the weights in this dtype; "auto" keeps the base checkpoint's. Adapters trained on an
+            NF4 base (--quantize nf4) are folded into the dequantized NF4 weights they were trained with.
     """
     checkpoint_dir = Path(checkpoint_dir)
     folder = read_lora_folder(checkpoint_dir)
     out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir / "merged"
     with publish_atomically(out_dir, "the merged checkpoint") as tmp_dir:
-        with _merged_base(folder) as (tensors, config):
+        with _merged_base(folder, dtype) as (tensors, config):
             save_model_folder(tensors, config, tmp_dir, tokenizer_source_dir=checkpoint_dir)
     print(f"Saved merged checkpoint to {out_dir}")
 
 
 def export_lora_to_hf(
-    lora_checkpoint_dir: Path, out_dir: Path, format: Literal["merged", "peft"] = "merged"
+    lora_checkpoint_dir: Path,
+    out_dir: Path,
+    format: Literal["merged", "peft"] = "merged",
+    dtype: DType = "auto",
 ) -> None:
     """Export a LoRA checkpoint for Hugging Face: "merged" writes a plain transformers checkpoint with the
     adapters folded in, "peft" writes a PEFT adapter for the original base model.
@@ -220,29 +227,37 @@ def export_lora_to_hf(
         lora_checkpoint_dir: A LoRA checkpoint directory written by finetune_lora.
         out_dir: Where to write; must not exist or be empty.
         format: merged (a full model) or peft (adapter_config.json + adapter_model.safetensors).
+        dtype: The merged model's dtype; "auto" keeps the base checkpoint's.
     """
     if format == "peft":
         export_peft_adapter(lora_checkpoint_dir, out_dir)
         return
     folder = read_lora_folder(lora_checkpoint_dir)
     with publish_atomically(Path(out_dir), "the merged Hugging Face checkpoint") as tmp_dir:
-        with _merged_base(folder) as (tensors, config):
+        with _merged_base(folder, dtype) as (tensors, config):
             write_hf_checkpoint(tensors, config, tmp_dir, Path(lora_checkpoint_dir))
 
 
 @contextmanager
-def _merged_base(folder: LoRAFolder) -> Iterator[tuple[Iterator[tuple[str, torch.Tensor]], Config]]:
-    """The base's tensors with the adapters folded in, and the merged model's config. The base's weights
-    are fingerprinted as they stream past and checked when the block ends, before anything is published:
-    a base that changed since training is refused (early, when its manifest already says so)."""
+def _merged_base(
+    folder: LoRAFolder, dtype: DType = "auto"
+) -> Iterator[tuple[Iterator[tuple[str, torch.Tensor]], Config]]:
+    """The base's tensors with the adapters folded in (into the dequantized NF4 weights for QLoRA), in
+    `dtype` ("auto": the base's), and the merged model's config. The base's weights are fingerprinted as
+    they stream past and checked when the block ends, before anything is published: a base that changed
+    since training is refused (early, when its manifest already says so)."""
     folder.check_base_manifest()
     config = Config.from_checkpoint(folder.base_dir)
     fingerprint = WeightsFingerprint()
     base_tensors = fingerprint.passing(iter_model_tensors(folder.base_dir))
-    yield (
-        iter_merged_tensors(base_tensors, folder.adapters, folder.config, config.tie_word_embeddings),
-        merged_config(config, folder.config),
-    )
+    stored_dtypes = {name: dtype for name, (_, dtype) in model_tensor_shapes(folder.base_dir).items()}
+    if folder.base_quantization == "nf4":
+        base_tensors = iter_nf4_base(base_tensors, folder.adapters)
+    merged = iter_merged_tensors(base_tensors, folder.adapters, folder.config, config.tie_word_embeddings)
+    out_config = merged_config(config, folder.config)
+    if dtype != "auto":
+        out_config = replace(out_config, torch_dtype=dtype)
+    yield _cast_to(merged, dtype, stored_dtypes), out_config
     folder.check_base(fingerprint.hexdigest())
 
 
@@ -472,6 +487,18 @@ def _check_shapes(
             f"{found[name][1]}: unexpected tensor {display_name(name)!r} that the config does not have; "
             "the config does not match the weights, restore the original config"
         )
+
+
+def _cast_to(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: DType, stored_dtypes: dict[str, torch.dtype]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`dtype`, or for "auto" each tensor's stored dtype (a dequantized NF4 weight comes as fp32)."""
+    if dtype != "auto":
+        yield from _cast(named_tensors, dtype)
+        return
+    for name, tensor in named_tensors:
+        stored = stored_dtypes.get(name, stored_dtypes["embed.weight"])  # an untied lm_head: the embedding's
+        yield name, tensor.to(stored)
 
 
 def _cast(

@@ -29,6 +29,7 @@ from litsft.faults import fault_point
 from litsft.optimizer import build_optimizer, learning_rate
 from litsft.parallel import parallelize
 from litsft.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
+from litsft.quantization import is_nf4, stored_bytes
 from litsft.recipe import Recipe
 from litsft.sizes import num_parameters
 from litsft.step import diverged, next_micro_batches, raise_if_diverged, train_step
@@ -229,7 +230,7 @@ def store_frozen_in_compute_dtype(model: nn.Module, dtype: torch.dtype) -> None:
     `dtype` it takes half the memory and no per-step cast. Trained parameters and their optimizer states
     stay fp32."""
     for param in model.parameters():
-        if not param.requires_grad:
+        if not param.requires_grad and not is_nf4(param):  # NF4 (QLoRA) is smaller still; .to() dequantizes
             param.data = param.data.to(dtype)
 
 
@@ -246,8 +247,10 @@ def trainable_memory_report(model: nn.Module, config: Config) -> str:
         f"vs {full * mib:,.1f} MiB for full fine-tuning ({trainable / full:.2%})"
     )
     if frozen:
-        frozen_mib = sum(p.numel() * p.element_size() for p in frozen) / 2**20
-        dtypes = ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in frozen}))
+        frozen_mib = sum(stored_bytes(p) for p in frozen) / 2**20
+        dtypes = ", ".join(
+            sorted({"nf4" if is_nf4(p) else str(p.dtype).removeprefix("torch.") for p in frozen})
+        )
         line += f"; frozen weights {frozen_mib:,.1f} MiB ({dtypes})"
     return line + ", before sharding"
 

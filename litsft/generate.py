@@ -15,9 +15,10 @@ from torch import nn
 
 from litsft.config import Config
 from litsft.errors import LitsftError
-from litsft.lora import apply_lora
+from litsft.lora import apply_lora, base_weight_name
 from litsft.model import Transformer, long_rope_length
 from litsft.model_source import resolve_checkpoint
+from litsft.quantization import is_quantized_weight, nf4_round_trip
 from litsft.storage.lora_folder import is_lora_folder, read_lora_folder
 from litsft.storage.model_folder import fingerprint_of_state_dict, load_model_state_dict
 from litsft.tokenizer import Tokenizer, check_tokenizer_fits
@@ -237,6 +238,11 @@ def load_model(checkpoint_dir: Path, device: torch.device, dtype: torch.dtype) -
         with torch.no_grad():
             for name, tensor in folder.adapters.items():
                 model.get_parameter(name).copy_(tensor)
+            if folder.base_quantization == "nf4":  # the adapters were trained on the dequantized NF4 weights
+                for name, param in model.named_parameters():
+                    stored = base_weight_name(name)
+                    if stored is not None and is_quantized_weight(stored, folder.adapters):
+                        param.copy_(nf4_round_trip(param))
     else:
         model = _load_full_model(checkpoint_dir)
     return model.to(device=device, dtype=dtype).eval()

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import hashlib
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from launch import TINY_PHI3, litsft, write_records, write_tiny_checkpoint
+from crash_harness import run_litsft
+from launch import TINY_PHI3, litsft, litsft_two_nodes, write_records, write_tiny_checkpoint
 from safetensors.torch import load_file
 from test_engine import finetune_args
 
 from litsft.generate import load_model
-from litsft.lora import iter_merged_tensors
 from litsft.model import Transformer
-from litsft.storage.lora_folder import read_lora_folder
 
 
 def lora_args(
@@ -42,29 +40,51 @@ def digest(directory: Path) -> dict[str, str]:
     }
 
 
+# The NF4 base: every projection splits into 2 shards of whole NF4 scale blocks (64 x 256 values).
+NF4_SHAPES = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64)
+QLORA_DORA = ("--quantize", "nf4", "--lora.variant", "dora")
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("lora")
     write_tiny_checkpoint(root / "base", seed=1)
     write_tiny_checkpoint(root / "base-tiny-gemma2", seed=1, model="tiny-gemma2")
     write_tiny_checkpoint(root / "base-tiny-phi3", seed=1, **TINY_PHI3)
+    write_tiny_checkpoint(root / "base-nf4", seed=1, **NF4_SHAPES)
     write_records(root / "data.json", count=48)
     return root
 
 
-def test_resume_gives_identical_adapters_and_the_base_never_changes(workspace: Path) -> None:
-    base, data = workspace / "base", workspace / "data.json"
+@pytest.mark.parametrize(
+    "kind, steps, extra",
+    [("lora", 12, ()), ("qlora-dora", 6, QLORA_DORA)],
+)
+def test_resume_after_a_kill_gives_identical_adapters_and_the_base_never_changes(
+    workspace: Path, kind: str, steps: int, extra: tuple[str, ...]
+) -> None:
+    """Killed two steps after a checkpoint and relaunched: the adapters (and DoRA magnitudes, over an NF4
+    base) are bit-identical to the uninterrupted run's."""
+    base, data = workspace / ("base-nf4" if "qlora" in kind else "base"), workspace / "data.json"
     base_before = digest(base)
-    args = ["--devices", "2", "--fsdp.sharding_strategy", "FULL_SHARD", "--train.save_interval", "6"]
-    uninterrupted, resumed = workspace / "uninterrupted", workspace / "resumed"
-    result = litsft(lora_args(base, data, uninterrupted, 2, 12, *args), workspace)
+    save = steps // 2
+    args = [
+        "--devices",
+        "2",
+        "--fsdp.sharding_strategy",
+        "FULL_SHARD",
+        "--train.save_interval",
+        str(save),
+        *extra,
+    ]
+    uninterrupted, resumed = workspace / f"uninterrupted-{kind}", workspace / f"resumed-{kind}"
+    result = litsft(lora_args(base, data, uninterrupted, 2, steps, *args), workspace)
     assert (
         "Trainable parameters:" in result.stdout and "vs" in result.stdout
     )  # adapter vs full memory, in the log
-    shutil.copytree(uninterrupted, resumed)
-    shutil.rmtree(resumed / "step-00000012")
-    shutil.rmtree(resumed / "final")
-    result = litsft(lora_args(base, data, resumed, 2, 12, *args), workspace)
+    killed = run_litsft(lora_args(base, data, resumed, 2, steps, *args), workspace, f"after_step_{save + 2}")
+    assert killed.returncode != 0 and not (resumed / "final").exists()
+    result = litsft(lora_args(base, data, resumed, 2, steps, *args), workspace)
     assert "Resumed from" in result.stdout + result.stderr
 
     a = load_file(uninterrupted / "final" / "adapter.safetensors")
@@ -74,30 +94,49 @@ def test_resume_gives_identical_adapters_and_the_base_never_changes(workspace: P
     assert digest(base) == base_before  # frozen base: not a byte of it changed
 
     # Step checkpoints hold adapters and their optimizer state only, not the frozen base.
-    shard = load_file(uninterrupted / "step-00000006" / "shards" / "rank-00000.safetensors")
+    shard = load_file(uninterrupted / f"step-{save:08d}" / "shards" / "rank-00000.safetensors")
     assert shard and all(".lora_" in key for key in shard)
 
 
-@pytest.mark.parametrize("named", ["tiny-llama", "tiny-gemma2", "tiny-phi3"])
-def test_lora_on_two_processes_equals_one_and_exports_to_transformers(workspace: Path, named: str) -> None:
-    base, data = workspace / ("base" if named == "tiny-llama" else f"base-{named}"), workspace / "data.json"
-    single, double = workspace / named / "single", workspace / named / "double"
+@pytest.mark.parametrize(
+    "kind, base_name, extra",
+    [
+        ("lora", "base", ()),
+        ("lora-gemma2", "base-tiny-gemma2", ()),
+        ("lora-phi3", "base-tiny-phi3", ()),
+        ("qlora-dora", "base-nf4", QLORA_DORA),
+    ],
+)
+def test_lora_on_two_processes_equals_one_and_exports_to_transformers(
+    workspace: Path, kind: str, base_name: str, extra: tuple[str, ...]
+) -> None:
+    """One process == two FULL_SHARD processes (== two HYBRID_SHARD nodes, for the NF4 base, whose shards
+    must be the rows of the unsharded quantization); the merged export gives the trained model's logits."""
+    base, data = workspace / base_name, workspace / "data.json"
+    single = workspace / f"single-{kind}"
     # No dropout here: its masks depend on how rows are split over ranks.
-    litsft(lora_args(base, data, single, 4, 4, dropout=0.0), workspace)
-    litsft(lora_args(base, data, double, 2, 4, "--devices", "2", dropout=0.0), workspace)
+    litsft(lora_args(base, data, single, 4, 4, *extra, dropout=0.0), workspace)
+    runs = {"2 processes FULL_SHARD": workspace / f"double-{kind}"}
+    litsft(
+        lora_args(base, data, runs["2 processes FULL_SHARD"], 2, 4, "--devices", "2", *extra, dropout=0.0),
+        workspace,
+    )
+    if "qlora" in kind:
+        out = runs["2 nodes x 1 device HYBRID_SHARD"] = workspace / f"two-nodes-{kind}"
+        hybrid = ("--num_nodes", "2", "--fsdp.sharding_strategy", "HYBRID_SHARD", *extra)
+        litsft_two_nodes(lora_args(base, data, out, 2, 4, *hybrid, dropout=0.0), workspace)
     a = load_file(single / "final" / "adapter.safetensors")
-    b = load_file(double / "final" / "adapter.safetensors")
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    for name, out in runs.items():
+        b = load_file(out / "final" / "adapter.safetensors")
+        assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5, name
 
-    # Merged model = base + adapters; exported to HF it gives the same logits in transformers.
-    folder = read_lora_folder(single / "final")
-    model = load_model(folder.base_dir, torch.device("cpu"), torch.float32)
-    base = model.state_dict()
-    model.load_state_dict(dict(iter_merged_tensors(base.items(), folder.adapters, folder.config)))
-    litsft(["convert_to_hf", str(single / "final"), "--out_dir", str(workspace / named / "hf")], workspace)
+    # Merged model = base + adapters (for QLoRA: the dequantized NF4 base); exported to HF it gives the
+    # logits of the model as trained in transformers.
+    model = load_model(single / "final", torch.device("cpu"), torch.float32)
+    litsft(["convert_to_hf", str(single / "final"), "--out_dir", str(workspace / f"hf-{kind}")], workspace)
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(workspace / named / "hf").eval()
+    hf = AutoModelForCausalLM.from_pretrained(workspace / f"hf-{kind}").eval()
     tokens = torch.randint(0, 500, (2, 64))  # past the tiny Phi-3's LongRoPE switch
     with torch.no_grad():
         assert (hf(tokens).logits - model(tokens)).abs().max().item() < 1e-4

@@ -1,7 +1,8 @@
 """The LoRA folder that finetune_lora writes (its final/ directory), and reading it back:
 
     lora_config.json      LoRAConfig, plus "base_checkpoint" (the litsft model folder the adapters were trained
-                          on) and "base_weights_sha256" (that folder's weights fingerprint at the time)
+                          on), "base_weights_sha256" (that folder's weights fingerprint at the time) and, for
+                          QLoRA, "base_quantization" ("nf4": the base's adapted projections were 4-bit)
     adapter.safetensors   adapter tensors in litsft names (`blocks.0.attn.q_proj.lora_A.weight`)
     tokenizer files       copied from the base model folder
 
@@ -14,11 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import get_args
 
 import torch
 from safetensors.torch import load_file
 
-from litsft.args import LoRAConfig
+from litsft.args import LoRAConfig, Quantization
 from litsft.config import Config
 from litsft.errors import LitsftError
 from litsft.lora import check_adapter_shapes
@@ -40,6 +42,8 @@ class LoRAFolder:
     adapters: dict[str, torch.Tensor]
     base_fingerprint: str | None
     """The base's weights fingerprint when the adapters were saved; None in folders older than the record."""
+    base_quantization: Quantization | None = None
+    """How the base's adapted projections were stored in training (nf4: QLoRA); None for as stored."""
 
     def check_base(self, fingerprint: str) -> None:
         """Refuse base weights whose fingerprint differs from the one the adapters were trained on."""
@@ -67,6 +71,7 @@ def save_lora_folder(
     lora_config: LoRAConfig,
     base_dir: Path,
     out_dir: Path,
+    base_quantization: Quantization | None = None,
 ) -> None:
     """Write a LoRA folder (see the module docstring). The adapters are checked against the base model's
     shapes first, so a mismatch writes nothing. Files already in `out_dir` are replaced."""
@@ -84,6 +89,8 @@ def save_lora_folder(
         "base_checkpoint": str(base_dir),
         "base_weights_sha256": weights_fingerprint(base_dir),
     }
+    if base_quantization is not None:
+        values["base_quantization"] = base_quantization
     write_json(out_dir / LORA_CONFIG_NAME, values)
 
 
@@ -100,6 +107,11 @@ def read_lora_folder(directory: Path) -> LoRAFolder:
     try:
         base_dir = Path(values.pop("base_checkpoint"))
         base_fingerprint = values.pop("base_weights_sha256", None)
+        base_quantization = values.pop("base_quantization", None)
+        if base_quantization not in (None, *get_args(Quantization)):
+            raise LitsftError(
+                f"{config_path}: base_quantization {base_quantization!r} is not one of {get_args(Quantization)}"
+            )
         unknown = sorted(set(values) - {f.name for f in fields(LoRAConfig)})
         if unknown:
             raise LitsftError(
@@ -123,4 +135,4 @@ def read_lora_folder(directory: Path) -> LoRAFolder:
         raise LitsftError(f"{directory} has no {ADAPTER_NAME}; the LoRA checkpoint is incomplete")
     adapters = load_file(adapter_path)
     check_adapter_shapes(adapters, config, lora_config, source=str(adapter_path))
-    return LoRAFolder(directory, lora_config, base_dir, adapters, base_fingerprint)
+    return LoRAFolder(directory, lora_config, base_dir, adapters, base_fingerprint, base_quantization)

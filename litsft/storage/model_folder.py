@@ -24,6 +24,7 @@ from torch import nn
 
 from litsft.config import Config
 from litsft.errors import LitsftError
+from litsft.quantization import is_nf4, load_nf4_weight
 from litsft.storage.files import read_json, write_json
 from litsft.storage.sharded_rows import RowReader, barrier, full_tensors, global_rank
 from litsft.storage.weight_files import (
@@ -195,14 +196,19 @@ def load_model_weights(
         }
     )
     missing = []
-    for name, param in model.named_parameters():  # a tied lm_head is the embedding, listed once
+    for name, param in list(model.named_parameters()):  # a tied lm_head is the embedding, listed once
         stored = stored_name(name)
         if stored is None:
             continue
         if stored not in reader.names():
             missing.append(stored)
             continue
-        reader.fill(stored, param.data)
+        if is_nf4(param):  # quantized whole, then split into this rank's rows (litsft.quantization)
+            load_nf4_weight(
+                model.get_submodule(name.rpartition(".")[0]), reader.read(stored, 0, param.shape[0])
+            )
+        else:
+            reader.fill(stored, param.data)
     if missing:
         raise LitsftError(
             f"{model_dir} lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}; "
