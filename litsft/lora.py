@@ -165,17 +165,17 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def reset_magnitude(self) -> None:
-        """DoRA's magnitude := the row norms of the base weight (with B = 0, of W + s B A), for the rows this
-        rank holds: FSDP2 splits the magnitude (out,) and the weight (out, in) into the same row ranges."""
+        """DoRA's magnitude := the row norms of the base weight (with B = 0, of W + s B A), for the rows of the
+        magnitude this rank holds (FSDP2 gives the weight the same rows, or all of them when it leaves an
+        NF4 weight unsharded)."""
         if self.lora_magnitude_vector is None:
             return
-        magnitude, weight = self.lora_magnitude_vector.weight.data, self.base.weight.data
-        if isinstance(magnitude, DTensor):
-            if magnitude.placements != weight.placements or magnitude.device_mesh != weight.device_mesh:
-                raise RuntimeError("DoRA's magnitude and its base weight are sharded differently")
-            magnitude, weight = magnitude.to_local(), weight.to_local()
+        magnitude, offset = _rows_held(self.lora_magnitude_vector.weight.data)
+        weight, weight_offset = _rows_held(self.base.weight.data)
         if magnitude.numel():
-            magnitude.copy_(torch.linalg.vector_norm(dequantized(weight).float(), dim=1))
+            start = offset - weight_offset
+            rows = dequantized(weight)[start : start + magnitude.shape[0]]
+            magnitude.copy_(torch.linalg.vector_norm(rows.float(), dim=1))
 
     def delta_weight(self) -> torch.Tensor:
         """B @ A * scaling (out, in), in fp32."""
@@ -200,6 +200,16 @@ class DoRAMagnitude(nn.Module):
         """The DoRA output minus the base output: (m / n - 1) W x + (m / n) s B A x."""
         scale = (self.weight / row_norm).to(plain.dtype)
         return (scale - 1) * plain + scale * update
+
+
+def _rows_held(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the rows of `tensor` this rank holds, the first one's index): a DTensor's local rows, or all."""
+    if not isinstance(tensor, DTensor):
+        return tensor, 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tensor.to_local(), offset[0]
 
 
 def base_weight(base: nn.Module) -> torch.Tensor:

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from litsft.args import FSDPConfig, Precision, ShardingStrategy
 from litsft.devices import Device
+from litsft.quantization import is_nf4
 
 
 def build_fabric(
@@ -150,6 +151,11 @@ def fully_shard_blocks(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, pre
     offload_policy = CPUOffloadPolicy(pin_memory=True) if fsdp.cpu_offload else OffloadPolicy()
     reshard = fsdp.sharding_strategy != "SHARD_GRAD_OP"
     options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    if mesh.size(mesh.ndim - 1) == 1:
+        # Shards of one rank (NO_SHARD, HYBRID_SHARD with one device per node): every rank holds the whole
+        # frozen NF4 weights (QLoRA) anyway, and torchao's NF4 all-gather hooks do not handle a group of one,
+        # so FSDP leaves them alone; being frozen, they need no gradient reduction either.
+        options["ignored_params"] = {p for p in model.parameters() if is_nf4(p)}
 
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard, **options)

@@ -15,7 +15,10 @@ ModelParallelStrategy; one process runs without FSDP. The byte counts:
 | 32-true    | fp32              | fp32      | 2 x fp32                   | none needed  |
 
 LoRA's frozen base is stored in the compute dtype (bf16 under bf16-mixed: no fp32 master copy, no compute
-copy; litsft.engine.store_frozen_in_compute_dtype); its adapters are stored like trained parameters.
+copy; litsft.engine.store_frozen_in_compute_dtype); its adapters are stored like trained parameters. With
+`--quantize nf4` (QLoRA) the adapted block projections are stored, sharded and all-gathered in NF4
+(litsft.quantization.NF4_BYTES_PER_WEIGHT: 4 bits plus the scales), and each is dequantized for its matmul,
+one at a time (NF4_DEQUANTIZE_BYTES per weight of the largest one, a transient).
 
 Parameters, gradients and optimizer states are divided by the shard group: every rank for FULL_SHARD and
 SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, one (replicated) for NO_SHARD. On top come
@@ -54,6 +57,7 @@ from litsft.args import (
     LoRAConfig,
     OptimizerConfig,
     Precision,
+    Quantization,
     ShardingStrategy,
     TrainConfig,
     accumulation_steps,
@@ -61,6 +65,7 @@ from litsft.args import (
 from litsft.config import Config, format_count
 from litsft.errors import LitsftError
 from litsft.flops import lora_parameters
+from litsft.quantization import NF4_BYTES_PER_WEIGHT
 from litsft.sizes import block_saved_bytes_per_token, model_sizes, num_parameters
 
 # (bytes of a stored parameter, bytes of a parameter as the matmuls see it). Gradients take the stored dtype: FSDP2 reduces gradients in fp32 (reduce_dtype) into the fp32 shards.
@@ -85,6 +90,10 @@ LOGIT_EXTRA_BYTES = 12
 in the backward pass, an fp32 gradient."""
 ACTIVATION_SCALE = 1.0
 """Calibration factor on the activation estimate (allocator rounding, saved tensors not counted below)."""
+NF4_DEQUANTIZE_BYTES = 20
+"""Bytes per weight torchao's NF4Tensor.get_original_weight holds at its peak while it dequantizes a weight
+for `F.linear` (int64 codes, fp32 levels and scales, the fp32 result; measured on this CPU for a 4096 x 4096
+weight: 20.1)."""
 USABLE_FRACTION = 0.9
 """Share of a device's memory that tensors can use; the rest goes to the CUDA context, NCCL buffers and
 allocator fragmentation."""
@@ -177,9 +186,11 @@ def estimate_memory(
     activation_checkpointing: bool = False,
     lora: LoRAConfig | None = None,
     accumulation_steps: int = 1,
+    quantize: Quantization | None = None,
 ) -> MemoryEstimate:
     """Per-device bytes of one training step with AdamW; see the module docstring for the model. `lora`:
-    train adapters on its targets (litsft.flops.lora_parameters counts them) instead of every weight."""
+    train adapters on its targets (litsft.flops.lora_parameters counts them) instead of every weight;
+    `quantize`: store the adapted block projections in NF4 (QLoRA; LoRA only)."""
     if precision not in PARAMETER_BYTES:
         raise LitsftError(
             f"precision {precision!r} is not supported; choose one of {', '.join(PARAMETER_BYTES)}"
@@ -197,9 +208,20 @@ def estimate_memory(
     # LoRA's frozen base is stored in the compute dtype (bf16 under bf16-mixed), its adapters like trained
     # parameters.
     frozen = num_parameters(config) if lora is not None else 0
+    if quantize is not None and lora is None:
+        raise LitsftError("--quantize nf4 applies to LoRA's frozen base: pass --lora.rank (finetune_lora)")
+    # The NF4 weights: every adapted projection of every block, and of the largest block.
+    layers = model_sizes(config).layers
+    quantized_linears = [
+        fan_in * fan_out for layer in layers for target, (fan_in, fan_out) in layer.linear.items() if target in targets
+    ] if quantize is not None else []  # fmt: skip
+    quantized = sum(quantized_linears)
+    quantized_per_block = quantized // config.num_layers
+    unquantized_bytes_per_nf4 = compute - NF4_BYTES_PER_WEIGHT  # what NF4 saves on each weight it stores
     parameters = math.ceil(
-        ((num_parameters(config) - frozen) * stored + frozen * compute + adapters * stored) / shard
-    )
+        ((num_parameters(config) - frozen) * stored + frozen * compute + adapters * stored
+         - quantized * unquantized_bytes_per_nf4) / shard
+    )  # fmt: skip
     gradients = math.ceil(trainable * stored / shard)
     # Weights stored in fewer than 4 bytes also keep a compensation buffer of their own dtype (litsft.optimizer).
     state_bytes = 4 * ADAM_STATES_PER_PARAMETER + (stored if stored < 4 else 0)
@@ -222,6 +244,7 @@ def estimate_memory(
         # the backward pass; with one dtype the parameters are used as they are (LoRA's frozen base too).
         gathered = ((num_parameters(config) - frozen) + adapters) * compute if stored != compute else 0
         reduce_buffers = 0
+        gathered_nf4_savings = 0
     else:
         # The root is never resharded (litsft/parallel.py), SHARD_GRAD_OP keeps every block unsharded
         # from its forward to its backward, the other strategies hold PREFETCHED_BLOCKS at a time.
@@ -231,11 +254,13 @@ def estimate_memory(
             else min(PREFETCHED_BLOCKS, config.num_layers)
         )
         gathered = (held * block_size + root_parameters(config) + head_adapter) * compute
+        gathered_nf4_savings = held * quantized_per_block * unquantized_bytes_per_nf4
         # One block's unsharded gradients (compute dtype) and their copy in the reduce dtype. The root's
         # gradients are reduced at the very end of backward, when the activations are gone.
         reduce_buffers = (adapters_per_block if lora is not None else block_size) * (compute + stored)
     logits = min(LOSS_CHUNK_TOKENS, tokens) * config.vocab_size * (compute + LOGIT_EXTRA_BYTES)
-    transients = gathered + reduce_buffers + logits
+    dequantized = max(quantized_linears, default=0) * NF4_DEQUANTIZE_BYTES
+    transients = math.ceil(gathered - gathered_nf4_savings) + reduce_buffers + logits + dequantized
     return MemoryEstimate(
         parameters, gradients, optimizer_states, activations, transients,
         accumulating=accumulation_steps > 1, whole_gradients=trainable * stored,
@@ -289,6 +314,7 @@ def plan(
     num_nodes: int = 1,
     precision: Precision | None = None,
     lora: LoRAConfig | None = None,
+    quantize: Quantization | None = None,
     fsdp: FSDPConfig = FSDPConfig(),
     train: TrainConfig | None = None,
     device_memory: str | None = None,
@@ -314,6 +340,7 @@ def plan(
             recipe picks on a GPU with bf16).
         lora: Plan finetune_lora: train adapters on these targets (default all-linear), the frozen base
             stored in the compute dtype. Without it, finetune_full (every parameter trained).
+        quantize: nf4 plans finetune_lora --quantize nf4 (QLoRA): the adapted block projections in 4 bits.
         fsdp: Sharding strategy and activation checkpointing, as in training (cpu_offload is not modelled).
         train: Micro batch size, global batch size and sequence length, as in training. Default: one row of
             the model's context length (at most 2048 tokens) per device and step, no gradient accumulation.
@@ -341,12 +368,14 @@ def plan(
     accumulation = accumulation_steps(train, world_size) if train is not None else 1
     estimate = estimate_memory(
         config, devices, num_nodes, fsdp.sharding_strategy, precision, micro_batch_size, max_seq_length,
-        fsdp.activation_checkpointing, lora, accumulation,
+        fsdp.activation_checkpointing, lora, accumulation, quantize,
     )  # fmt: skip
     shard = shard_group_size(devices, num_nodes, fsdp.sharding_strategy) if world_size > 1 else 1
     method = (
         f"LoRA rank {lora.rank} on {', '.join(lora.target_list)}" if lora is not None else "full fine-tuning"
     )
+    if quantize is not None:
+        method = f"Q{method}, base in {quantize.upper()}"
     layout = f"{fsdp.sharding_strategy}, shard group {shard}" if world_size > 1 else "one process, no FSDP"
     print(f"{config.name} ({format_count(num_parameters(config))} parameters), {method}, {precision}")
     print(f"{devices} device(s) x {num_nodes} node(s): {layout}")

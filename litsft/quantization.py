@@ -16,7 +16,9 @@ multiple of 64 x 256 values (`check_nf4_shardable`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import functools
+import logging
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -62,9 +64,23 @@ class NF4Linear(nn.Linear):
 
 def to_nf4(weight: torch.Tensor) -> torch.Tensor:
     """`weight` (out, in) quantized to torchao's NF4Tensor, in weight's dtype."""
-    from torchao.quantization import to_nf4 as torchao_to_nf4
+    return _torchao_to_nf4()(weight.contiguous(), NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE)
 
-    return torchao_to_nf4(weight.contiguous(), NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE)
+
+@functools.cache
+def _torchao_to_nf4() -> Callable[..., torch.Tensor]:
+    # Importing torchao logs a warning per CUDA kernel library it cannot load (on a CPU build) and one from
+    # torch's pytree about an enum it registers; NF4 needs none of those kernels, so the import is quiet.
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        from torchao.quantization import to_nf4
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+    return to_nf4
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
