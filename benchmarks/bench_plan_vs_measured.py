@@ -1,6 +1,7 @@
-"""`litsft plan` against measured peak memory: 2-process finetune_full on this CPU, per sharding strategy.
+"""`litsft plan` against measured peak memory: 2-process finetune_full (or, with --qlora, finetune_lora
+--quantize nf4) on this CPU, per sharding strategy.
 
-python benchmarks/bench_plan_vs_measured.py [--steps 3] [--max_seq_length 256]
+python benchmarks/bench_plan_vs_measured.py [--steps 3] [--max_seq_length 256] [--qlora]
 
 The model is a ~50M-parameter Llama shape (8 layers, hidden 768, GQA 12/4, MLP 2048; the demo tokenizer's
 449-token vocabulary), so weights, gradients and AdamW state (16 bytes a parameter, 800 MB unsharded)
@@ -13,6 +14,9 @@ identical run with a 2-layer, hidden-64 model of the same vocabulary, which hold
 torch, Lightning, gloo, the tokenized data and the loader but almost no model. Planned =
 `estimate_memory(...).total` for the same devices, strategy, precision, micro batch and sequence length.
 Printed: both in MiB and their ratio (plan / measured); the planner's claim is "within 15%".
+
+--qlora: LoRA rank 8 on all-linear over an NF4 base (QLORA_SHAPE: 4 layers, hidden 1024, MLP 2816, whose
+projections split into whole NF4 scale blocks over 2 ranks), baseline the same recipe on QLORA_BASELINE_SHAPE.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 from harness import machine_description, make_checkpoint, run_litsft, training_rows, write_mixed_length_data
 
 from litsft.config import Config
+from litsft.lora import LoRAConfig
 from litsft.plan import estimate_memory
 from litsft.sizes import num_parameters
 
@@ -34,14 +39,27 @@ BASELINE_SHAPE = dict(
     num_layers=2, hidden_size=64, intermediate_size=176, num_heads=4, num_kv_heads=2, head_dim=16
 )
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+QLORA_SHAPE = dict(
+    num_layers=4, hidden_size=1024, intermediate_size=2816, num_heads=16, num_kv_heads=4, head_dim=64
+)
+QLORA_BASELINE_SHAPE = dict(
+    num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64
+)
+QLORA = LoRAConfig(rank=8, alpha=16, dropout=0.0)
 
 
 def peak_rss_mib(checkpoint: Path, data: Path, strategy: str, args: argparse.Namespace) -> float:
     out_dir = args.work_dir / f"run-{checkpoint.name}-{strategy}"
     shutil.rmtree(out_dir, ignore_errors=True)
+    recipe, extra = "finetune_full", []
+    if args.qlora:
+        recipe, extra = (
+            "finetune_lora",
+            ["--quantize", "nf4", "--lora.rank", str(QLORA.rank), "--lora.dropout", "0"],
+        )
     run_litsft(
         [
-            "finetune_full", str(checkpoint), "--out_dir", str(out_dir), "--data", "JSON",
+            recipe, str(checkpoint), *extra, "--out_dir", str(out_dir), "--data", "JSON",
             "--data.json_path", str(data), "--data.prompt_style", "alpaca", "--devices", "2",
             "--fsdp.sharding_strategy", strategy, "--precision", "32-true", "--train.max_steps", str(args.steps),
             "--train.max_seq_length", str(args.max_seq_length), "--train.micro_batch_size", "1",
@@ -56,14 +74,17 @@ def peak_rss_mib(checkpoint: Path, data: Path, strategy: str, args: argparse.Nam
 def main(args: argparse.Namespace) -> None:
     args.work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="litsft-plan-"))
     os.environ["LITSFT_CACHE_DIR"] = str(args.work_dir / "cache")
-    model = make_checkpoint(args.work_dir / "model", **SHAPE)
-    baseline_model = make_checkpoint(args.work_dir / "baseline", **BASELINE_SHAPE)
+    model = make_checkpoint(args.work_dir / "model", **(QLORA_SHAPE if args.qlora else SHAPE))
+    baseline_model = make_checkpoint(
+        args.work_dir / "baseline", **(QLORA_BASELINE_SHAPE if args.qlora else BASELINE_SHAPE)
+    )
     # Long samples: every packed row is full, so each step holds max_seq_length tokens of activations.
     data = write_mixed_length_data(args.work_dir / "train.json", 200, max_words=400)
     config = Config.from_checkpoint(model)
     print(machine_description())
+    method = f"QLoRA rank {QLORA.rank} all-linear, NF4 base, " if args.qlora else ""
     print(
-        f"{num_parameters(config) / 1e6:.1f}M parameters, 2 processes, 32-true, micro batch 1 x "
+        f"{num_parameters(config) / 1e6:.1f}M parameters, {method}2 processes, 32-true, micro batch 1 x "
         f"{args.max_seq_length} tokens, {args.steps} steps, MALLOC_MMAP_THRESHOLD_=131072"
     )
     print(
@@ -75,7 +96,8 @@ def main(args: argparse.Namespace) -> None:
         measured = peak - baseline
         planned = estimate_memory(
             config, devices=2, sharding_strategy=strategy, precision="32-true", micro_batch_size=1,
-            max_seq_length=args.max_seq_length,
+            max_seq_length=args.max_seq_length, lora=QLORA if args.qlora else None,
+            quantize="nf4" if args.qlora else None,
         ).total / 2**20  # fmt: skip
         print(
             f"{strategy:<15}{baseline:>10.0f}{peak:>10.0f}{measured:>10.0f}{planned:>10.0f}"
@@ -91,4 +113,5 @@ if __name__ == "__main__":
     parser.add_argument("--max_seq_length", type=int, default=256)
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--work_dir", default=None, help="default: a new temporary directory")
+    parser.add_argument("--qlora", action="store_true", help="finetune_lora --quantize nf4 instead")
     main(parser.parse_args())

@@ -14,6 +14,8 @@ from litsft.loss import chunked_cross_entropy
 from litsft.model import Transformer
 from litsft.plan import (
     LOSS_CHUNK_TOKENS,
+    NF4_DEQUANTIZE_BYTES,
+    PREFETCHED_BLOCKS,
     block_activation_bytes_per_token,
     block_parameters,
     estimate_memory,
@@ -22,7 +24,8 @@ from litsft.plan import (
     plan,
     root_parameters,
 )
-from litsft.sizes import num_parameters
+from litsft.quantization import NF4_BYTES_PER_WEIGHT
+from litsft.sizes import model_sizes, num_parameters
 
 LLAMA_2_7B = 6_738_415_616
 LLAMA_2_70B = 68_976_648_192
@@ -269,6 +272,41 @@ def test_lora_base_in_bf16_on_one_gpu():
     assert lora.transients == adapters * 2 + logits  # autocast casts the fp32 adapters only
     assert full.transients == N * 2 + logits
     assert full.total - lora.total > N * 4
+
+
+def test_qlora_stores_the_adapted_projections_in_4_bits_plus_scales():
+    """--quantize nf4: the adapted block projections take NF4_BYTES_PER_WEIGHT instead of 2 bytes, sharded
+    and all-gathered like that, and the largest one is dequantized for its matmul (a transient)."""
+    config = Config.from_name("Llama-2-70b-hf")
+    lora = LoRAConfig(rank=16)
+    projections = [
+        fan_in * fan_out for layer in model_sizes(config).layers for fan_in, fan_out in layer.linear.values()
+    ]
+    assert sum(projections) == LLAMA_2_70B - 2 * 32000 * 8192 - 8192 * (
+        2 * 80 + 1
+    )  # all but embeddings, norms
+    assert NF4_BYTES_PER_WEIGHT == 0.5 + 1 / 64 + 4 / (64 * 256)
+    plain = estimate_memory(config, devices=8, lora=lora, activation_checkpointing=True)
+    qlora = estimate_memory(config, devices=8, lora=lora, activation_checkpointing=True, quantize="nf4")
+    saved = 2 - NF4_BYTES_PER_WEIGHT
+    assert plain.parameters - qlora.parameters == pytest.approx(sum(projections) * saved / 8, abs=2)
+    per_block = sum(projections) // config.num_layers
+    assert qlora.transients - plain.transients == pytest.approx(
+        max(projections) * NF4_DEQUANTIZE_BYTES - PREFETCHED_BLOCKS * per_block * saved, abs=2
+    )
+    assert (qlora.activations, qlora.gradients, qlora.optimizer_states) == (
+        plain.activations, plain.gradients, plain.optimizer_states
+    )  # fmt: skip
+    with pytest.raises(LitsftError, match="--quantize nf4 applies to LoRA's frozen base"):
+        estimate_memory(config, quantize="nf4")
+
+
+def test_70b_qlora_on_8x80gb(capsys):
+    main(["plan", "Llama-2-70b-hf", "--devices", "8", "--lora.rank", "16", "--quantize", "nf4",
+          "--fsdp.activation_checkpointing", "true", "--device_memory", "80GB"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "QLoRA rank 16 on q, k, v, o, gate, up, down, base in NF4, bf16-mixed" in out
+    assert "parameters             4.33" in out and "\nfits: 14.95 GiB needed" in out
 
 
 def test_plan_reads_a_recipe_yaml(capsys):
