@@ -122,9 +122,8 @@ class LoRALinear(nn.Module):
     ) -> None:  # fmt: skip
         super().__init__()
         self.base = base
-        factory = dict(
-            device=base.weight.device, dtype=base.weight.dtype
-        )  # an NF4 weight's dtype is its dequantized one
+        # An NF4 base weight's dtype is the one it dequantizes to: the adapters' dtype too.
+        factory = dict(device=base.weight.device, dtype=base.weight.dtype)
         self.lora_A = nn.Linear(base.in_features, rank, bias=False, **factory)
         self.lora_B = LoRAUp(rank, base.out_features, bias=False, **factory)
         self.lora_magnitude_vector = DoRAMagnitude(base.out_features, **factory) if dora else None

@@ -254,7 +254,10 @@ def estimate_memory(
             else min(PREFETCHED_BLOCKS, config.num_layers)
         )
         gathered = (held * block_size + root_parameters(config) + head_adapter) * compute
-        gathered_nf4_savings = held * quantized_per_block * unquantized_bytes_per_nf4
+        # NF4 weights are gathered in 4 bits; with shards of one rank FSDP leaves them alone (parallel.py).
+        gathered_nf4_savings = (
+            held * quantized_per_block * (compute if shard == 1 else unquantized_bytes_per_nf4)
+        )
         # One block's unsharded gradients (compute dtype) and their copy in the reduce dtype. The root's
         # gradients are reduced at the very end of backward, when the activations are gone.
         reduce_buffers = (adapters_per_block if lora is not None else block_size) * (compute + stored)
