@@ -179,5 +179,5 @@ def check_nf4_shardable(config: Config, shard_group: int) -> None:
                 raise LitsftError(
                     f"--quantize nf4: {target}_proj's weight ({out_features} x {in_features}) cannot be split "
                     f"into {shard_group} shards of whole NF4 scale blocks ({unit} values each); use fewer "
-                    "devices per shard group (e.g. --fsdp.sharding_strategy HYBRID_SHARD or NO_SHARD)"
+                    "devices per shard group, or --fsdp.sharding_strategy NO_SHARD (or HYBRID_SHARD over several nodes)"
                 )

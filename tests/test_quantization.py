@@ -158,8 +158,8 @@ def test_a_shard_group_that_splits_a_scale_block_is_refused():
         check_nf4_shardable(Config.from_name("tiny-llama", **NF4_SHAPES), 4)
     assert str(error.value) == (
         "--quantize nf4: k_proj's weight (128 x 256) cannot be split into 4 shards of whole NF4 scale blocks "
-        "(16384 values each); use fewer devices per shard group (e.g. --fsdp.sharding_strategy HYBRID_SHARD "
-        "or NO_SHARD)"
+        "(16384 values each); use fewer devices per shard group, or --fsdp.sharding_strategy NO_SHARD "
+        "(or HYBRID_SHARD over several nodes)"
     )
 
 
