@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +175,19 @@ def block_activation_bytes_per_token(
     return block_saved_bytes_per_token(config, COMPUTE_DTYPES[compute_bytes], lora)
 
 
+def adapter_parameters(config: Config, lora: LoRAConfig) -> int:
+    """Trained parameters of `lora` on `config`: A and B of each adapted projection (litsft.flops), plus, for
+    DoRA, a magnitude per output row of each."""
+    adapters = lora_parameters(config, lora.target_list, lora.rank)
+    if lora.variant == "dora":
+        sizes = model_sizes(config)
+        adapters += sum(
+            layer.linear[t][1] for layer in sizes.layers for t in lora.target_list if t != "lm_head"
+        )
+        adapters += sizes.lm_head[1] if "lm_head" in lora.target_list else 0
+    return adapters
+
+
 def estimate_memory(
     config: Config,
     devices: int = 1,
@@ -200,9 +213,11 @@ def estimate_memory(
     shard = shard_group_size(devices, num_nodes, sharding_strategy) if world_size > 1 else 1
 
     targets = lora.target_list if lora is not None else []
-    adapters = lora_parameters(config, targets, lora.rank) if lora is not None else 0
+    adapters = adapter_parameters(config, lora) if lora is not None else 0
     # lm_head's adapter sits in the root, which stays gathered; the blocks' adapters are gathered per block.
-    head_adapter = lora_parameters(config, ["lm_head"], lora.rank) if "lm_head" in targets else 0
+    head_adapter = (
+        adapter_parameters(config, replace(lora, targets=["lm_head"])) if "lm_head" in targets else 0
+    )
     adapters_per_block = (adapters - head_adapter) // config.num_layers
     trainable = adapters if lora is not None else num_parameters(config)
     # LoRA's frozen base is stored in the compute dtype (bf16 under bf16-mixed), its adapters like trained

@@ -3,6 +3,7 @@ import inspect
 from pathlib import Path
 
 import pytest
+import torch
 
 from litsft.__main__ import main
 from litsft.args import FSDPConfig, TrainConfig
@@ -16,6 +17,7 @@ from litsft.plan import (
     LOSS_CHUNK_TOKENS,
     NF4_DEQUANTIZE_BYTES,
     PREFETCHED_BLOCKS,
+    adapter_parameters,
     block_activation_bytes_per_token,
     block_parameters,
     estimate_memory,
@@ -272,6 +274,16 @@ def test_lora_base_in_bf16_on_one_gpu():
     assert lora.transients == adapters * 2 + logits  # autocast casts the fp32 adapters only
     assert full.transients == N * 2 + logits
     assert full.total - lora.total > N * 4
+
+
+@pytest.mark.parametrize("variant", ["lora", "rslora", "dora"])
+def test_adapter_parameters_match_the_model(variant):
+    """DoRA adds a magnitude per output row of each adapted projection; the count is the model's."""
+    config = Config.from_name("tiny-llama")
+    lora = LoRAConfig(rank=4, targets=["q", "v", "down", "lm_head"], variant=variant)
+    with torch.device("meta"):
+        model = apply_lora(Transformer(config), lora)
+    assert adapter_parameters(config, lora) == sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def test_qlora_stores_the_adapted_projections_in_4_bits_plus_scales():
