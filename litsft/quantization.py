@@ -1,7 +1,9 @@
 """QLoRA's frozen base in 4 bits: the adapted projections of the blocks hold their weight as torchao's
 NF4Tensor (4-bit NormalFloat with double-quantized scales, Dettmers et al. 2023,
-https://arxiv.org/abs/2305.14314), a plain-PyTorch tensor subclass that FSDP2 shards and all-gathers in its
-4-bit form (its `fsdp_pre_all_gather` / `fsdp_post_all_gather`) and that `F.linear` dequantizes on use.
+https://arxiv.org/abs/2305.14314; torchao: https://github.com/pytorch/ao), a plain-PyTorch tensor subclass
+that FSDP2 shards and all-gathers in its 4-bit form (its `fsdp_pre_all_gather` / `fsdp_post_all_gather`)
+and that `F.linear` dequantizes on use. Weights are quantized from the checkpoint's values in fp32, the
+dtype the model is built in, and dequantize to fp32 before the matmul casts them to the compute dtype.
 
 Layout of one weight (torchao's `to_nf4`): every NF4_BLOCK_SIZE consecutive values (row-major) share an
 absmax scale; the scales, minus their mean over the whole weight, are quantized to int8 with one fp scale
@@ -49,7 +51,7 @@ class NF4Linear(nn.Linear):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> NF4Linear:
         # torchao's empty_like (what `to_empty` runs) moves only the per-block data of an NF4Tensor and leaves
         # its lookup table and scales' mean on the meta device, where no later `.to(device)` can copy them
         # from: give them storage too, like every other materialized placeholder.
