@@ -170,16 +170,24 @@ def iter_nf4_base(
         yield name, nf4_round_trip(tensor) if is_quantized_weight(name, adapters) else tensor
 
 
-def check_nf4_shardable(config: Config, shard_group: int) -> None:
-    """Refuse a shard group that would split an NF4 weight inside a scale block (torchao cannot)."""
+def check_nf4_shardable(config: Config, shard_group: int, targets: Iterable[str] = QUANTIZED_MODULES) -> None:
+    """Refuse NF4 weights (the block projections among `targets`, LoRA target names) that are not a whole
+    number of scale blocks, or that a shard group would split inside one (torchao can do neither)."""
     from litsft.sizes import model_sizes
 
     unit = NF4_BLOCK_SIZE * NF4_SCALER_BLOCK_SIZE
+    quantized = {target.removesuffix("_proj") for target in targets}
     for layer in model_sizes(config).layers:
         for target, (in_features, out_features) in layer.linear.items():
+            if target not in quantized:
+                continue
             if out_features % shard_group or (out_features // shard_group * in_features) % unit:
+                split = f"split into {shard_group} shards of" if shard_group > 1 else "stored in"
                 raise LitsftError(
-                    f"--quantize nf4: {target}_proj's weight ({out_features} x {in_features}) cannot be split "
-                    f"into {shard_group} shards of whole NF4 scale blocks ({unit} values each); use fewer "
-                    "devices per shard group, or --fsdp.sharding_strategy NO_SHARD (or HYBRID_SHARD over several nodes)"
+                    f"--quantize nf4: {target}_proj's weight ({out_features} x {in_features}) cannot be {split} "
+                    f"whole NF4 scale blocks ({unit} values each); use fewer devices per shard group, or "
+                    "--fsdp.sharding_strategy NO_SHARD (or HYBRID_SHARD over several nodes)"
+                    if shard_group > 1
+                    else f"--quantize nf4: {target}_proj's weight ({out_features} x {in_features}) is not a "
+                    f"whole number of NF4 scale blocks ({unit} values each); train this model without --quantize"
                 )

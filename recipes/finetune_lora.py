@@ -98,7 +98,7 @@ def lora_finetuning(
 
     if quantize is not None:  # before any process starts
         shard_group = shard_group_size(run.devices, run.num_nodes, run.fsdp.sharding_strategy)
-        check_nf4_shardable(run.config, shard_group if run.world_size > 1 else 1)
+        check_nf4_shardable(run.config, shard_group if run.world_size > 1 else 1, lora.target_list)
 
     def initialize(model: Transformer) -> None:
         load_model_weights(model, checkpoint_dir, stored_name=base_weight_name)

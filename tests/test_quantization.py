@@ -154,12 +154,19 @@ def test_a_shard_holds_the_rows_of_the_unsharded_quantization(two_rank_group, me
 
 def test_a_shard_group_that_splits_a_scale_block_is_refused():
     check_nf4_shardable(Config.from_name("tiny-llama", **NF4_SHAPES), 2)
+    check_nf4_shardable(Config.from_name("tiny-llama", **NF4_SHAPES), 4, ["q", "o", "gate", "up", "down"])
     with pytest.raises(LitsftError) as error:
         check_nf4_shardable(Config.from_name("tiny-llama", **NF4_SHAPES), 4)
     assert str(error.value) == (
         "--quantize nf4: k_proj's weight (128 x 256) cannot be split into 4 shards of whole NF4 scale blocks "
         "(16384 values each); use fewer devices per shard group, or --fsdp.sharding_strategy NO_SHARD "
         "(or HYBRID_SHARD over several nodes)"
+    )
+    with pytest.raises(LitsftError) as error:
+        check_nf4_shardable(Config.from_name("tiny-llama"), 1)
+    assert str(error.value) == (
+        "--quantize nf4: q_proj's weight (64 x 64) is not a whole number of NF4 scale blocks (16384 values "
+        "each); train this model without --quantize"
     )
 
 
