@@ -126,7 +126,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "data.json_path": Path("data/alpaca.json"),
     },
     "finetune_lora/llama-2-70b-qlora.yaml": {
-        "checkpoint_dir": Path("checkpoints/meta-llama/Llama-2-70b-hf"),
+        "checkpoint_dir": "checkpoints/meta-llama/Llama-2-70b-hf",
         "devices": 2,
         "quantize": "nf4",
         "lora.rank": 16,
