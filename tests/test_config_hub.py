@@ -90,7 +90,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "precision": "bf16-mixed",
     },
     "finetune_full/phi-4-mini-instruct.yaml": {
-        "checkpoint_dir": Path("checkpoints/microsoft/Phi-4-mini-instruct"),
+        "checkpoint_dir": "checkpoints/microsoft/Phi-4-mini-instruct",
         "devices": 2,
         "fsdp.sharding_strategy": "FULL_SHARD",
         "fsdp.activation_checkpointing": True,
