@@ -3,6 +3,7 @@ import json
 
 import pytest
 import torch
+from tiny_configs import tiny_shape
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -348,21 +349,7 @@ def test_transformers_builds_the_exported_config(name):
 
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_parameter_count_matches_transformers_on_a_tiny_shape(name):
-    # Same family features (biases, qk-norm, tying, GQA ratio, explicit head_dim), tiny widths.
-    config = Config.from_name(name)
-    group = config.num_heads // config.num_kv_heads
-    tiny = dataclasses.replace(
-        config,
-        num_layers=2,
-        layer_types=config.layer_types[:2] if config.layer_types else None,
-        num_kv_heads=2,
-        num_heads=2 * group,
-        hidden_size=32 * group,
-        head_dim=16 if config.head_dim != config.hidden_size // config.num_heads else 0,
-        intermediate_size=48,
-        vocab_size=96,
-        rope_scaling=None,  # LongRoPE's factors fit the published head width only; RoPE has no parameters
-    )
+    tiny = tiny_shape(Config.from_name(name))
     assert num_parameters(tiny) == meta_parameter_count(tiny)
 
 

@@ -386,18 +386,12 @@ def test_token_weighted_mean_all_reduces_over_a_process_group(tmp_path):
 def _tiny_of_family(architecture: str) -> Config:
     """A tiny model of each registered family, its features (biases, q/k norms, tying, GQA, head_dim,
     windows) kept from its first named config."""
-    import dataclasses
+    from tiny_configs import tiny_shape
 
     from litsft.config import NAMED_CONFIGS
     from litsft.families import FAMILIES
 
-    config = NAMED_CONFIGS[next(iter(FAMILIES[architecture].named_configs))]
-    explicit_head_dim = config.head_dim != config.hidden_size // config.num_heads
-    return dataclasses.replace(
-        config, num_layers=2, layer_types=config.layer_types[:2] if config.layer_types else None,
-        num_heads=4, num_kv_heads=2, hidden_size=32, head_dim=16 if explicit_head_dim else 0,
-        intermediate_size=48, vocab_size=96, rope_scaling=None,
-    )  # fmt: skip
+    return tiny_shape(NAMED_CONFIGS[next(iter(FAMILIES[architecture].named_configs))])
 
 
 def _every_family():

@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from tiny_configs import tiny_shape
 
 from litsft.attention import prepare
 from litsft.config import NAMED_CONFIGS, Config
@@ -19,21 +20,10 @@ from litsft.sizes import ACTIVATION_PROBE_TOKENS, block_saved_bytes_per_token
 
 
 def tiny_of(config: Config) -> Config:
-    """The family's block features (biases, q/k norms, partial rotary, tying, GQA ratio) at tiny widths."""
-    group = config.num_heads // config.num_kv_heads
+    """The family's block features at tiny widths, without windows or a soft-cap: the fused kernel the plan
+    assumes keeps the same tensors with either."""
     return dataclasses.replace(
-        config,
-        num_layers=2,
-        num_kv_heads=2,
-        num_heads=2 * group,
-        hidden_size=32 * group,
-        head_dim=16 if config.head_dim != config.hidden_size // config.num_heads else 0,
-        intermediate_size=48,
-        vocab_size=96,
-        rope_scaling=None,  # LongRoPE's factors fit the published head width only
-        sliding_window=None,
-        layer_types=None,
-        softcap_attention=None,  # the fused kernel the plan assumes keeps the same tensors with a cap
+        tiny_shape(config), sliding_window=None, layer_types=None, softcap_attention=None
     )
 
 
