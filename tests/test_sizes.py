@@ -1,7 +1,7 @@
 """litsft/sizes.py's activation count (what a block saves for its backward pass, recorded on fake tensors)
 against a measurement: the tensors autograd's graph holds after a real forward pass of the same block. The
 parameter and FLOP counts are held against transformers and FlopCounterMode in tests/test_config.py and
-tests/test_metrics.py."""
+tests/test_flops.py."""
 
 from __future__ import annotations
 

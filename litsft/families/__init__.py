@@ -11,7 +11,7 @@ Adding a family:
 3. If it needs a new block, add it to `litsft.model.BLOCK_VARIANTS`; new per-layer features are `Config`
    fields, off by default.
 The engine, the recipes and storage do not change. The tests that are parametrized over every registered
-family (tests/test_families.py, tests/test_metrics.py) cover it at once; add its tiny transformers model to
+family (tests/test_families.py, tests/test_flops.py) cover it at once; add its tiny transformers model to
 tests/tiny_hf.py for the conversion and logits tests.
 """
 
