@@ -33,13 +33,14 @@ def is_complete(checkpoint_dir: Path) -> bool:
     try:
         state = read_json(state_path)
         files, sizes = state["files"], state.get("file_sizes", {})
+        # A damaged trainer_state.json (a list where a dict belongs, a number for a name) is incomplete too.
+        return all(
+            (checkpoint_dir / name).is_file()
+            and (name not in sizes or (checkpoint_dir / name).stat().st_size == sizes[name])
+            for name in files
+        )
     except (LitsftError, KeyError, TypeError):
         return False
-    for name in files:
-        path = checkpoint_dir / name
-        if not path.is_file() or (name in sizes and path.stat().st_size != sizes[name]):
-            return False
-    return True
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
