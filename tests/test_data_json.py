@@ -13,7 +13,6 @@ from tiny_tokenizer import write_tiny_tokenizer
 from litsft.data import JSON
 from litsft.data.loader import IGNORE_INDEX
 from litsft.data.records import to_conversation
-from litsft.data.samples import Samples
 from litsft.errors import LitsftError
 from litsft.tokenizer import Tokenizer
 
@@ -105,31 +104,6 @@ def test_truncation_keeps_the_mask_and_drops_samples_without_targets(tmp_path, t
     )
     first = data.train_samples.subset(np.array([0]))
     assert np.array_equal(first.tokens, full[0][:49]) and np.array_equal(first.targets, full[1][:49])
-
-
-@pytest.mark.parametrize("max_tokens", [12, 30])  # 30: no sample is longer, nothing is cut
-def test_truncate_is_the_python_loop(max_tokens):
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(0, 30, 50)  # an empty sample too (lengths[7] == 0)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    samples = Samples(
-        rng.integers(0, 100, offsets[-1]).astype(np.int32), rng.random(offsets[-1]) < 0.2, offsets
-    )
-    original_targets = samples.targets.copy()
-    truncated, dropped = samples.truncate(max_tokens)
-    assert np.array_equal(samples.targets, original_targets)  # the samples truncated are left as they were
-    expected = []
-    for i in range(50):
-        tokens = samples.tokens[offsets[i] : offsets[i + 1]][:max_tokens]
-        targets = samples.targets[offsets[i] : offsets[i + 1]][:max_tokens].copy()
-        targets[:1] = False
-        if targets.any():
-            expected.append((tokens.tolist(), targets.tolist()))
-    got = [
-        (truncated.tokens[a:b].tolist(), truncated.targets[a:b].tolist())
-        for a, b in zip(truncated.offsets[:-1], truncated.offsets[1:])
-    ]
-    assert got == expected and dropped == 50 - len(expected) > 0
 
 
 def test_training_on_everything_labels_the_prompt(tmp_path, tokenizer):
