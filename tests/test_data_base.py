@@ -1,0 +1,135 @@
+"""litsft/data/base.py: the data module interface's own parts, through `--data JSON`, the simplest module on
+it: what `connect` checks and keeps, where the cache lives, the options every module checks, the held-out
+validation split, the cache key's parts, and the digests behind fingerprints."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from tiny_tokenizer import write_tiny_tokenizer
+
+from litsft.data import JSON
+from litsft.data.base import digest_of, file_fingerprint, tokenizer_fingerprint
+from litsft.errors import LitsftError
+from litsft.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    directory = tmp_path_factory.mktemp("tokenizer")
+    write_tiny_tokenizer(directory, chat_template="chatml")
+    return Tokenizer(directory)
+
+
+def records(path: Path, count: int) -> Path:
+    path.write_text(
+        "\n".join(json.dumps({"instruction": f"Say {i}", "output": f"{i}"}) for i in range(count))
+    )
+    return path
+
+
+def test_connect_checks_the_length_and_keeps_the_runs_seed_unless_the_data_has_one(
+    tmp_path, tokenizer
+) -> None:
+    data = JSON(json_path=tmp_path / "d.jsonl")
+    with pytest.raises(LitsftError, match=r"^max_seq_length=0 must be at least 1$"):
+        data.connect(tokenizer, 0, seed=1)
+    data.connect(tokenizer, 32, seed=1)
+    assert (data.max_seq_length, data.data_seed) == (32, 1)
+    own = JSON(json_path=tmp_path / "d.jsonl", seed=7)
+    own.connect(tokenizer, 32, seed=1)
+    assert own.data_seed == 7
+
+
+def test_the_cache_is_the_option_then_the_environment_then_the_home_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("LITSFT_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    data = JSON(json_path=tmp_path / "d.jsonl")
+    assert data.cache_root == tmp_path / "home" / ".cache" / "litsft"
+    monkeypatch.setenv("LITSFT_CACHE_DIR", str(tmp_path / "env"))
+    assert data.cache_root == tmp_path / "env"
+    assert JSON(json_path=tmp_path / "d.jsonl", cache_dir=tmp_path / "mine").cache_root == tmp_path / "mine"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"num_workers": -1}, "--data.num_workers=-1 must be at least 0; 0 builds batches in the training process"),
+        ({"val_split_fraction": 1.0}, "--data.val_split_fraction=1.0 must be at least 0 and less than 1; use e.g. 0.05, or 0 for no validation"),
+    ],
+)  # fmt: skip
+def test_options_every_module_has_are_checked_when_it_is_made(tmp_path, options, message) -> None:
+    with pytest.raises(LitsftError) as error:
+        JSON(json_path=tmp_path / "d.jsonl", **options)
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize(("count", "fraction", "held_out"), [(40, 0.1, 4), (10, 0.01, 1), (5, 0.5, 2)])
+def test_the_validation_split_holds_out_a_seeded_share_of_the_training_records(
+    tmp_path, tokenizer, count, fraction, held_out
+) -> None:
+    def split(seed: int) -> tuple[set, set]:
+        data = JSON(
+            json_path=records(tmp_path / "d.jsonl", count), cache_dir=tmp_path, val_split_fraction=fraction
+        )
+        data.connect(tokenizer, 64, seed)
+        data.prepare()
+        data.setup()
+
+        def as_set(samples):
+            return {tuple(samples.tokens[a:b]) for a, b in zip(samples.offsets[:-1], samples.offsets[1:])}
+
+        return as_set(data.train_samples), as_set(data.val_samples)
+
+    train, val = split(seed=0)
+    assert len(val) == held_out and len(train) == count - held_out and not train & val
+    assert split(seed=0) == (train, val)
+    assert split(seed=1)[1] != val  # another seed, another split
+
+
+def test_the_cache_entry_changes_with_the_template_and_the_mask(tmp_path, tokenizer) -> None:
+    path = records(tmp_path / "d.jsonl", 4)
+
+    def entries(**options) -> int:
+        data = JSON(json_path=path, cache_dir=tmp_path / "cache", **options)
+        data.connect(tokenizer, 128, seed=0)  # alpaca's prompt is long
+        data.prepare()
+        return len(list((tmp_path / "cache" / "sft").iterdir()))
+
+    assert entries() == 1 and entries() == 1  # the same data again: the same entry
+    assert entries(mask_prompt=False) == 2
+    assert entries(prompt_style="alpaca") == 3
+
+
+def test_digests(tmp_path) -> None:
+    assert digest_of({"b": 1, "a": [2]}) == digest_of({"a": [2], "b": 1})
+    assert digest_of({"a": 1}) == hashlib.sha256(b'{"a": 1}').hexdigest()
+    (tmp_path / "x.json").write_text("[1]")
+    expected = f"{(tmp_path / 'x.json').resolve()}:{hashlib.sha256(b'[1]').hexdigest()}"
+    assert file_fingerprint(tmp_path / "x.json") == expected
+    (tmp_path / "x.json").write_text("[2]")
+    assert file_fingerprint(tmp_path / "x.json") != expected
+
+
+def test_the_tokenizer_fingerprint_covers_its_files_and_nothing_else(tmp_path) -> None:
+    checkpoint = SimpleNamespace(checkpoint_dir=tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    first = tokenizer_fingerprint(checkpoint)
+    (tmp_path / "model.safetensors").write_text("weights")
+    assert tokenizer_fingerprint(checkpoint) == first
+    for name in ("chat_template.jinja", "tokenizer_config.json", "generation_config.json", "tokenizer.json"):
+        (tmp_path / name).write_text(f"{{'{name}': 2}}")
+        assert tokenizer_fingerprint(checkpoint) != first
+        first = tokenizer_fingerprint(checkpoint)
+
+
+def test_the_fingerprint_follows_the_records(tmp_path) -> None:
+    path = records(tmp_path / "d.jsonl", 4)
+    first = JSON(json_path=path).fingerprint()
+    assert JSON(json_path=path).fingerprint() == first
+    records(path, 5)
+    assert JSON(json_path=path).fingerprint() != first
