@@ -1,4 +1,11 @@
+"""litsft/families/: the weight-name maps of spec.py (both ways, fused tensors), and one section per family
+module, its tests named by the module (`[gemma2]`, `[qwen3]`...): it registers its family, config.jsons
+resolve to it, its weight map names every parameter of its configs. Logits against transformers: below for
+Gemma 2, Gemma 3 and OLMo 2; every family's in tests/test_convert.py (conversion round trip) and
+tests/test_model.py (sliding windows)."""
+
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -6,7 +13,7 @@ from tiny_hf import SLIDING_WINDOW, save_tiny_hf, tiny_hf_model
 
 from litsft.config import NAMED_CONFIGS, Config
 from litsft.convert import convert_from_hf, expected_shapes
-from litsft.families import FAMILIES
+from litsft.families import FAMILIES, family_of_hf_config
 from litsft.families.phi3 import PHI3_WEIGHTS
 from litsft.families.spec import LLAMA_WEIGHTS
 from litsft.generate import generate_tokens
@@ -56,7 +63,30 @@ def test_a_fused_tensor_with_a_missing_part_is_an_error():
         list(PHI3_WEIGHTS.to_hf(parts, torch.cat))
 
 
-@pytest.mark.parametrize("architecture", FAMILIES)
+def family_module(architecture: str) -> str:
+    """The module of litsft/families/ that defines a registered family, e.g. "gemma2": the test ids name it."""
+    return FAMILIES[architecture].config_from_hf.__module__.rpartition(".")[2]
+
+
+FAMILY_MODULES = sorted(
+    path.stem for path in (Path(__file__).parents[1] / "litsft" / "families").glob("*.py")
+    if path.stem not in ("__init__", "spec")
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("module", FAMILY_MODULES)
+def test_each_family_module_registers_one_family_that_its_config_jsons_resolve_to(module):
+    """litsft/families/<module>.py registers one family; a config.json naming its architecture, or only its
+    model_type, resolves to it; its named configs build as that architecture."""
+    (architecture,) = [name for name in FAMILIES if family_module(name) == module]
+    family = FAMILIES[architecture]
+    assert family_of_hf_config({"architectures": [architecture]}) is family
+    assert family_of_hf_config({"model_type": family.model_type}) is family
+    assert family.named_configs
+    assert all(Config.from_name(name).hf_architecture == architecture for name in family.named_configs)
+
+
+@pytest.mark.parametrize("architecture", FAMILIES, ids=family_module)
 def test_every_family_names_every_parameter_of_its_configs(architecture):
     """Each family's weight map covers every parameter its named configs build: one-to-one, or several parts
     to one fused tensor whose parts are all parameters of the model."""
