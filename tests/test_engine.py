@@ -1,4 +1,5 @@
-"""The engine's promises, each checked by an equivalence: distributed = single-process, resumed = uninterrupted."""
+"""The engine's promises (litsft/engine.py), each checked by an equivalence on runs of the full fine-tuning
+recipe (recipes/finetune_full.py): distributed = single-process, resumed = uninterrupted."""
 
 from __future__ import annotations
 
