@@ -48,4 +48,3 @@ def test_the_fix_follows_the_bounds() -> None:
         str(error.value)
         == "--data.num_workers=-1 must be at least 0; 0 builds batches in the training process"
     )
-
