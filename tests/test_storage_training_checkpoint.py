@@ -1,5 +1,6 @@
-"""litsft/storage/training_checkpoint.py and checkpoint_dirs.py: what a step checkpoint holds on disk, its
-atomic publication, loading it back, rotation, leftovers, and refusing pickled objects."""
+"""litsft/storage/training_checkpoint.py: what a step checkpoint holds on disk (read back by checkpoint_dirs.py,
+whose own tests on plain directories are in tests/test_storage_checkpoint_dirs.py), its atomic publication,
+loading it back, rotation, leftovers, and refusing pickled objects."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from litsft.storage.checkpoint_dirs import (
     is_complete,
     latest_checkpoint,
     read_trainer_state,
-    resume_checkpoint,
 )
 from litsft.storage.training_checkpoint import (
     load_rank_state,
@@ -125,17 +125,6 @@ def test_a_truncated_file_makes_a_checkpoint_incomplete(tmp_path) -> None:
     assert not is_complete(second) and latest_checkpoint(tmp_path) == first
     with pytest.raises(LitsftError, match="not a complete litsft training checkpoint"):
         read_trainer_state(second)
-
-
-def test_resume_picks_the_newest_a_given_directory_or_none(tmp_path) -> None:
-    model, optimizer = trained(0)
-    assert resume_checkpoint("auto", tmp_path) is None
-    first, second = save(tmp_path, 1, model, optimizer), save(tmp_path, 2, model, optimizer)
-    assert resume_checkpoint("auto", tmp_path) == resume_checkpoint(True, tmp_path) == second
-    assert resume_checkpoint(first, tmp_path) == first
-    assert resume_checkpoint(False, tmp_path) is None
-    with pytest.raises(LitsftError, match="no such checkpoint directory"):
-        resume_checkpoint(tmp_path / "step-00000009", tmp_path)
 
 
 def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path) -> None:
