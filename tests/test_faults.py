@@ -40,6 +40,7 @@ def test_pause_creates_its_file_and_returns_once_a_stop_signal_arrives(
 ) -> None:
     marker = tmp_path / "paused"
     monkeypatch.setenv(FAULT_ENV, f"save_2_before_rename:pause={marker}")
+    PreemptionFlag.uninstall()  # one left by an earlier in-process run would have seen its own signals
     flag = PreemptionFlag.install()  # before the signal: SIGUSR1 would otherwise end the process
     flag.report = False
 

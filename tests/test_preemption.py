@@ -22,7 +22,8 @@ class Exited(Exception):
 
 @pytest.fixture
 def flag(monkeypatch: pytest.MonkeyPatch) -> Iterator[PreemptionFlag]:
-    """An installed flag whose `exit_at_once` records (line, code) in `flag.exits` instead of exiting."""
+    """A new installed flag whose `exit_at_once` records (line, code) in `flag.exits` instead of exiting."""
+    PreemptionFlag.uninstall()  # one left by an earlier in-process run (the engine installs one)
     flag = PreemptionFlag.install()
     flag.exits = []
     monkeypatch.setattr(flag, "exit_at_once", lambda line, code: flag.exits.append((line, code)))
@@ -45,6 +46,7 @@ def test_exit_codes() -> None:
 
 
 def test_install_is_one_flag_per_process_and_uninstall_gives_the_signals_back() -> None:
+    PreemptionFlag.uninstall()
     before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     flag = PreemptionFlag.install()
     try:
@@ -113,6 +115,7 @@ def test_exit_at_once_runs_before_exit_then_says_one_line(
         raise Exited(code)
 
     monkeypatch.setattr(os, "_exit", exit_now)
+    PreemptionFlag.uninstall()
     flag = PreemptionFlag.install()
     try:
         flag.before_exit = lambda: print("stopping the ranks", flush=True)
