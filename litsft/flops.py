@@ -2,7 +2,7 @@
 
 Counts over the model as built (litsft.sizes reads it off `Transformer(config)` on the meta device) and a
 device name; `litsft.metrics` uses it for the MFU column, `litsft.plan` for LoRA's adapter count, and
-benchmarks use it to compare runs. tests/test_metrics.py holds the counts against torch's FlopCounterMode
+benchmarks use it to compare runs. tests/test_flops.py holds the counts against torch's FlopCounterMode
 for every family.
 """
 
