@@ -8,7 +8,7 @@ Packed batches: the data loader's rows (B, T) hold several documents each, padde
 loss they are joined into one row (1, N) of their N real tokens (litsft.batch's `without_padding`: no layer
 computes padding) with `Documents`, the cumulative lengths of the documents, built on the host; attention is then
 causal *within* each document only. How attention does that (flash attention per document on a GPU,
-length buckets on the CPU, ...) is litsft.attention's business: the model calls `attend`.
+one document at a time on the CPU, ...) is litsft.attention's business: the model calls `attend`.
 """
 
 from __future__ import annotations

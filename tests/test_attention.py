@@ -18,8 +18,8 @@ from litsft.attention import (
     choose_kernel,
     chunked_causal_attention,
     cumulative_lengths,
+    document_lengths,
     document_mask,
-    document_segments,
     documents_of_ids,
     prepare,
     token_document_ids,
@@ -53,8 +53,7 @@ def test_segmented_attention_equals_the_mask_path():
     position_ids = torch.cat([torch.arange(n) for n in (70, 3, 1, 30, 24, 100, 28)]).view(1, 256)
     input_ids = torch.randint(0, 512, (1, 256))
     documents = documents_of_ids(document_ids)
-    segments = document_segments(documents)
-    assert [g.shape[1] for g in segments.gather] == [100, 70, 30]  # 30, 28, 24, 3, 1 share a bucket
+    assert document_lengths(documents) == [70, 3, 1, 30, 24, 100, 28]
     results = {}
     for kernel in ("segmented", "mask"):
         model.zero_grad()
@@ -194,7 +193,7 @@ def test_varlen_features_come_from_the_signature():
      ("mask", False, "mask")],
 )  # fmt: skip
 def test_a_soft_capped_model_runs_a_kernel_that_can_cap(chosen, flex, expected, monkeypatch):
-    """Gemma 2 caps its attention logits: varlen's flash kernel and the CPU's buckets cannot, so setting them
+    """Gemma 2 caps its attention logits: varlen's flash kernel and the CPU's per-document SDPA cannot, so setting them
     sets flex (its score_mod caps) where torch has it, else the mask kernel (scores written out); the
     kernel the engine logs is then the one that runs. A model without a cap keeps what it is given."""
     support = KernelSupport(frozenset(), flex, (9, 0))

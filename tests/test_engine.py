@@ -59,7 +59,7 @@ def test_distributed_training_equals_single_process(workspace: Path, model: str)
     )
     reference = runs_dir / "single-micro4"
     result = litsft(finetune_args(base, data, reference, micro=4), workspace)
-    # Soft-capped attention cannot run in the CPU's length buckets: the log names the kernel that runs.
+    # Soft-capped attention cannot run in the CPU's per-document SDPA: the log names the kernel that runs.
     assert ("Attention: mask," if model == "tiny-gemma2" else "Attention: segmented,") in result.stdout
     runs = {}
     if llama:

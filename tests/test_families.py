@@ -118,7 +118,9 @@ def test_logits_and_greedy_generation_equal_transformers(tmp_path, kind, kernel)
     model = Transformer(Config.from_checkpoint(tmp_path / "litsft")).eval()
     model.load_state_dict(load_model_state_dict(tmp_path / "litsft"))
     model.attention_kernel = kernel
-    if model.config.softcap_attention is not None:  # the CPU's buckets cannot soft-cap: the mask kernel does
+    if (
+        model.config.softcap_attention is not None
+    ):  # the CPU's per-document SDPA cannot soft-cap: the mask kernel does
         assert model.attention_kernel == "mask"
     tokens = torch.randint(0, 512, (2, LENGTH), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

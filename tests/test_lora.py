@@ -376,4 +376,6 @@ def test_engine_stores_the_lora_base_in_bf16_under_bf16_mixed(tmp_path):
     frozen = num_parameters(config)
     assert f"frozen weights {frozen * 2 / 2**20:,.1f} MiB (bfloat16)" in messages[1]
     assert f"frozen weights {frozen * 4 / 2**20:,.1f} MiB (float32)" in messages[3]
-    assert messages[0] == messages[2] == "Attention: segmented, per-document SDPA in length buckets (CPU)"
+    assert (
+        messages[0] == messages[2] == "Attention: segmented, per-document SDPA, one document at a time (CPU)"
+    )
