@@ -9,6 +9,8 @@ OMP_NUM_THREADS, no loader workers, one device, one epoch. LoRA is rank 8, alpha
 attention and MLP projection on both sides. LitGPT is installed into its own virtualenv on first use
 (`pip install torch==2.13.0` first, so pip keeps the CPU wheel, then litgpt==0.5.13 and requests), and gets a
 local checkpoint directory (model_config.yaml, randomly initialized lit_model.pth, the same tokenizer files).
+litsft runs from its own virtualenv too, installed the way a user installs it (runtime dependencies only,
+editable, so this checkout's code): neither side carries the other's or a test suite's packages.
 
 How each side is measured, the same way:
 - time: the wall time of the training loop, evaluation left out. LitGPT prints each iteration's wall time
@@ -45,6 +47,8 @@ from harness import bench_env, machine_description, make_checkpoint, median, run
 from litsft.config import Config
 
 LITGPT_VENV = Path.home() / ".cache" / "litsft-bench" / "litgpt-venv"
+LITSFT_VENV = Path.home() / ".cache" / "litsft-bench" / "litsft-venv"
+REPOSITORY = Path(__file__).resolve().parents[1]
 ITER_TIME = re.compile(r"iter (\d+) step \d+ \|.*iter time: ([\d.]+) ms")
 
 
@@ -60,6 +64,30 @@ def install_litgpt(venv: Path) -> Path:
         [python, "-m", "pip", "install", "-q", "-c", venv / "constraints.txt", "litgpt==0.5.13", "requests"],
         check=True,
     )
+    return python
+
+
+def install_litsft(venv: Path) -> Path:
+    """A virtualenv with litsft as a user installs it (its runtime dependencies, no test extras), editable so
+    that it runs this checkout's code. The development environment also holds transformers and peft for the
+    parity tests, and Lightning imports transformers at start-up wherever it is installed (torchmetrics'
+    BERTScore checks for it): timing litsft there would charge it for packages a user does not have."""
+    python = venv / "bin" / "python"
+    if not python.is_file():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([python, "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)
+        (venv / "constraints.txt").write_text("torch==2.13.0\n")
+    installed = subprocess.run(
+        [python, "-c", "import litsft, sys; print(litsft.__file__)"], capture_output=True
+    )
+    if installed.returncode != 0 or str(REPOSITORY) not in installed.stdout.decode():
+        subprocess.run(
+            [python, "-m", "pip", "install", "-q", "-c", venv / "constraints.txt", "-e", str(REPOSITORY)],
+            check=True,
+        )
+        # As in .ci/install.sh: litdata pulls a CUDA torchvision that breaks `import lightning` on CPU torch.
+        if subprocess.run([python, "-c", "import torchvision"], capture_output=True).returncode != 0:
+            subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "torchvision"], check=False)
     return python
 
 
@@ -148,7 +176,7 @@ def time_litsft(
             "--train.global_batch_size", str(args.global_batch_size), "--train.log_interval", "1000000",
             "--eval.max_batches", "1", "--eval.max_new_tokens", "0", "--resume", "false", "--log.timings", "true",
         ],
-        args.work_dir, args.threads,
+        args.work_dir, args.threads, python=args.litsft_python,
     )  # fmt: skip
     (row,) = training_rows(out_dir)
     return input_tokens / row["tokens_per_second"], wall, stdout
@@ -187,6 +215,7 @@ def main(args: argparse.Namespace) -> None:
     args.work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="litsft-vs-litgpt-"))
     os.environ["LITSFT_CACHE_DIR"] = str(args.work_dir / "cache")
     python = install_litgpt(Path(args.litgpt_venv))
+    args.litsft_python = install_litsft(Path(args.litsft_venv))
     checkpoint = make_checkpoint(args.work_dir / "litsft-checkpoint")
     data_dir = args.work_dir / "data"
     data_dir.mkdir(exist_ok=True)
@@ -260,5 +289,6 @@ if __name__ == "__main__":
     parser.add_argument("--global_batch_size", type=int, default=8)
     parser.add_argument("--methods", nargs="+", default=["full", "lora"], choices=["full", "lora"])
     parser.add_argument("--litgpt_venv", default=str(LITGPT_VENV))
+    parser.add_argument("--litsft_venv", default=str(LITSFT_VENV))
     parser.add_argument("--work_dir", default=None, help="default: a new temporary directory")
     main(parser.parse_args())

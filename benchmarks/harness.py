@@ -94,13 +94,17 @@ def bench_env(work_dir: Path, threads: int, extra: dict[str, str] | None = None)
 
 
 def run_litsft(
-    args: list[str], work_dir: Path, threads: int, extra_env: dict[str, str] | None = None
+    args: list[str],
+    work_dir: Path,
+    threads: int,
+    extra_env: dict[str, str] | None = None,
+    python: str | Path = sys.executable,
 ) -> tuple[float, str]:
-    """Run `python -m litsft ...`; returns its wall time and its stdout. Raises with the output's tail if it
-    fails."""
+    """Run `python -m litsft ...` (with this interpreter by default); returns its wall time and its stdout.
+    Raises with the output's tail if it fails."""
     started = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, "-m", "litsft", *args],
+        [str(python), "-m", "litsft", *args],
         env=bench_env(work_dir, threads, extra_env),
         capture_output=True,
         text=True,
