@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,37 @@ def test_help_and_tutorial_say_what_resume_false_does_with_checkpoints(capsys: p
     for command in ("finetune_full", "finetune_lora", "pretrain"):
         assert said in help_text([command, "--help"], capsys)
     assert said in " ".join((REPO / "tutorials" / "resume.md").read_text().replace("`", "").split())
+
+
+def test_leave_runs_what_python_would_at_exit_and_exits_zero(tmp_path):
+    """`leave` skips Python's module teardown only: a non-daemon thread still finishes, atexit handlers run,
+    and unflushed output reaches the streams."""
+    script = f"""
+import atexit, threading, time
+from pathlib import Path
+from litsft.__main__ import leave
+
+def late_write():
+    time.sleep(0.2)
+    Path({str(tmp_path / "thread.txt")!r}).write_text("done")
+
+threading.Thread(target=late_write).start()
+atexit.register(lambda: print("atexit ran", end=""))
+print("unflushed ", end="")
+leave()
+print("never")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "unflushed atexit ran"
+    assert (tmp_path / "thread.txt").read_text() == "done"
+
+
+def test_the_console_script_leaves_through_leave():
+    """The installed `litsft` command is `run` (main, then leave), and `python -m litsft` is the same."""
+    from importlib.metadata import entry_points
+
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "litsft"]
+    assert script.value == "litsft.__main__:run"
+    source = Path(main.__code__.co_filename).read_text()
+    assert source.rstrip().endswith('if __name__ == "__main__":\n    run()')
