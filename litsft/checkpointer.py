@@ -1,7 +1,7 @@
 """What a training checkpoint holds, and the component that saves and restores it.
 
 `TrainState` is everything the loop changes besides the learning-rate schedule: step, epoch, the model, the
-optimizer and the training loader's position. `Checkpointer.save` writes it (with the run's config and
+optimizer, the training loader's position and, under 16-mixed, the loss scale. `Checkpointer.save` writes it (with the run's config and
 this rank's random streams) through `litsft.storage.training_checkpoint`; `Checkpointer.load` restores it in place, also
 into a different number of ranks.
 """
@@ -33,15 +33,25 @@ class TrainState:
     """Steps whose update was skipped for an inf/NaN gradient norm, counted on the device (the loop
     reads it only where it waits for the device anyway). Not checkpointed: a save happens only after the
     loop has checked that it is zero."""
+    loss_scaler: torch.amp.GradScaler | None = None
+    """The GradScaler of 16-mixed (None under every other precision). Its scale is found during training
+    (halved on each overflow, doubled after `growth_interval` clean steps); a resume that started it again
+    from its initial value would skip updates the uninterrupted run makes."""
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of the state that is not a tensor of the model or optimizer."""
-        return {"step": self.step, "epoch": self.epoch, "loader": self.train_loader.state_dict()}
+        state = {"step": self.step, "epoch": self.epoch, "loader": self.train_loader.state_dict()}
+        if self.loss_scaler is not None:
+            state["loss_scaler"] = self.loss_scaler.state_dict()  # plain numbers: scale, growth tracker
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.epoch = state["step"], state["epoch"]
         self.train_loader.set_epoch(self.epoch)
         self.train_loader.load_state_dict(state["loader"])
+        # A checkpoint written under another precision has no scale to continue from: the scaler starts as new.
+        if self.loss_scaler is not None and "loss_scaler" in state:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
 
 
 class Checkpointer:
@@ -92,7 +102,7 @@ class Checkpointer:
             torch.manual_seed(self.run.seed + step * 7919 + fabric.global_rank)
         else:
             checkpoint.set_rng_state(rank_state["rng"])
-        state.load_state_dict({"step": step, "epoch": rank_state["epoch"], "loader": rank_state["loader"]})
+        state.load_state_dict({**rank_state, "step": step})
         fabric.print(f"Resumed from {path} at step {step}")
 
 

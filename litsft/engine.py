@@ -32,7 +32,7 @@ from litsft.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 from litsft.quantization import is_nf4, stored_bytes
 from litsft.recipe import Recipe
 from litsft.sizes import num_parameters
-from litsft.step import diverged, next_micro_batches, raise_if_diverged, train_step
+from litsft.step import diverged, loss_scaler, next_micro_batches, raise_if_diverged, train_step
 from litsft.storage import training_checkpoint as checkpoint
 from litsft.storage.checkpoint_dirs import resume_checkpoint
 from litsft.storage.files import publish_atomically
@@ -61,7 +61,13 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
     model = setup_model(fabric, recipe, run)
     run_timer.mark("model: built, weights loaded, sharded")
     optimizer = fabric.setup_optimizers(build_optimizer(model, run.optimizer))
-    state = TrainState(model, optimizer, train_loader, skipped_steps=torch.zeros((), device=fabric.device))
+    state = TrainState(
+        model,
+        optimizer,
+        train_loader,
+        skipped_steps=torch.zeros((), device=fabric.device),
+        loss_scaler=loss_scaler(fabric),
+    )
     checkpointer = Checkpointer(fabric, run, recipe.name, save_frozen=recipe.checkpoint_frozen)
     resume_from = resume_checkpoint(run.resume, out_dir)
     if resume_from is not None:

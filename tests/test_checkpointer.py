@@ -10,6 +10,7 @@ import pytest
 import torch
 from launch import write_records
 from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import MixedPrecision
 
 from litsft.args import OptimizerConfig, RunConfig
 from litsft.checkpointer import Checkpointer, TrainState
@@ -17,6 +18,7 @@ from litsft.config import Config
 from litsft.data import JSON
 from litsft.model import Transformer
 from litsft.optimizer import build_optimizer
+from litsft.step import loss_scaler, train_step
 from litsft.storage.checkpoint_dirs import TRAINER_STATE
 
 
@@ -99,3 +101,41 @@ def test_another_number_of_ranks_reseeds_the_random_streams(checkpointer) -> Non
     reseeded = torch.rand(4)
     torch.manual_seed(7 + 4 * 7919)  # --seed 7, step 4, rank 0
     assert torch.equal(reseeded, torch.rand(4))
+
+
+def _16_mixed_run(out_dir: Path, steps: range, resume_from: Path | None = None) -> tuple[TrainState, Path]:
+    """Optimizer steps `steps` of a tiny model under fp16 autocast with a loss scaler (Fabric's 16-mixed, on the
+    CPU), from a fresh start or from `resume_from`; the checkpoint of the last step is saved and returned. The
+    scaler starts far too high and backs off hard: step 1 overflows and sets the scale to 2**8."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-32, growth_interval=1)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    out_dir.mkdir(exist_ok=True)
+    data = JSON(json_path=write_records(out_dir / "data.json", count=8))
+    run = RunConfig(Config.from_name("tiny-llama"), None, data, out_dir, seed=7, cli_arguments={})
+    saver = Checkpointer(fabric, run, "finetune_full", save_frozen=True)
+    torch.manual_seed(0)
+    model = Transformer(Config.from_name("tiny-llama"))
+    model, optimizer = fabric.setup(model, build_optimizer(model, OptimizerConfig(lr=1e-3)))
+    state = TrainState(model, optimizer, Loader(), loss_scaler=loss_scaler(fabric))
+    if resume_from is not None:
+        saver.load(resume_from, state)
+    for step in steps:
+        generator = torch.Generator().manual_seed(step)
+        batch = {
+            name: torch.randint(0, 512, (2, 16), generator=generator) for name in ("input_ids", "labels")
+        }
+        train_step(fabric, model, optimizer, [batch], max_norm=1.0)
+        state.step = step
+    return state, saver.save(state)
+
+
+def test_16_mixed_resumes_with_the_loss_scale_it_had(tmp_path: Path) -> None:
+    """Under 16-mixed the loss scale is part of the train state: a run resumed after step 2 makes the same
+    updates as the uninterrupted one, bit for bit. Without it the resumed scaler starts again at its initial
+    scale, its first step overflows and is skipped, and the runs part."""
+    uninterrupted, _ = _16_mixed_run(tmp_path / "uninterrupted", range(1, 5))
+    _, step_2 = _16_mixed_run(tmp_path / "interrupted", range(1, 3))
+    resumed, _ = _16_mixed_run(tmp_path / "interrupted", range(3, 5), resume_from=step_2)
+    assert resumed.loss_scaler.get_scale() == uninterrupted.loss_scaler.get_scale() == 2.0**11
+    for (name, a), b in zip(uninterrupted.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name

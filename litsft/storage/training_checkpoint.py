@@ -2,7 +2,7 @@
 
 Layout of `out_dir/step-00000012/`:
     shards/rank-00000.safetensors ...  each rank's rows of every model parameter and optimizer state
-    rank-00000.pt ...                  each rank's RNG states and data-loader state
+    rank-00000.pt ...                  each rank's RNG states, data-loader state and (16-mixed) loss scale
     trainer_state.json                 step, epoch, optimizer hyper-parameters, the run config, file list
 
 A checkpoint is written under `.step-00000012.partial/` and renamed once every rank's files are on disk
