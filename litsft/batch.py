@@ -50,3 +50,13 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
 def loss_positions_of(labels: torch.Tensor) -> torch.Tensor:
     """Flat indices of the labels (B, T) that carry a loss (are not -100)."""
     return (labels.flatten() != -100).nonzero().flatten()
+
+
+def attended_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The lengths of the sequences attention runs over in a collated host batch, as a 1-D tensor found
+    without reading one: each packed document (`cu_seqlens`), or each row whole when rows are not packed
+    (a causal row is attended over its full, padded length)."""
+    if "cu_seqlens" in batch:
+        return torch.diff(batch["cu_seqlens"].long())
+    rows, length = batch["input_ids"].shape
+    return torch.full((rows,), length)

@@ -89,7 +89,6 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
         world_size=fabric.world_size,
         device=fabric.device,
         precision=run.precision,
-        seq_len=run.train.max_seq_length,
         trainable=recipe.trainable,
         adapter_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
     )
@@ -160,6 +159,7 @@ def train_loop(
             grad_norm=grad_norm,
             target_tokens=target_tokens,
             input_tokens=input_tokens,
+            micro_batches=micro_batches,
             log=log,
         )
         if validate_now or save or must_stop:

@@ -1,22 +1,26 @@
-"""FLOP accounting: the training FLOPs of one token, the peak FLOP/s of a device, and MFU.
+"""FLOP accounting: the training FLOPs of one token, those a pass over given documents executes, and the
+peak FLOP/s of a device.
 
 Counts over the model as built (litsft.sizes reads it off `Transformer(config)` on the meta device) and a
-device name; `litsft.metrics` uses it for the MFU column, `litsft.plan` for LoRA's adapter count, and
-benchmarks use it to compare runs. tests/test_flops.py holds the counts against torch's FlopCounterMode
-for every family.
+device name; `litsft.metrics` uses them for the MFU column (`TrainingFlops`, from each step's documents),
+`litsft.plan` for LoRA's adapter count, and benchmarks use it to compare runs. tests/test_flops.py holds the
+counts against torch's FlopCounterMode for every family.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, TypeVar
 
 import torch
 
 from litsft.config import Config
 from litsft.errors import LitsftError
 from litsft.sizes import model_sizes
+
+LengthT = TypeVar("LengthT", int, torch.Tensor)
 
 
 def flops_per_token(
@@ -57,12 +61,65 @@ def flops_per_token(
     return float(dense + 3 * attention_forward)
 
 
-def causal_pairs(length: int, window: int | None = None) -> int:
+def causal_pairs(length: LengthT, window: int | None = None) -> LengthT:
     """(query, key) pairs causal attention computes in a sequence of `length` tokens: each query with itself
-    and the keys before it, at most `window` of them with a sliding window."""
-    if window is None or window >= length:
-        return length * (length + 1) // 2
-    return window * (window + 1) // 2 + (length - window) * window
+    and the keys before it, at most `window` of them with a sliding window. `length` may be a tensor of
+    lengths, counted element by element."""
+    if window is None:
+        seen = length
+    else:
+        seen = length.clamp(max=window) if isinstance(length, torch.Tensor) else min(length, window)
+    return seen * (seen + 1) // 2 + (length - seen) * seen
+
+
+@dataclass(frozen=True)
+class TrainingFlops:
+    """The training FLOPs (forward and backward) that one pass executes, as a function of what it runs over:
+    the blocks' matmuls on every token, the output head on `head_tokens` tokens (litsft runs it on the tokens
+    that carry a loss only; a plain loop on every position), and attention within each document over the
+    causal pairs it computes, windows included, not over whole rows. A plain causal loop over a packed row
+    is one document of the row's length. An MFU from these credits only the work done.
+
+    Weights as `flops_per_token` counts them (6 per trained weight and token, LoRA's frozen base 4, the
+    first block's q, k, v input gradients skipped; adapters counted on every token), attention 4 * H * D
+    per pair and layer forward (H * D: the layer's query width), three times that with the backward pass.
+    Built once from the model's sizes (`of`); `executed` is tensor arithmetic on the host, so the training
+    loop counts every step without reading a tensor."""
+
+    block_flops_per_token: int
+    head_flops_per_token: int
+    attention_flops_per_pair: tuple[tuple[int | None, int], ...]
+    """(sliding window or None, FLOPs per causal pair summed over the layers with that window)."""
+
+    @classmethod
+    def of(
+        cls, config: Config, trainable: Literal["all", "lora"] = "all", adapter_parameters: int = 0
+    ) -> TrainingFlops:
+        sizes = model_sizes(config)
+        head = sizes.lm_head[0] * sizes.lm_head[1]
+        blocks = sizes.matmul_weights - head
+        if trainable == "all":
+            block_flops, head_flops = 6 * blocks, 6 * head
+        else:
+            first = sizes.layers[0].linear
+            first_block_qkv = sum(first[target][0] * first[target][1] for target in ("q", "k", "v"))
+            block_flops, head_flops = 4 * blocks - 2 * first_block_qkv + 6 * adapter_parameters, 4 * head
+        per_pair: dict[int | None, int] = {}
+        for layer in sizes.layers:
+            per_pair[layer.window] = per_pair.get(layer.window, 0) + 3 * 4 * layer.attention_width
+        return cls(block_flops, head_flops, tuple(per_pair.items()))
+
+    def executed(self, document_lengths: torch.Tensor, head_tokens: torch.Tensor | int) -> torch.Tensor:
+        """The FLOPs of one pass over documents of these lengths (a 1-D tensor) with the head on
+        `head_tokens` tokens, as a float64 tensor on the lengths' device (exact up to 2**53)."""
+        lengths = document_lengths.to(torch.float64)
+        attention = sum(
+            per_pair * causal_pairs(lengths, window).sum()
+            for window, per_pair in self.attention_flops_per_pair
+        )
+        return (
+            self.block_flops_per_token * lengths.sum() + self.head_flops_per_token * head_tokens + attention
+        )
 
 
 def executed_training_flops(
@@ -72,32 +129,9 @@ def executed_training_flops(
     trainable: Literal["all", "lora"] = "all",
     adapter_parameters: int = 0,
 ) -> float:
-    """Training FLOPs (forward and backward) that one pass over these documents executes, for an MFU that
-    credits only the work done: every block's matmuls on every token, the output head on `head_tokens`
-    tokens (litsft runs it on the tokens that carry a loss only; a plain loop on every position), and
-    attention within each document over the causal pairs it computes, windows included, not over whole
-    rows. A plain causal loop over a packed row is one document of the row's length.
-
-    Weights as `flops_per_token` counts them (6 per trained weight and token, LoRA's frozen base 4, the
-    first block's q, k, v input gradients skipped; adapters counted on every token), attention 4 * H * D
-    per pair and layer forward (H * D: the layer's query width), three times that with the backward pass.
-    """
-    sizes = model_sizes(config)
-    tokens = sum(document_lengths)
-    head = sizes.lm_head[0] * sizes.lm_head[1]
-    blocks = sizes.matmul_weights - head
-    if trainable == "all":
-        dense = 6 * blocks * tokens + 6 * head * head_tokens
-    else:
-        first = sizes.layers[0].linear
-        first_block_qkv = sum(first[target][0] * first[target][1] for target in ("q", "k", "v"))
-        dense = (4 * blocks - 2 * first_block_qkv + 6 * adapter_parameters) * tokens + 4 * head * head_tokens
-    attention_forward = sum(
-        4 * layer.attention_width * causal_pairs(length, layer.window)
-        for layer in sizes.layers
-        for length in document_lengths
-    )
-    return float(dense + 3 * attention_forward)
+    """`TrainingFlops.executed` of `config` for documents of these lengths, as a number."""
+    flops = TrainingFlops.of(config, trainable, adapter_parameters)
+    return float(flops.executed(torch.tensor(list(document_lengths), dtype=torch.int64), head_tokens))
 
 
 def lora_parameters(config: Config, targets: Iterable[str], rank: int) -> int:
@@ -184,12 +218,3 @@ def device_peak_flops(device: torch.device, precision: str, peak_flops: float | 
     if device.type != "cuda":
         return None
     return gpu_peak_flops(torch.cuda.get_device_name(device), precision)
-
-
-def mfu(
-    flops_per_token: float, tokens_per_second: float, peak_flops: float | None, world_size: int
-) -> float | None:
-    """Model FLOPs utilization: achieved training FLOP/s over the peak of all devices; None if unknown."""
-    if peak_flops is None:
-        return None
-    return flops_per_token * tokens_per_second / (peak_flops * world_size)

@@ -7,10 +7,10 @@ an all-reduce) only when the engine asks for them at a log step.
 Use in the engine loop (all ranks call it; only global rank 0 writes):
 
     metrics = MetricsLogger(out_dir, is_global_zero=fabric.is_global_zero, total_steps=total_steps)
-    metrics.set_model(config, world_size=..., device=..., precision=..., seq_len=...)
+    metrics.set_model(config, world_size=..., device=..., precision=...)
     for ...:
         loss, grad_norm, target_tokens, input_tokens = train_step(...)   # device tensors, global
-        metrics.step_done(step, epoch=..., loss=loss, ..., log=step % log_interval == 0)
+        metrics.step_done(step, ..., micro_batches=micro_batches, log=step % log_interval == 0)
         with metrics.paused():                                            # not training time
             validate(...)                                                 # -> metrics.validation_done(...)
     metrics.close()                                                       # writes loss.png
@@ -32,8 +32,9 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from litsft.batch import attended_lengths
 from litsft.config import Config
-from litsft.flops import device_peak_flops, flops_per_token, mfu
+from litsft.flops import TrainingFlops, device_peak_flops
 from litsft.loggers import CSVWriter, LoggerName, MetricWriter, check_loggers, metric_loggers
 
 # One CSV for the whole run: a row per log step (train columns filled) and a row per validation
@@ -108,20 +109,18 @@ class Throughput:
 
     The clock is read, and the device synchronized, only in `compute()` and around `paused()` sections,
     so the hot loop stays asynchronous. Tokens are the non-padding input tokens: padding is computed
-    but not counted, so padding waste shows up as lower MFU, not as fake throughput.
+    but not counted, so padding waste shows up as lower MFU, not as fake throughput. MFU is over the FLOPs
+    the steps executed (`TrainingFlops.executed`: attention within each document, the head on the loss
+    tokens), not over a fixed count per token that credits attention over whole rows.
     """
 
-    def __init__(
-        self, flops_per_token: float, world_size: int, device: torch.device, peak_flops: float | None
-    ) -> None:
+    def __init__(self, world_size: int, device: torch.device, peak_flops: float | None) -> None:
         """
         Args:
-            flops_per_token: From `flops_per_token(config, seq_len, trainable)`.
-            world_size: Number of devices that the token counts are summed over.
+            world_size: Number of devices that the token and FLOP counts are summed over.
             device: The local training device (synchronized before the clock is read).
             peak_flops: Peak FLOP/s of one device (`device_peak_flops`); None reports no MFU.
         """
-        self.flops_per_token = flops_per_token
         self.world_size = world_size
         self.device = device
         self.peak_flops = peak_flops
@@ -130,15 +129,20 @@ class Throughput:
     def _reset_window(self) -> None:
         self._input_tokens: Tensor | int = 0
         self._loss_tokens: Tensor | int = 0
+        self._executed_flops: Tensor | float = 0.0
         self._steps = 0
         self._elapsed = 0.0
         self._started: float | None = time.perf_counter()
 
-    def update(self, input_tokens: Tensor | int, loss_tokens: Tensor | int) -> None:
-        """Count one optimizer step. Both are global counts (summed over ranks and micro-batches), as
-        device tensors or ints: input tokens that are not padding, and labels that are not -100."""
+    def update(
+        self, input_tokens: Tensor | int, loss_tokens: Tensor | int, executed_flops: Tensor | float
+    ) -> None:
+        """Count one optimizer step. The token counts are global (summed over ranks and micro-batches), as
+        device tensors or ints: input tokens that are not padding, and labels that are not -100.
+        `executed_flops` are this rank's (a host tensor or a number), summed over ranks at `compute()`."""
         self._input_tokens = self._input_tokens + input_tokens
         self._loss_tokens = self._loss_tokens + loss_tokens
+        self._executed_flops = self._executed_flops + executed_flops
         self._steps += 1
 
     @contextlib.contextmanager
@@ -159,7 +163,10 @@ class Throughput:
         _synchronize(self.device)
         elapsed = self._elapsed + (time.perf_counter() - self._started if self._started is not None else 0.0)
         steps = self._steps
-        input_tokens, loss_tokens = _to_floats([self._input_tokens, self._loss_tokens])
+        executed_flops = torch.as_tensor(self._executed_flops, dtype=torch.float64).to(self.device)
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(executed_flops)  # every rank logs at the same steps
+        input_tokens, loss_tokens, flops = _to_floats([self._input_tokens, self._loss_tokens, executed_flops])
         self._reset_window()
         if steps == 0 or elapsed <= 0:
             return {}
@@ -168,7 +175,7 @@ class Throughput:
             "tokens_per_second": tokens_per_second,
             "tokens_per_second_per_device": tokens_per_second / self.world_size,
             "loss_tokens_per_second": loss_tokens / elapsed,
-            "mfu": mfu(self.flops_per_token, tokens_per_second, self.peak_flops, self.world_size),
+            "mfu": flops / elapsed / (self.peak_flops * self.world_size) if self.peak_flops else None,
         }
 
 
@@ -265,6 +272,7 @@ class MetricsLogger:
         self._bar: Any = None
         self._bar_in_terminal = False
         self._throughput: Throughput | None = None
+        self._training_flops: TrainingFlops | None = None
         self._device = torch.device("cpu")
         # The engine's step loss and token counts are already global: no second all-reduce.
         self._train_loss = TokenWeightedMean(sync_on_compute=False)
@@ -300,28 +308,25 @@ class MetricsLogger:
         world_size: int,
         device: torch.device,
         precision: str,
-        seq_len: int,
         trainable: Literal["all", "lora"] = "all",
         adapter_parameters: int = 0,
         peak_flops: float | None = None,
     ) -> None:
-        """Enable throughput, MFU and GPU-memory columns for training `config` (see `flops_per_token`).
+        """Enable throughput, MFU and GPU-memory columns for training `config` (see `TrainingFlops`).
 
         Args:
             config: The model's shape.
             world_size: Number of devices in the job.
             device: This rank's device.
             precision: Fabric's precision setting, e.g. "bf16-mixed", to look up the peak FLOP/s.
-            seq_len: Tokens per training row (the padded or packed block length).
             trainable: "all" for full fine-tuning and pretraining, "lora" for frozen base weights.
             adapter_parameters: With "lora", the trained adapter parameters.
             peak_flops: Peak FLOP/s of one device, overriding the table (see `device_peak_flops`).
         """
         self._device = device
         self._train_loss.to(device)
-        peak = device_peak_flops(device, precision, peak_flops)
-        flops = flops_per_token(config, seq_len, trainable, adapter_parameters)
-        self._throughput = Throughput(flops, world_size, device, peak)
+        self._training_flops = TrainingFlops.of(config, trainable, adapter_parameters)
+        self._throughput = Throughput(world_size, device, device_peak_flops(device, precision, peak_flops))
 
     def step_done(
         self,
@@ -333,6 +338,7 @@ class MetricsLogger:
         grad_norm: Tensor | float | None,
         target_tokens: Tensor | int,
         input_tokens: Tensor | int,
+        micro_batches: Sequence[dict[str, Tensor]],
         log: bool,
     ) -> None:
         """Count one optimizer step; with `log`, read and write the metrics of the steps since the last log.
@@ -348,6 +354,8 @@ class MetricsLogger:
             grad_norm: This step's global gradient norm (before clipping).
             target_tokens: Global count of labels that are not -100 in this step.
             input_tokens: Global count of input tokens that are not padding in this step.
+            micro_batches: This rank's micro-batches of the step, as the loader made them (on the host):
+                their documents and loss tokens give the FLOPs the step executed, for MFU.
             log: Whether to write a row now.
         """
         self.update_progress(step)
@@ -356,7 +364,7 @@ class MetricsLogger:
             self._train_loss.to(loss.device)
         self._train_loss.update(loss * target_tokens, target_tokens)
         if self._throughput is not None:
-            self._throughput.update(input_tokens, target_tokens)
+            self._throughput.update(input_tokens, target_tokens, self._executed_flops(micro_batches))
         if not log:
             return
         metrics: dict[str, float | Tensor | None] = {
@@ -370,6 +378,13 @@ class MetricsLogger:
             metrics.update(self._throughput.compute())
         metrics.update(peak_memory(self._device))
         self.log_step(step, metrics)
+
+    def _executed_flops(self, micro_batches: Sequence[dict[str, Tensor]]) -> Tensor:
+        """The FLOPs this rank executed on these host micro-batches, counted with host tensor arithmetic
+        only (reading a tensor here would cost a step that logs nothing a wait on a GPU)."""
+        lengths = torch.cat([attended_lengths(batch) for batch in micro_batches])
+        head_tokens = sum((batch["labels"] != -100).sum() for batch in micro_batches)
+        return self._training_flops.executed(lengths, head_tokens)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -1,13 +1,13 @@
 """litsft/batch.py: what a collated host batch becomes for the model, on a layout written out by hand: packed
 rows joined into one row of their real tokens with document ids kept apart across rows, the loader's
-`Documents` passed on, and the flat indices of the labels that carry a loss."""
+`Documents` passed on, the flat indices of the labels that carry a loss, and the lengths attention runs over."""
 
 from __future__ import annotations
 
 import torch
 
 from litsft.attention import cumulative_lengths
-from litsft.batch import loss_positions_of, model_inputs, without_padding
+from litsft.batch import attended_lengths, loss_positions_of, model_inputs, without_padding
 
 # Two packed rows of 5 tokens: row 0 holds documents of 2 and 2 tokens then one padding token, row 1 one
 # document of 3 tokens then two padding tokens. Token values say where they sit: 10 * row + column.
@@ -86,3 +86,8 @@ def test_model_inputs_of_an_unpacked_or_all_padding_batch_keep_its_shape() -> No
     inputs = model_inputs(filler)
     assert "documents" not in inputs and inputs["document_ids"].shape == (2, 5)
     assert inputs["loss_positions"].tolist() == []
+
+
+def test_attention_runs_over_each_packed_document_or_each_whole_unpacked_row() -> None:
+    assert attended_lengths(packed_batch()).tolist() == [2, 2, 3]
+    assert attended_lengths({"input_ids": INPUT_IDS, "labels": LABELS}).tolist() == [5, 5]

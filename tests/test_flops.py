@@ -1,6 +1,6 @@
 """litsft/flops.py: FLOPs per token by hand for a tiny config and against torch's FlopCounterMode for every
-family (full and LoRA), the executed FLOPs of packed documents, windows, peak FLOP/s per GPU and precision,
-and MFU."""
+family (full and LoRA), the executed FLOPs of packed documents, windows, and peak FLOP/s per GPU and
+precision (MFU from them: tests/test_metrics.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from litsft.flops import (
     flops_per_token,
     gpu_peak_flops,
     matmul_precision,
-    mfu,
 )
 from litsft.model import Transformer
 
@@ -163,13 +162,10 @@ def test_device_peak_flops_cpu_is_unknown_and_override_wins():
     ("length", "window", "expected"), [(4, None, 10), (4, 4, 10), (4, 9, 10), (6, 2, 3 + 4 * 2)]
 )
 def test_causal_pairs_by_hand(length, window, expected):
-    """4 tokens: 1 + 2 + 3 + 4 pairs; a window of 2 over 6 tokens: 1 + 2, then 2 for each of the 4 others."""
+    """4 tokens: 1 + 2 + 3 + 4 pairs; a window of 2 over 6 tokens: 1 + 2, then 2 for each of the 4 others.
+    A tensor of lengths is counted element by element (how the training loop counts a step's documents)."""
     assert causal_pairs(length, window) == expected
-
-
-def test_mfu_is_achieved_flops_over_the_peak_of_every_device():
-    assert mfu(flops_per_token=1e9, tokens_per_second=1e3, peak_flops=1e13, world_size=2) == 1e12 / 2e13
-    assert mfu(flops_per_token=1e9, tokens_per_second=1e3, peak_flops=None, world_size=2) is None
+    assert causal_pairs(torch.tensor([length, 1]), window).tolist() == [expected, 1]
 
 
 def _tiny_of_family(architecture: str) -> Config:

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 import litsft.metrics as metrics
 from litsft.config import Config
 from litsft.errors import LitsftError
-from litsft.flops import flops_per_token
+from litsft.flops import executed_training_flops
 from litsft.metrics import CSV_COLUMNS, MetricsLogger, Throughput, TokenWeightedMean, peak_memory
 
 torch.set_num_threads(1)
@@ -33,15 +33,15 @@ class FakeClock:
 def test_throughput_tokens_per_second_and_mfu(monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(metrics.time, "perf_counter", clock)
-    throughput = Throughput(flops_per_token=1e6, world_size=2, device=torch.device("cpu"), peak_flops=1e12)
-    throughput.update(torch.tensor(1500), torch.tensor(700))
+    throughput = Throughput(world_size=2, device=torch.device("cpu"), peak_flops=1e12)
+    throughput.update(torch.tensor(1500), torch.tensor(700), torch.tensor(1.5e9, dtype=torch.float64))
     clock.now += 1.0
     with throughput.paused():  # validation: 50 s that must not count
         clock.now += 50.0
-    throughput.update(torch.tensor(2500), 900)
+    throughput.update(torch.tensor(2500), 900, 2.5e9)
     clock.now += 1.0
     result = throughput.compute()
-    # 4000 tokens in 2 s on 2 devices of 1e12 FLOP/s: 2000 tokens/s * 1e6 FLOPs / 2e12 = 1e-3.
+    # 4000 tokens and 4e9 FLOPs in 2 s on 2 devices of 1e12 FLOP/s: 2e9 FLOP/s / 2e12 = 1e-3.
     assert result == {
         "tokens_per_second": 2000.0,
         "tokens_per_second_per_device": 1000.0,
@@ -55,8 +55,8 @@ def test_throughput_tokens_per_second_and_mfu(monkeypatch):
 def test_throughput_without_peak_reports_no_mfu(monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(metrics.time, "perf_counter", clock)
-    throughput = Throughput(1e6, world_size=1, device=torch.device("cpu"), peak_flops=None)
-    throughput.update(10, 10)
+    throughput = Throughput(world_size=1, device=torch.device("cpu"), peak_flops=None)
+    throughput.update(10, 10, 1e6)
     clock.now += 2.0
     assert throughput.compute()["mfu"] is None
 
@@ -115,9 +115,7 @@ def test_step_done_logs_window_loss_throughput_and_mfu(tmp_path, monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(metrics.time, "perf_counter", clock)
     logger = MetricsLogger(tmp_path, is_global_zero=True, total_steps=4)
-    logger.set_model(
-        TINY, world_size=1, device=torch.device("cpu"), precision="bf16-mixed", seq_len=8, peak_flops=1e9
-    )
+    logger.set_model(TINY, world_size=1, device=torch.device("cpu"), precision="bf16-mixed", peak_flops=1e9)
     # (loss per target token, target tokens, input tokens) of four steps, logged every second step.
     steps = [(2.0, 10, 12), (4.0, 30, 32), (1.0, 5, 8), (1.0, 5, 8)]
     for step, (loss, target_tokens, input_tokens) in enumerate(steps, start=1):
@@ -130,6 +128,7 @@ def test_step_done_logs_window_loss_throughput_and_mfu(tmp_path, monkeypatch):
             grad_norm=torch.tensor(0.5),
             target_tokens=torch.tensor(target_tokens),
             input_tokens=torch.tensor(input_tokens),
+            micro_batches=[unpacked_rows(rows=1, length=input_tokens, loss_tokens=target_tokens)],
             log=step % 2 == 0,
         )
         if step == 2:
@@ -143,18 +142,88 @@ def test_step_done_logs_window_loss_throughput_and_mfu(tmp_path, monkeypatch):
     assert float(first["learning_rate"]) == pytest.approx(0.2)
     assert float(first["tokens_per_second"]) == (12 + 32) / 2
     assert float(first["loss_tokens_per_second"]) == 40 / 2
-    assert float(first["mfu"]) == pytest.approx(flops_per_token(TINY, 8) * 22 / 1e9)
+    step_flops = [executed_training_flops(TINY, [tokens], target) for _, target, tokens in steps[:2]]
+    assert float(first["mfu"]) == pytest.approx(sum(step_flops) / 2 / 1e9)
     assert float(second["loss"]) == 1.0
     assert float(second["tokens_per_second"]) == 16 / 2
     assert float(first["peak_rss_mib"]) > 0 and first["peak_gpu_memory_allocated_mib"] == ""
 
 
+def unpacked_rows(rows: int, length: int, loss_tokens: int) -> dict[str, torch.Tensor]:
+    """A micro-batch of `rows` unpacked rows of `length` tokens, the first `loss_tokens` of each carrying a loss."""
+    labels = torch.full((rows, length), -100)
+    labels[:, :loss_tokens] = 1
+    return {"input_ids": torch.ones(rows, length, dtype=torch.long), "labels": labels}
+
+
+def packed_row(lengths: list[int], padding: int, loss_tokens: int) -> dict[str, torch.Tensor]:
+    """A packed row of documents of these lengths then `padding` positions, as the loader collates it; the
+    first `loss_tokens` positions carry a loss."""
+    from litsft.attention import cumulative_lengths
+
+    row = unpacked_rows(1, sum(lengths) + padding, loss_tokens)
+    document_ids = torch.cat(
+        [torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((padding,), -1)]
+    )
+    return row | {
+        "document_ids": document_ids[None],
+        "position_ids": torch.cat(
+            [torch.arange(n) for n in lengths] + [torch.zeros(padding, dtype=torch.long)]
+        )[None],
+        "cu_seqlens": cumulative_lengths(lengths),
+        "max_seqlen": torch.tensor(max(lengths)),
+    }
+
+
+@pytest.mark.parametrize(
+    "micro_batches, expected_flops",
+    [
+        # Documents of 5, 2 and 3 tokens then 2 of padding, 7 loss tokens: the blocks on the 10 real tokens,
+        # the head on the 7, attention on each document's causal pairs, 15 + 3 + 6, in each of 2 layers.
+        (
+            [packed_row([5, 2, 3], padding=2, loss_tokens=7)],
+            6 * 240 * 10 + 6 * 40 * 7 + 3 * 4 * 4 * 2 * (15 + 3 + 6),
+        ),
+        # Two micro-batches of a step add up.
+        (
+            [packed_row([5, 2, 3], padding=2, loss_tokens=7), packed_row([12], padding=0, loss_tokens=1)],
+            6 * 240 * 22 + 6 * 40 * 8 + 3 * 4 * 4 * 2 * (15 + 3 + 6 + 78),
+        ),
+        # Unpacked rows are attended whole: 2 rows of 6 tokens, 3 loss tokens each.
+        (
+            [unpacked_rows(rows=2, length=6, loss_tokens=3)],
+            6 * 240 * 12 + 6 * 40 * 6 + 3 * 4 * 4 * 2 * (21 + 21),
+        ),
+    ],
+)
+def test_mfu_counts_the_flops_the_documents_of_a_step_execute(
+    tmp_path, monkeypatch, micro_batches, expected_flops
+):
+    """TINY's blocks have 240 matmul weights (2 layers of 120), its head 40, H * D = 4: a trained weight costs
+    6 FLOPs a token, an attention pair 3 * 4 * H * D a layer. MFU is these FLOPs over the time and the peak.
+    Crediting every token with attention over the whole row of 12 (flops_per_token) overstated the first
+    step by 54%: 28,320 FLOPs for 18,384."""
+    clock = FakeClock()
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    logger = MetricsLogger(tmp_path, is_global_zero=True)
+    logger.set_model(TINY, world_size=1, device=torch.device("cpu"), precision="bf16-mixed", peak_flops=1e6)
+    clock.now += 0.5
+    logger.step_done(
+        1, epoch=0, loss=1.0, learning_rate=0.1, grad_norm=None, target_tokens=7, input_tokens=10,
+        micro_batches=micro_batches, log=True,
+    )  # fmt: skip
+    logger.close()
+    _, (row,) = read_csv(tmp_path / "metrics.csv")
+    assert float(row["mfu"]) == pytest.approx(expected_flops / 0.5 / 1e6, rel=1e-6)
+
+
 def test_no_mfu_on_an_unknown_device(tmp_path):
     logger = MetricsLogger(tmp_path, is_global_zero=True)
-    logger.set_model(TINY, world_size=1, device=torch.device("cpu"), precision="bf16-mixed", seq_len=8)
+    logger.set_model(TINY, world_size=1, device=torch.device("cpu"), precision="bf16-mixed")
     logger.step_done(
-        1, epoch=0, loss=1.0, learning_rate=0.1, grad_norm=None, target_tokens=4, input_tokens=4, log=True
-    )
+        1, epoch=0, loss=1.0, learning_rate=0.1, grad_norm=None, target_tokens=4, input_tokens=4,
+        micro_batches=[unpacked_rows(rows=1, length=4, loss_tokens=4)], log=True,
+    )  # fmt: skip
     logger.close()
     _, (row,) = read_csv(tmp_path / "metrics.csv")
     assert float(row["tokens_per_second"]) > 0
@@ -218,16 +287,25 @@ def test_token_weighted_mean_merged_across_ranks():
     assert GLOBAL_MEAN != pytest.approx((2.0 + 4.0) / 2)
 
 
+RANK_FLOPS = [3e6, 1e6]  # what each rank's documents executed in one step
+
+
 def _sync_worker(rank: int, init_file: str, results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     metric = TokenWeightedMean()
     for loss_sum, tokens in RANK_BATCHES[rank]:
         metric.update(torch.tensor(loss_sum), tokens)
-    results.put((rank, metric.compute().item()))
+    clock = FakeClock()
+    metrics.time.perf_counter = clock  # this forked process's own module
+    throughput = Throughput(world_size=2, device=torch.device("cpu"), peak_flops=1e6)
+    throughput.update(10, 10, torch.tensor(RANK_FLOPS[rank], dtype=torch.float64))
+    clock.now += 1.0
+    results.put((rank, (metric.compute().item(), throughput.compute()["mfu"])))
     dist.destroy_process_group()
 
 
-def test_token_weighted_mean_all_reduces_over_a_process_group(tmp_path):
+def test_token_weighted_mean_and_executed_flops_all_reduce_over_a_process_group(tmp_path):
+    """Both ranks log the global loss and the MFU of both ranks' FLOPs: 4e6 in 1 s on 2 devices of 1e6."""
     # fork, not spawn: the children reuse this process's imports and start in a fraction of a second.
     context = mp.get_context("fork")
     results = context.Queue()
@@ -240,8 +318,8 @@ def test_token_weighted_mean_all_reduces_over_a_process_group(tmp_path):
     for worker in workers:
         worker.join(timeout=60)
         assert worker.exitcode == 0
-    assert computed[0] == pytest.approx(GLOBAL_MEAN, rel=1e-6)
-    assert computed[1] == pytest.approx(GLOBAL_MEAN, rel=1e-6)
+    for rank in (0, 1):
+        assert computed[rank] == pytest.approx((GLOBAL_MEAN, sum(RANK_FLOPS) / 2e6), rel=1e-6)
 
 
 class Terminal(io.StringIO):
@@ -266,10 +344,10 @@ def test_a_line_printed_at_a_checkpoint_takes_a_line_of_its_own_and_the_bar_show
     terminal = Terminal()
     with contextlib.redirect_stdout(terminal), contextlib.redirect_stderr(terminal):
         logger = MetricsLogger(tmp_path, is_global_zero=True, total_steps=2)
-        logger.set_model(TINY, world_size=1, device=torch.device("cpu"), precision="32-true", seq_len=8)
+        logger.set_model(TINY, world_size=1, device=torch.device("cpu"), precision="32-true")
         for step in (1, 2):
             logger.step_done(step, epoch=0, loss=1.0, learning_rate=0.1, grad_norm=None, target_tokens=4,
-                             input_tokens=4, log=True)  # fmt: skip
+                             input_tokens=4, micro_batches=[unpacked_rows(1, 4, 4)], log=True)  # fmt: skip
             logger._bar.refresh()  # as a redraw after mininterval would
             with logger.paused():
                 print(f"Saved checkpoint step-{step}", flush=True)

@@ -307,7 +307,7 @@ def test_steps_that_log_nothing_make_the_host_wait_for_nothing(tmp_path, monkeyp
         train=TrainConfig(global_batch_size=2, micro_batch_size=1, max_steps=3, log_interval=3, max_norm=1.0),
     )  # fmt: skip
     metrics = MetricsLogger(tmp_path, is_global_zero=True, total_steps=3)
-    metrics.set_model(config, world_size=1, device=fabric.device, precision="32-true", seq_len=24)
+    metrics.set_model(config, world_size=1, device=fabric.device, precision="32-true")
     try:
         with metrics, HostWaits():
             train_loop(fabric, run, state, metrics, checkpointer=None, evaluate=lambda step: None)
