@@ -4,6 +4,7 @@ end by the distributed-equivalence tests in test_engine.py)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,7 +216,7 @@ def test_fsdp_options_that_would_not_do_what_they_ask_are_refused(
 ):
     """One GPU trains without FSDP, so FSDP's CPU offload would be silently ignored there; FSDP2 takes no
     16-mixed. Both are refused in one line before anything starts (the device kind is made up: the check
-    reads no hardware)."""
+    reads no hardware), and tutorials/sharding_strategies.md quotes the GPU refusals as the CLI prints them."""
     from litsft.errors import LitsftError
     from litsft.validation import check_fsdp_options
 
@@ -227,3 +228,6 @@ def test_fsdp_options_that_would_not_do_what_they_ask_are_refused(
         check_fsdp_options(world_size, precision, fsdp, accelerator)
     assert str(error.value).startswith(refusal)
     assert "\n" not in str(error.value)
+    if accelerator == "cuda":
+        tutorial = Path(__file__).resolve().parent.parent / "tutorials" / "sharding_strategies.md"
+        assert f"error: {error.value}\n" in tutorial.read_text()
