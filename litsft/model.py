@@ -34,7 +34,7 @@ from litsft.attention import (
 from litsft.batch import loss_positions_of, without_padding
 from litsft.config import LONG_ROPE_TYPES, Config
 from litsft.families import family_of
-from litsft.loss import chunked_cross_entropy
+from litsft.loss import chunked_cross_entropy, logits_dtype, loss_chunk_tokens
 
 
 class RMSNorm(nn.Module):
@@ -291,6 +291,9 @@ class Transformer(nn.Module):
         self.tie_weights()
         self.kv_caches: list[KVCache] | None = None
         self.attention_kernel = None
+        self.loss_compiled = False
+        """Whether the loss runs each chunk's cast and cross-entropy compiled: set with the blocks' compile
+        (litsft.parallel.parallelize), the path `--train.compile` takes."""
 
     @property
     def attention_kernel(self) -> Kernel | None:
@@ -339,7 +342,14 @@ class Transformer(nn.Module):
             # The output head runs on the tokens that carry a loss only: with the prompt masked, that skips
             # most of its work (and a 128k-vocabulary head is a fifth of a 1B model's).
             hidden, labels = hidden[loss_positions], labels[loss_positions]
-        return chunked_cross_entropy(hidden, self.lm_head, labels, softcap=self.config.softcap_final)
+        return chunked_cross_entropy(
+            hidden,
+            self.lm_head,
+            labels,
+            chunk_size=loss_chunk_tokens(self.config.vocab_size, logits_dtype(hidden)),
+            softcap=self.config.softcap_final,
+            compiled=self.loss_compiled,
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head on final hidden states (..., C) -> (..., V), soft-capped when the config says so."""

@@ -101,8 +101,9 @@ def parallelize(
     compile_blocks: bool = False,
 ) -> nn.Module:
     """Prepare `model` (in place; parameter names do not change) for training: activation checkpointing on
-    each block if asked, then each block compiled if asked, then FSDP2 on `mesh` (None: one process, no
-    FSDP). The order matters: compile sees the recomputation, and FSDP wraps the compiled blocks."""
+    each block if asked, then each block and the loss's cross-entropy compiled if asked, then FSDP2 on `mesh`
+    (None: one process, no FSDP). The order matters: compile sees the recomputation, and FSDP wraps the
+    compiled blocks."""
     if fsdp.activation_checkpointing:
         for block in model.blocks:
             recompute_in_backward(block)
@@ -114,6 +115,7 @@ def parallelize(
         # that nothing recompiles). Parameters keep static shapes.
         for block in model.blocks:
             block.compile(dynamic=True)
+        model.loss_compiled = True
     if mesh is not None:
         fully_shard_blocks(model, mesh, fsdp, precision)
     return model

@@ -65,6 +65,7 @@ from litsft.args import (
 from litsft.config import Config, format_count
 from litsft.errors import LitsftError
 from litsft.flops import lora_parameters
+from litsft.loss import FP32_BYTES_PER_LOGIT, loss_chunk_tokens
 from litsft.quantization import NF4_BYTES_PER_WEIGHT
 from litsft.sizes import block_saved_bytes_per_token, model_sizes, num_parameters
 
@@ -82,12 +83,6 @@ ADAM_STATES_PER_PARAMETER = 2
 PREFETCHED_BLOCKS = 2
 """Blocks whose unsharded parameters are alive at once when resharding after forward: the block being
 computed and the next one, all-gathered ahead (FSDP2's implicit prefetch)."""
-LOSS_CHUNK_TOKENS = 2048
-"""litsft.loss.chunked_cross_entropy runs the output head over this many tokens at a time and recomputes
-each chunk in the backward pass, so only one chunk of logits exists (a test keeps the two equal)."""
-LOGIT_EXTRA_BYTES = 12
-"""Per logit of a loss chunk, beyond the compute-dtype logits: the fp32 copy, the fp32 log-softmax and,
-in the backward pass, an fp32 gradient."""
 ACTIVATION_SCALE = 1.0
 """Calibration factor on the activation estimate (allocator rounding, saved tensors not counted below)."""
 NF4_DEQUANTIZE_BYTES = 20
@@ -276,7 +271,9 @@ def estimate_memory(
         # One block's unsharded gradients (compute dtype) and their copy in the reduce dtype. The root's
         # gradients are reduced at the very end of backward, when the activations are gone.
         reduce_buffers = (adapters_per_block if lora is not None else block_size) * (compute + stored)
-    logits = min(LOSS_CHUNK_TOKENS, tokens) * config.vocab_size * (compute + LOGIT_EXTRA_BYTES)
+    # One chunk of the loss's logits (litsft.loss sizes the chunks), recomputed in the backward pass.
+    loss_chunk = loss_chunk_tokens(config.vocab_size, COMPUTE_DTYPES[compute])
+    logits = min(loss_chunk, tokens) * config.vocab_size * (compute + FP32_BYTES_PER_LOGIT)
     dequantized = max(quantized_linears, default=0) * NF4_DEQUANTIZE_BYTES
     transients = math.ceil(gathered - gathered_nf4_savings) + reduce_buffers + logits + dequantized
     return MemoryEstimate(
