@@ -1,9 +1,9 @@
 """What a training checkpoint holds, and the component that saves and restores it.
 
 `TrainState` is everything the loop changes besides the learning-rate schedule: step, epoch, the model, the
-optimizer, the training loader's position and, under 16-mixed, the loss scale. `Checkpointer.save` writes it (with the run's config and
-this rank's random streams) through `litsft.storage.training_checkpoint`; `Checkpointer.load` restores it in place, also
-into a different number of ranks.
+optimizer, the training loader's position and, under 16-mixed, the loss scale. `Checkpointer.save` writes it
+(with the run's config and this rank's random streams) through `litsft.storage.training_checkpoint`;
+`Checkpointer.load` restores it in place, also into a different number of ranks.
 """
 
 from __future__ import annotations

@@ -364,7 +364,7 @@ class MetricsLogger:
             self._train_loss.to(loss.device)
         self._train_loss.update(loss * target_tokens, target_tokens)
         if self._throughput is not None:
-            self._throughput.update(input_tokens, target_tokens, self._executed_flops(micro_batches))
+            self._throughput.update(input_tokens, target_tokens, self._executed_flops_of(micro_batches))
         if not log:
             return
         metrics: dict[str, float | Tensor | None] = {
@@ -379,7 +379,7 @@ class MetricsLogger:
         metrics.update(peak_memory(self._device))
         self.log_step(step, metrics)
 
-    def _executed_flops(self, micro_batches: Sequence[dict[str, Tensor]]) -> Tensor:
+    def _executed_flops_of(self, micro_batches: Sequence[dict[str, Tensor]]) -> Tensor:
         """The FLOPs this rank executed on these host micro-batches, counted with host tensor arithmetic
         only (reading a tensor here would cost a step that logs nothing a wait on a GPU)."""
         lengths = torch.cat([attended_lengths(batch) for batch in micro_batches])
