@@ -57,6 +57,23 @@ def test_fill_copies_the_rows_a_process_holds(reader: RowReader) -> None:
         reader.fill("w", torch.zeros(10, 3))
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads Linux's /proc/self/maps")
+def test_a_file_stays_mapped_only_while_a_tensor_read_from_it_lives(reader: RowReader) -> None:
+    """Pages read through a mapping count in the process's resident memory until it is unmapped: the reader
+    keeps no file open between reads, so loading a model never holds the whole checkpoint resident."""
+
+    def mapped() -> set[str]:
+        maps = Path("/proc/self/maps").read_text()
+        return {name for name in ("rank-0.safetensors", "rank-1.safetensors") if name in maps}
+
+    rows = reader.read("w", 0, 4)
+    assert torch.equal(rows, FULL[:4]) and mapped() == {"rank-0.safetensors"}  # a view of the mapping
+    reader.fill("w", torch.zeros(10, 4))
+    assert mapped() == {"rank-0.safetensors"}  # fill keeps no view: only the file `rows` views
+    del rows
+    assert mapped() == set()
+
+
 def test_rows_no_file_holds_are_reported(tmp_path: Path) -> None:
     save_file({"w": FULL[:6].clone()}, tmp_path / "only.safetensors")
     partial = RowReader({"w": [(tmp_path / "only.safetensors", "w", 0, 6)]})

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,11 +82,16 @@ def full_tensors(
 
 
 class RowReader:
-    """Reads rows [start, end) of named tensors stored as row blocks across safetensors files."""
+    """Reads rows [start, end) of named tensors stored as row blocks across safetensors files.
+
+    Each read opens its file and closes it again. safetensors maps the whole file and returns tensors that
+    are views of the mapping, and every page read through a mapping counts in the process's resident
+    memory until the mapping goes: an open handle kept for the whole load left every page this rank had
+    read resident, up to the whole checkpoint on each rank (QLoRA reads each NF4 weight whole). Closed
+    after each read, a mapping lives only as long as the tensor read from it."""
 
     def __init__(self, blocks: dict[str, list[RowBlock]]) -> None:
         self.blocks = blocks  # name -> its row blocks
-        self._handles: dict[Path, Any] = {}
 
     def names(self) -> set[str]:
         return set(self.blocks)
@@ -98,14 +102,12 @@ class RowReader:
             lo, hi = max(start, first), min(end, first + count)
             if lo >= hi:
                 continue
-            handle = self._handles.get(path) or self._handles.setdefault(
-                path, safe_open(path, framework="pt")
-            )
-            tensor_slice = handle.get_slice(key)
-            if tensor_slice.get_shape():
-                pieces.append(tensor_slice[lo - first : hi - first])
-            else:  # a scalar, e.g. Adam's step count
-                pieces.append(handle.get_tensor(key))
+            with safe_open(path, framework="pt") as handle:
+                tensor_slice = handle.get_slice(key)
+                if tensor_slice.get_shape():
+                    pieces.append(tensor_slice[lo - first : hi - first])
+                else:  # a scalar, e.g. Adam's step count
+                    pieces.append(handle.get_tensor(key))
         if not pieces:
             raise LitsftError(
                 f"rows {start}:{end} of {name!r} are in no checkpoint file; the checkpoint is incomplete"
