@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import resource
 import sys
 import threading
 import time
@@ -36,6 +35,7 @@ from litsft.batch import attended_lengths
 from litsft.config import Config
 from litsft.flops import TrainingFlops, device_peak_flops
 from litsft.loggers import CSVWriter, LoggerName, MetricWriter, check_loggers, metric_loggers
+from litsft.timings import peak_rss_bytes
 
 # One CSV for the whole run: a row per log step (train columns filled) and a row per validation
 # (val columns filled); blank where a value does not apply or is unknown (MFU on an unknown device).
@@ -184,11 +184,9 @@ def peak_memory(device: torch.device) -> dict[str, float]:
 
     `peak_gpu_memory_allocated_mib` is `torch.cuda.max_memory_allocated` (tensors only; the caching
     allocator reserves somewhat more), present on CUDA only. `peak_rss_mib` is the process's peak
-    resident host memory (getrusage), which on CPU is where the model lives.
+    resident host memory (`litsft.timings.peak_rss_bytes`), which on CPU is where the model lives.
     """
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rss_bytes = rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB, macOS bytes
-    memory = {"peak_rss_mib": rss_bytes / 2**20}
+    memory = {"peak_rss_mib": peak_rss_bytes() / 2**20}
     if device.type == "cuda":
         memory["peak_gpu_memory_allocated_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     return memory

@@ -248,7 +248,10 @@ def test_a_run_prints_each_notice_once_and_no_python_warnings(workspace: Path) -
     assert result.stdout.count("Wall time by phase") == 1
     report = result.stdout[result.stdout.index("Wall time by phase") :].splitlines()
     total = float(re.search(r"([\d.]+) s in all", report[0]).group(1))
-    phases = [re.fullmatch(r"  (.+?)\s+([\d.]+) s\s+[\d.]+%", line).groups() for line in report[1:12]]
+    phases = [
+        re.fullmatch(r"  (.+?)\s+([\d.]+) s\s+[\d.]+%\s+[\d,]+ MiB peak RSS", line).groups()
+        for line in report[1:12]
+    ]
     assert [name.split(":")[0] for name, _ in phases] == [
         "start-up", "checks before launch", "importing torch, Lightning and the model code",
         "Fabric and its processes started", "data", "model", "optimizer, resume, metrics",
