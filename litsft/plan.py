@@ -18,7 +18,10 @@ LoRA's frozen base is stored in the compute dtype (bf16 under bf16-mixed: no fp3
 copy; litsft.engine.store_frozen_in_compute_dtype); its adapters are stored like trained parameters. With
 `--quantize nf4` (QLoRA) the adapted block projections are stored, sharded and all-gathered in NF4
 (litsft.quantization.NF4_BYTES_PER_WEIGHT: 4 bits plus the scales), and each is dequantized for its matmul,
-one at a time (NF4_DEQUANTIZE_BYTES per weight of the largest one, a transient).
+one at a time (NF4_DEQUANTIZE_BYTES per weight of the largest one, a transient). Loading quantizes each NF4
+weight whole on every rank, one at a time, before any optimizer state exists: the largest one's fp32 values
+and torchao's working memory (`nf4_loading_bytes`, 128 MiB of it fixed) on top of the parameters. The run's
+peak is the larger of that and a step's: loading's for a small model at a short sequence.
 
 Parameters, gradients and optimizer states are divided by the shard group: every rank for FULL_SHARD and
 SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, one (replicated) for NO_SHARD. On top come
@@ -66,7 +69,7 @@ from litsft.config import Config, format_count
 from litsft.errors import LitsftError
 from litsft.flops import lora_parameters
 from litsft.loss import FP32_BYTES_PER_LOGIT, loss_chunk_tokens
-from litsft.quantization import NF4_BYTES_PER_WEIGHT
+from litsft.quantization import NF4_BLOCK_SIZE, NF4_BYTES_PER_WEIGHT
 from litsft.sizes import block_saved_bytes_per_token, model_sizes, num_parameters
 
 # (bytes of a stored parameter, bytes of a parameter as the matmuls see it). Gradients take the stored dtype: FSDP2 reduces gradients in fp32 (reduce_dtype) into the fp32 shards.
@@ -89,6 +92,16 @@ NF4_DEQUANTIZE_BYTES = 20
 """Bytes per weight torchao's NF4Tensor.get_original_weight holds at its peak while it dequantizes a weight
 for `F.linear` (int64 codes, fp32 levels and scales, the fp32 result; measured on this CPU for a 4096 x 4096
 weight: 20.1)."""
+NF4_QUANTIZE_BYTES = 4 + 4 + 1 + (4 + 1) / NF4_BLOCK_SIZE
+"""Bytes per weight that loading an NF4 weight holds at its peak besides the parameters
+(litsft.quantization.load_nf4_weight with torchao's NF4Tensor.from_tensor): the whole weight in fp32, its
+values divided by their block's scale (fp32), a code byte per value before two are packed into one, and per
+block of NF4_BLOCK_SIZE an fp32 scale and its int8 quantization."""
+NF4_QUANTIZE_CHUNK_VALUES = 2**20
+"""torchao finds each value's nearest NF4 level over chunks of this many values (its CHUNK_SIZE), holding the
+fp32 distances of a chunk to all NF4_LEVELS levels twice (the difference and its absolute value): 128 MiB of
+working memory, less for a smaller weight."""
+NF4_LEVELS = 16
 USABLE_FRACTION = 0.9
 """Share of a device's memory that tensors can use; the rest goes to the CUDA context, NCCL buffers and
 allocator fragmentation."""
@@ -116,9 +129,13 @@ class MemoryEstimate:
     whole_gradients: int = 0
     """Gradients of every trainable parameter, unsharded: what each device would hold between micro-batches
     if the gradients were reduced on the last micro-batch only (the engine reduces each one instead)."""
+    loading: int = 0
+    """What loading the weights holds besides the parameters, before any optimizer state exists: quantizing
+    the largest NF4 weight (`nf4_loading_bytes`); 0 without --quantize."""
 
     @property
-    def total(self) -> int:
+    def step(self) -> int:
+        """The peak of a training step."""
         forward_backward = self.activations + self.transients
         if self.accumulating:
             step = self.gradients + forward_backward
@@ -126,15 +143,30 @@ class MemoryEstimate:
             step = max(self.gradients, forward_backward)
         return self.parameters + self.optimizer_states + step
 
+    @property
+    def total(self) -> int:
+        """The peak of the run: a training step's, or loading's when quantizing a weight takes more (QLoRA on
+        a small model)."""
+        return max(self.step, self.parameters + self.loading)
+
     def breakdown(self) -> dict[str, int]:
         """The byte counts by kind, in the order `litsft plan` prints them."""
-        return {
+        kinds = {
             "parameters": self.parameters,
             "gradients": self.gradients,
             "optimizer states": self.optimizer_states,
             "activations": self.activations,
             "transients": self.transients,
         }
+        return kinds | ({"loading": self.loading} if self.loading else {})
+
+
+def nf4_loading_bytes(weight_values: int) -> int:
+    """Bytes that loading one NF4 weight of `weight_values` values holds at its peak besides the parameters:
+    the weight in fp32 and what torchao's quantization works in (NF4_QUANTIZE_BYTES per value, plus
+    distances to the NF4 levels for one chunk of values)."""
+    chunk = min(weight_values, NF4_QUANTIZE_CHUNK_VALUES)
+    return math.ceil(weight_values * NF4_QUANTIZE_BYTES + 2 * NF4_LEVELS * 4 * chunk)
 
 
 def shard_group_size(devices: int, num_nodes: int, sharding_strategy: ShardingStrategy) -> int:
@@ -276,9 +308,11 @@ def estimate_memory(
     logits = min(loss_chunk, tokens) * config.vocab_size * (compute + FP32_BYTES_PER_LOGIT)
     dequantized = max(quantized_linears, default=0) * NF4_DEQUANTIZE_BYTES
     transients = math.ceil(gathered - gathered_nf4_savings) + reduce_buffers + logits + dequantized
+    # Each rank quantizes every NF4 weight whole, one at a time (litsft.quantization.load_nf4_weight).
+    loading = nf4_loading_bytes(max(quantized_linears)) if quantized_linears else 0
     return MemoryEstimate(
         parameters, gradients, optimizer_states, activations, transients,
-        accumulating=accumulation_steps > 1, whole_gradients=trainable * stored,
+        accumulating=accumulation_steps > 1, whole_gradients=trainable * stored, loading=loading,
     )  # fmt: skip
 
 
@@ -410,7 +444,8 @@ def print_estimate(estimate: MemoryEstimate, memory: int | None, device_memory: 
         if estimate.accumulating
         else "max(gradients, activations + transients)"
     )
-    print(f"total = parameters + optimizer states + {peak}")
+    step = f"parameters + optimizer states + {peak}"
+    print(f"total = max({step}, parameters + loading)" if estimate.loading else f"total = {step}")
     print()
     print(f"{'per device':<18}{'GiB':>9}")
     for name, size in estimate.breakdown().items():

@@ -14,6 +14,7 @@ from litsft.lora import LoRAConfig, apply_lora
 from litsft.model import Transformer
 from litsft.plan import (
     NF4_DEQUANTIZE_BYTES,
+    NF4_QUANTIZE_CHUNK_VALUES,
     PREFETCHED_BLOCKS,
     adapter_parameters,
     block_activation_bytes_per_token,
@@ -24,7 +25,7 @@ from litsft.plan import (
     plan,
     root_parameters,
 )
-from litsft.quantization import NF4_BYTES_PER_WEIGHT
+from litsft.quantization import NF4_BYTES_PER_WEIGHT, NF4Linear, load_nf4_weight, to_nf4
 from litsft.sizes import model_sizes, num_parameters
 
 LLAMA_2_7B = 6_738_415_616
@@ -305,6 +306,40 @@ def test_qlora_stores_the_adapted_projections_in_4_bits_plus_scales():
     )  # fmt: skip
     with pytest.raises(LitsftError, match="--quantize nf4 applies to LoRA's frozen base"):
         estimate_memory(config, quantize="nf4")
+
+
+def test_qlora_loading_holds_the_largest_weight_in_fp32_and_torchaos_working_memory():
+    """Loading quantizes each NF4 weight whole: besides the parameters it holds the weight in fp32 and what
+    torchao's quantization works in (distances to the 16 NF4 levels for 2**20 values at a time), counted here
+    by torch's MemTracker around `load_nf4_weight` of the model's largest weight read in bf16. For a small
+    model at a short sequence that, not a training step, is the peak."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
+    assert NF4_QUANTIZE_CHUNK_VALUES == nf4_tensor.CHUNK_SIZE
+    config = Config.from_name(
+        "demo-llama", num_layers=2, hidden_size=512, intermediate_size=2816, num_heads=8, num_kv_heads=2,
+        head_dim=64, vocab_size=256,
+    )  # fmt: skip
+    estimate = estimate_memory(
+        config, devices=2, precision="32-true", max_seq_length=64, lora=LoRAConfig(rank=8), quantize="nf4"
+    )
+    in_features, out_features = max(
+        (shape for layer in model_sizes(config).layers for shape in layer.linear.values()),
+        key=lambda shape: shape[0] * shape[1],
+    )
+    assert in_features * out_features > NF4_QUANTIZE_CHUNK_VALUES  # the chunk is a fixed share of it
+    linear = NF4Linear(in_features, out_features, bias=False, device="meta")
+    linear.weight = torch.nn.Parameter(to_nf4(torch.zeros(out_features, in_features)), requires_grad=False)
+    stored = torch.randn(out_features, in_features).to(torch.bfloat16)  # as a checkpoint holds it
+    tracker = MemTracker()
+    tracker.track_external(linear)
+    with tracker:
+        held_before = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]
+        load_nf4_weight(linear, stored)
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    assert peak - held_before == pytest.approx(estimate.loading, rel=0.002)
+    assert estimate.total == estimate.parameters + estimate.loading > estimate.step
 
 
 def test_70b_qlora_on_8x80gb(capsys):
