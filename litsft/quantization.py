@@ -128,7 +128,10 @@ def load_nf4_weight(module: nn.Module, full: torch.Tensor) -> None:
     keeping only this rank's rows: the shard is a split of the unsharded quantization, not a quantization of
     the rows alone (the scales' mean is the whole weight's)."""
     current = module.weight
-    quantized = to_nf4(full.to(device=current.device, dtype=current.dtype))
+    # Rebound, not kept beside: a checkpoint in another dtype (bf16) is not held while its copy quantizes.
+    full = full.to(device=current.device, dtype=current.dtype)
+    quantized = to_nf4(full)
+    del full
     if isinstance(current, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
