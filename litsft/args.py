@@ -106,7 +106,7 @@ class LogConfig:
     """Where metrics are written besides the progress bar: csv (out_dir/metrics.csv), tensorboard, wandb."""
     timings: bool = False
     """Print the wall time of each phase of the run at its end (start-up, checks, imports, data, model, training,
-    final validation and save)."""
+    final validation and save), with the process's peak resident memory as each phase ended."""
 
 
 @dataclass
