@@ -102,6 +102,7 @@ NF4_QUANTIZE_CHUNK_VALUES = 2**20
 fp32 distances of a chunk to all NF4_LEVELS levels twice (the difference and its absolute value): 128 MiB of
 working memory, less for a smaller weight."""
 NF4_LEVELS = 16
+"""The values a 4-bit NF4 code stands for."""
 USABLE_FRACTION = 0.9
 """Share of a device's memory that tensors can use; the rest goes to the CUDA context, NCCL buffers and
 allocator fragmentation."""
