@@ -1,4 +1,5 @@
-"""Running litsft commands in fresh processes, the way users run them (Fabric spawns the extra ranks)."""
+"""Running litsft commands in fresh processes, the way users run them (Fabric spawns the extra ranks), or in
+this process when what a test checks is not about processes (a single-process run, a refusal, a conversion)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from tiny_tokenizer import write_tiny_tokenizer
 
@@ -64,6 +66,57 @@ def litsft(
         raise AssertionError(
             f"litsft {args[0]} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
         )
+    return result
+
+
+def litsft_in_process(
+    args: list[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """`litsft <args>` called in this process, with the environment `litsft()` gives a subprocess, and this
+    process's state put back afterwards (environment, signal handlers, threads, deterministic algorithms, random
+    generators, the phase timer). It saves the ~7 s a fresh process spends importing torch and Lightning; keep
+    `litsft()` for what only a process shows (exit on a signal, spawned ranks, what a start-up imports)."""
+    from litsft.__main__ import main
+    from litsft.preemption import PreemptionFlag
+    from litsft.timings import run_timer
+
+    saved_env, threads = dict(os.environ), torch.get_num_threads()
+    deterministic, rng, python_rng = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.get_rng_state(),
+        random.getstate(),
+    )
+    os.environ.update({**test_env(tmp_path), **(env or {})})
+    datasets_config = sys.modules.get("datasets.config")  # read HF_DATASETS_CACHE when first imported
+    saved_datasets_cache = getattr(datasets_config, "HF_DATASETS_CACHE", None)
+    if datasets_config is not None:
+        datasets_config.HF_DATASETS_CACHE = Path(os.environ["HF_DATASETS_CACHE"])
+    torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 sets it for a subprocess
+    run_timer.__init__()  # the clock of a fresh process starts at its imports
+    capsys.readouterr()
+    try:
+        main(args)
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    finally:
+        PreemptionFlag.uninstall()
+        os.environ.clear()
+        os.environ.update(saved_env)
+        if datasets_config is not None:
+            datasets_config.HF_DATASETS_CACHE = saved_datasets_cache
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_rng_state(rng)
+        random.setstate(python_rng)
+    out, err = capsys.readouterr()
+    result = subprocess.CompletedProcess(["litsft", *args], code, out, err)
+    if check and code != 0:
+        raise AssertionError(f"litsft {args[0]} exited {code}:\n{out[-3000:]}\n{err[-6000:]}")
     return result
 
 

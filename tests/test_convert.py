@@ -1,11 +1,10 @@
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
+from launch import litsft_in_process
 from safetensors.torch import load_file, save_file
 from tiny_hf import TINY_HF_MODELS, save_tiny_hf, tiny_hf_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -271,23 +270,16 @@ def test_default_out_dirs(tmp_path, llama_dir, monkeypatch):
     assert (tmp_path / "checkpoints" / "hf-hf" / "config.json").is_file()
 
 
-def test_cli(tmp_path, llama_dir):
-    command = [sys.executable, "-m", "litsft"]
-    ok = subprocess.run(
-        [*command, "convert_from_hf", str(llama_dir)], cwd=tmp_path, capture_output=True, text=True
-    )
-    assert ok.returncode == 0, ok.stderr
+def test_cli(tmp_path, llama_dir, capsys, monkeypatch):
+    """Both conversions and a refusal through the CLI, in this process (test_main.py runs the CLI as users do)."""
+    monkeypatch.chdir(tmp_path)
+    litsft_in_process(["convert_from_hf", str(llama_dir)], tmp_path, capsys)
     assert (tmp_path / "checkpoints" / "hf" / "litsft_config.json").is_file()
 
-    ok = subprocess.run(
-        [*command, "convert_to_hf", "checkpoints/hf"], cwd=tmp_path, capture_output=True, text=True
-    )
-    assert ok.returncode == 0, ok.stderr
+    litsft_in_process(["convert_to_hf", "checkpoints/hf"], tmp_path, capsys)
     assert (tmp_path / "checkpoints" / "hf-hf" / "config.json").is_file()  # the default out_dir
 
-    bad = subprocess.run(
-        [*command, "convert_from_hf", str(tmp_path / "nowhere")], capture_output=True, text=True
-    )
+    bad = litsft_in_process(["convert_from_hf", str(tmp_path / "nowhere")], tmp_path, capsys, check=False)
     assert bad.returncode == 2
     assert bad.stderr == (
         f"error: {tmp_path / 'nowhere'} has no config.json; point hf_dir at a Hugging Face checkpoint "

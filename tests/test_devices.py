@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from launch import litsft, write_records, write_tiny_checkpoint
+from launch import litsft_in_process, write_records, write_tiny_checkpoint
 from test_engine import finetune_args
 
 from litsft.devices import check_devices, choose_accelerator, demo_accelerator, gpu_count
@@ -57,11 +57,11 @@ def test_the_demo_asked_for_cuda_needs_enough_gpus() -> None:
         demo_accelerator("cuda", 2, 1)
 
 
-def test_a_recipe_asked_for_more_gpus_than_present_stops_before_anything(tmp_path: Path) -> None:
+def test_a_recipe_asked_for_more_gpus_than_present_stops_before_anything(tmp_path: Path, capsys) -> None:
     base = write_tiny_checkpoint(tmp_path / "base")
     data = write_records(tmp_path / "data.json", count=16)
     args = finetune_args(base, data, tmp_path / "out", 2, 1, "--accelerator", "cuda", "--devices", "64")
-    result = litsft(args, tmp_path, check=False)
+    result = litsft_in_process(args, tmp_path, capsys, check=False)
     found = gpu_count()
     expected = (
         "error: --devices 64 asks for 64 GPUs per node but this machine has"

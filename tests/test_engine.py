@@ -13,6 +13,7 @@ import pytest
 from launch import (
     TINY_PHI3,
     litsft,
+    litsft_in_process,
     litsft_two_nodes,
     max_difference,
     state_dict,
@@ -48,9 +49,10 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma2", "tiny-phi3"])
-def test_distributed_training_equals_single_process(workspace: Path, model: str) -> None:
+def test_distributed_training_equals_single_process(workspace: Path, model: str, capsys) -> None:
     """Every strategy against one process for Llama; for Gemma 2 (sandwich norms, soft-capping, windows) and
-    Phi-3 (partial rotary, LongRoPE, a window), 2-process FULL_SHARD only, to keep the suite short."""
+    Phi-3 (partial rotary, LongRoPE, a window), 2-process FULL_SHARD only, to keep the suite short. The
+    single-process runs are run in this process; the distributed ones as users launch them."""
     llama = model == "tiny-llama"
     base, data, runs_dir = (
         workspace / ("base" if llama else f"base-{model}"),
@@ -58,13 +60,14 @@ def test_distributed_training_equals_single_process(workspace: Path, model: str)
         workspace / model,
     )
     reference = runs_dir / "single-micro4"
-    result = litsft(finetune_args(base, data, reference, micro=4), workspace)
+    result = litsft_in_process(finetune_args(base, data, reference, micro=4), workspace, capsys)
     # Soft-capped attention cannot run in the CPU's per-document SDPA: the log names the kernel that runs.
     assert ("Attention: mask," if model == "tiny-gemma2" else "Attention: segmented,") in result.stdout
     runs = {}
     if llama:
         runs["single, micro 2 x accumulation 2"] = runs_dir / "single-micro2"
-        litsft(finetune_args(base, data, runs["single, micro 2 x accumulation 2"], micro=2), workspace)
+        single_micro2 = finetune_args(base, data, runs["single, micro 2 x accumulation 2"], micro=2)
+        litsft_in_process(single_micro2, workspace, capsys)
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") if llama else ("FULL_SHARD",):
         out = runs[f"2 processes {strategy}"] = runs_dir / f"two-{strategy}"
         litsft(
@@ -199,14 +202,14 @@ def test_every_validation_pass_scores_the_same_batches(tmp_path: Path) -> None:
     assert first_scores[0][1] < first_scores[1][1]
 
 
-def test_validation_runs_at_every_interval_and_at_the_end(workspace: Path) -> None:
+def test_validation_runs_at_every_interval_and_at_the_end(workspace: Path, capsys) -> None:
     """metrics.csv (and loss.png, drawn from the same rows) holds a validation at each --eval.interval and
     at the last step, also when the last step is not on an interval."""
     base, data = workspace / "base", workspace / "data.json"
     for steps, expected in ((6, [2, 4, 6]), (5, [2, 4, 5])):
         out = workspace / f"validation-{steps}"
         extra = ("--eval.interval", "2", "--eval.max_batches", "1", "--eval.max_new_tokens", "3")
-        litsft(finetune_args(base, data, out, 2, steps, *extra), workspace)
+        litsft_in_process(finetune_args(base, data, out, 2, steps, *extra), workspace, capsys)
         rows = list(csv.DictReader((out / "metrics.csv").open()))
         assert [int(row["step"]) for row in rows if row["val_loss"]] == expected
         assert all(float(row["val_tokens"]) > 0 for row in rows if row["val_loss"])

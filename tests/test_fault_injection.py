@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from crash_harness import (
     train_args,
     write_data_inputs,
 )
-from launch import free_port, max_difference, write_records, write_tiny_checkpoint
+from launch import free_port, litsft_in_process, max_difference, write_records, write_tiny_checkpoint
 
 from litsft.faults import FAULT_ENV
 from litsft.preemption import PREEMPTED_EXIT_CODE
@@ -75,10 +76,13 @@ def data_inputs(workspace: Path) -> Path:
 
 
 @pytest.mark.parametrize("module", list(DATA_MODULES))
-def test_every_data_module_resumes_after_a_kill_as_if_never_stopped(data_inputs: Path, module: str) -> None:
-    """One process, 4 steps, a checkpoint every 2, killed after step 3: the relaunch checks that the
-    checkpoint fits the data (before anything starts), resumes at step 2 mid-epoch, and ends where an
-    uninterrupted run ends."""
+def test_every_data_module_resumes_mid_epoch_as_if_never_stopped(
+    data_inputs: Path, module: str, capsys: pytest.CaptureFixture
+) -> None:
+    """One process, 4 steps, a checkpoint every 2; then the same command on a copy of its out_dir cut back to
+    what a kill after step 3 leaves (step-2 the newest checkpoint, step 3 in metrics.csv): the relaunch checks
+    that the checkpoint fits the data (before anything starts), resumes at step 2 mid-epoch, and ends where the
+    uninterrupted run ends. The kills themselves are the 2-process tests above; these runs are in-process."""
     recipe, data = data_options(module, data_inputs)
     # One module trains its bf16 weights with compensated AdamW, whose compensation must resume too.
     precision = "bf16-true" if module == "Demo" else "32-true"
@@ -87,13 +91,16 @@ def test_every_data_module_resumes_after_a_kill_as_if_never_stopped(data_inputs:
         return train_args(data_inputs.parent / "base", data, data_inputs / name, "--devices", "1",
                           "--train.max_steps", "4", "--precision", precision, recipe=recipe)  # fmt: skip
 
-    reference = run_litsft(args(f"{module}-reference"), data_inputs)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    runs = crash_and_recover(args(f"{module}-killed"), data_inputs, ["after_step_3"])
-    assert "Resumed from" in runs[-1].stdout + runs[-1].stderr
-    out_dir = data_inputs / f"{module}-killed"
-    assert max_difference(data_inputs / f"{module}-reference" / "final", out_dir / "final") == 0.0
-    assert logged_steps(out_dir) == [1, 2, 3, 4], "a step was lost or repeated"
+    reference, resumed = data_inputs / f"{module}-reference", data_inputs / f"{module}-resumed"
+    litsft_in_process(args(reference.name), data_inputs, capsys)
+    shutil.copytree(reference, resumed, ignore=shutil.ignore_patterns("final", "step-00000004"))
+    rows = (resumed / "metrics.csv").read_text().splitlines(keepends=True)
+    (resumed / "metrics.csv").write_text("".join(row for row in rows if not row.startswith("4,")))
+    assert logged_steps(resumed) == [1, 2, 3], "the cut-back out_dir is not what a kill after step 3 leaves"
+    result = litsft_in_process(args(resumed.name), data_inputs, capsys)
+    assert "Resumed from" in result.stdout + result.stderr
+    assert max_difference(reference / "final", resumed / "final") == 0.0
+    assert logged_steps(resumed) == [1, 2, 3, 4], "a step was lost or repeated"
 
 
 def start_paused_at_step_3(

@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 from crash_harness import run_litsft
-from launch import TINY_PHI3, litsft, litsft_two_nodes, write_records, write_tiny_checkpoint
+from launch import (
+    TINY_PHI3,
+    litsft,
+    litsft_in_process,
+    litsft_two_nodes,
+    write_records,
+    write_tiny_checkpoint,
+)
 from safetensors.torch import load_file
 from test_engine import finetune_args
 
@@ -108,14 +115,15 @@ def test_resume_after_a_kill_gives_identical_adapters_and_the_base_never_changes
     ],
 )
 def test_lora_on_two_processes_equals_one_and_exports_to_transformers(
-    workspace: Path, kind: str, base_name: str, extra: tuple[str, ...]
+    workspace: Path, kind: str, base_name: str, extra: tuple[str, ...], capsys: pytest.CaptureFixture
 ) -> None:
     """One process == two FULL_SHARD processes (== two HYBRID_SHARD nodes, for the NF4 base, whose shards
-    must be the rows of the unsharded quantization); the merged export gives the trained model's logits."""
+    must be the rows of the unsharded quantization); the merged export gives the trained model's logits.
+    The single-process run and the export run in this process, the distributed runs as users launch them."""
     base, data = workspace / base_name, workspace / "data.json"
     single = workspace / f"single-{kind}"
     # No dropout here: its masks depend on how rows are split over ranks.
-    litsft(lora_args(base, data, single, 4, 4, *extra, dropout=0.0), workspace)
+    litsft_in_process(lora_args(base, data, single, 4, 4, *extra, dropout=0.0), workspace, capsys)
     runs = {"2 processes FULL_SHARD": workspace / f"double-{kind}"}
     litsft(
         lora_args(base, data, runs["2 processes FULL_SHARD"], 2, 4, "--devices", "2", *extra, dropout=0.0),
@@ -133,7 +141,8 @@ def test_lora_on_two_processes_equals_one_and_exports_to_transformers(
     # Merged model = base + adapters (for QLoRA: the dequantized NF4 base); exported to HF it gives the
     # logits of the model as trained in transformers.
     model = load_model(single / "final", torch.device("cpu"), torch.float32)
-    litsft(["convert_to_hf", str(single / "final"), "--out_dir", str(workspace / f"hf-{kind}")], workspace)
+    export = ["convert_to_hf", str(single / "final"), "--out_dir", str(workspace / f"hf-{kind}")]
+    litsft_in_process(export, workspace, capsys)
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(workspace / f"hf-{kind}").eval()

@@ -1,10 +1,8 @@
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launch import litsft_in_process
 from tiny_tokenizer import write_tiny_tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
@@ -208,14 +206,10 @@ def test_cli(tmp_path, capsys):
     write_tiny_tokenizer(tmp_path)
     save_model_folder(model.state_dict().items(), config, tmp_path)
     command = ["generate", str(tmp_path), "--prompt", "hello", "--max_new_tokens", "5"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "litsft", *command], capture_output=True, text=True, env=env
-    )
-    assert result.returncode == 0, result.stderr
+    result = litsft_in_process(command, tmp_path, capsys)
     assert result.stderr.startswith("[chat template applied; ")
-    main(command)
-    assert capsys.readouterr().out == result.stdout  # greedy: the same completion in-process
+    again = litsft_in_process(command, tmp_path, capsys)
+    assert result.stdout.strip() and again.stdout == result.stdout  # greedy: the same completion
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--temperature", "-2"])
     assert exit_info.value.code == 2

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launch import litsft, max_difference, write_records, write_tiny_checkpoint
+from launch import litsft_in_process, max_difference, write_records, write_tiny_checkpoint
 from test_engine import finetune_args
 from tiny_hf import save_tiny_hf, tiny_hf_model
 
@@ -17,15 +17,19 @@ from litsft.errors import LitsftError
 from litsft.model_source import hf_conversion_cache_dir, resolve_checkpoint
 
 
-def test_finetune_full_on_a_hugging_face_folder_converts_it_once(tmp_path: Path, monkeypatch) -> None:
+def test_finetune_full_on_a_hugging_face_folder_converts_it_once(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("LITSFT_CACHE_DIR", str(tmp_path / "cache"))  # where launch.test_env puts the cache
     hf_dir = save_tiny_hf(tiny_hf_model("llama"), tmp_path / "hf" / "tiny")
     write_records(tmp_path / "data.json", count=32)
-    first = litsft(finetune_args(hf_dir, tmp_path / "data.json", tmp_path / "run-1", 4, 2), tmp_path)
+    first = litsft_in_process(
+        finetune_args(hf_dir, tmp_path / "data.json", tmp_path / "run-1", 4, 2), tmp_path, capsys
+    )
     cache = hf_conversion_cache_dir(hf_dir)
     assert f"Model: Hugging Face directory {hf_dir}, converted once into {cache}" in first.stdout
     written = {p: p.stat().st_mtime_ns for p in cache.iterdir()}
-    second = litsft(finetune_args(hf_dir, tmp_path / "data.json", tmp_path / "run-2", 4, 2), tmp_path)
+    second = litsft_in_process(
+        finetune_args(hf_dir, tmp_path / "data.json", tmp_path / "run-2", 4, 2), tmp_path, capsys
+    )
     assert (
         f"Model: Hugging Face directory {hf_dir}, reusing its litsft conversion in {cache}" in second.stdout
     )

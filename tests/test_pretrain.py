@@ -6,7 +6,7 @@ import csv
 from pathlib import Path
 
 import pytest
-from launch import litsft, max_difference
+from launch import litsft, litsft_in_process, max_difference
 from tiny_tokenizer import write_tiny_tokenizer
 
 from litsft.data import write_demo_corpus
@@ -30,10 +30,10 @@ def pretrain_args(root: Path, out: str, steps: int, lr: float, *extra: str) -> l
     ]  # fmt: skip
 
 
-def test_fresh_weights_do_not_depend_on_the_number_of_ranks(workspace: Path) -> None:
+def test_fresh_weights_do_not_depend_on_the_number_of_ranks(workspace: Path, capsys) -> None:
     # lr 0 is refused, so the step is made too small to move any weight: an AdamW update is at most about
     # lr in size, and 1e-30 is far below half the spacing of fp32 numbers near any initial weight.
-    litsft(pretrain_args(workspace, "init-1", 1, 1e-30), workspace)
+    litsft_in_process(pretrain_args(workspace, "init-1", 1, 1e-30), workspace, capsys)  # one rank: in-process
     litsft(pretrain_args(workspace, "init-2", 1, 1e-30, "--devices", "2"), workspace)
     assert max_difference(workspace / "init-1" / "final", workspace / "init-2" / "final") == 0.0
 
