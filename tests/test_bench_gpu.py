@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -13,24 +12,28 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
+def run_bench_gpu(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int | str | None:
+    """`python bench_gpu.py <argv>` in this process; the SystemExit's code (a message is what the interpreter
+    prints to stderr before it exits with status 1)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    monkeypatch.setattr(sys, "argv", ["bench_gpu.py", *argv])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(REPO / "benchmarks" / "bench_gpu.py"), run_name="__main__")
+    return stop.value.code
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without a GPU gets")
-def test_bench_gpu_without_a_gpu_says_so_in_one_line(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "bench_gpu.py", "--steps", "3", "--work_dir", str(tmp_path)],
-        cwd=REPO / "benchmarks", capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-    )  # fmt: skip
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines() == [
-        "error: bench_gpu.py needs a CUDA GPU and found none; on a CPU run benchmarks/bench_throughput.py"
-    ]
-    assert list(tmp_path.iterdir()) == []  # nothing written
-    bad = subprocess.run(
-        [sys.executable, "bench_gpu.py", "--steps", "many"],
-        cwd=REPO / "benchmarks",
-        capture_output=True,
-        text=True,
+def test_bench_gpu_without_a_gpu_says_so_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    code = run_bench_gpu(["--steps", "3", "--work_dir", str(tmp_path)], monkeypatch)
+    assert (
+        code
+        == "error: bench_gpu.py needs a CUDA GPU and found none; on a CPU run benchmarks/bench_throughput.py"
     )
-    assert bad.returncode == 2 and "--steps: invalid int value: 'many'" in bad.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    assert run_bench_gpu(["--steps", "many"], monkeypatch) == 2
+    assert "--steps: invalid int value: 'many'" in capsys.readouterr().err
 
 
 def test_bench_gpu_counts_what_each_side_executes_and_times_after_the_warm_up(monkeypatch) -> None:
