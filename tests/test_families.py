@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_hf import SLIDING_WINDOW, save_tiny_hf, tiny_hf_model
+from tiny_hf import SLIDING_WINDOW, assert_logits_match_transformers, save_tiny_hf, tiny_hf_model
 
 from litsft.config import NAMED_CONFIGS, Config
 from litsft.convert import convert_from_hf, expected_shapes
@@ -118,16 +118,11 @@ def test_logits_and_greedy_generation_equal_transformers(tmp_path, kind, kernel)
     model = Transformer(Config.from_checkpoint(tmp_path / "litsft")).eval()
     model.load_state_dict(load_model_state_dict(tmp_path / "litsft"))
     model.attention_kernel = kernel
-    if (
-        model.config.softcap_attention is not None
-    ):  # the CPU's per-document SDPA cannot soft-cap: the mask kernel does
+    # The CPU's per-document SDPA cannot soft-cap: the mask kernel does.
+    if model.config.softcap_attention is not None:
         assert model.attention_kernel == "mask"
     tokens = torch.randint(0, 512, (2, LENGTH), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = hf_model(tokens).logits
-        assert (model(tokens) - expected).abs().max() < 1e-4
-        packed = model(tokens.view(1, -1), document_ids=torch.arange(2).repeat_interleave(LENGTH)[None])
-        assert (packed.view(2, LENGTH, -1) - expected).abs().max() < 1e-4
+    assert_logits_match_transformers(model, hf_model, tokens)
 
     prompt = torch.randint(0, 512, (5,), generator=torch.Generator().manual_seed(1))
     new = LENGTH - 5

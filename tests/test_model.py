@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_hf import PHI3_LONG_ROPE_LENGTH, SLIDING_WINDOW, save_tiny_hf, tiny_hf_model
+from tiny_hf import (
+    PHI3_LONG_ROPE_LENGTH,
+    SLIDING_WINDOW,
+    assert_logits_match_transformers,
+    save_tiny_hf,
+    tiny_hf_model,
+)
 
 from litsft.config import Config
 from litsft.convert import convert_from_hf
@@ -124,11 +130,8 @@ def test_sliding_window_matches_transformers(tmp_path, kind, windowed_layers, ke
     assert config.sliding_window == SLIDING_WINDOW
     model.attention_kernel = kernel
     tokens = torch.randint(0, 512, (2, LENGTH), generator=torch.Generator().manual_seed(0))
+    expected = assert_logits_match_transformers(model, hf_model, tokens)
     with torch.no_grad():
-        expected = hf_model(tokens).logits
-        assert (model(tokens) - expected).abs().max() < 1e-4
-        packed = model(tokens.view(1, -1), document_ids=torch.arange(2).repeat_interleave(LENGTH)[None])
-        assert (packed.view(2, LENGTH, -1) - expected).abs().max() < 1e-4
         # Attending past the window gives other logits: the test reaches past it.
         config.sliding_window = None
         assert (model(tokens) - expected).abs().max() > 1e-2

@@ -205,3 +205,17 @@ def _save_bin(state_dict: dict[str, torch.Tensor], directory: Path, num_shards: 
         weight_map.update(dict.fromkeys(shard, file_name))
     index = {"metadata": {"total_size": sum(t.nbytes for t in state_dict.values())}, "weight_map": weight_map}
     (directory / "pytorch_model.bin.index.json").write_text(json.dumps(index, indent=2))
+
+
+def assert_logits_match_transformers(
+    model: torch.nn.Module, hf_model: PreTrainedModel, tokens: torch.Tensor
+) -> torch.Tensor:
+    """litsft's logits equal transformers' (fp32, within 1e-4) for rows of `tokens` (B, T), and for the same
+    rows packed as B documents of one row; returns transformers' logits."""
+    rows, length = tokens.shape
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+        assert (model(tokens) - expected).abs().max() < 1e-4
+        packed = model(tokens.view(1, -1), document_ids=torch.arange(rows).repeat_interleave(length)[None])
+        assert (packed.view(rows, length, -1) - expected).abs().max() < 1e-4
+    return expected
