@@ -36,26 +36,25 @@ class PhaseTimer:
     """Phases in the order they ended, each with its wall time and the peak resident memory when it ended."""
 
     def __init__(self) -> None:
-        self.phases: list[tuple[str, float]] = []
-        self.peak_rss: list[int] = []
+        self.phases: list[tuple[str, float, int]] = []
+        """(phase, seconds, peak RSS in bytes when it ended)."""
         self._last = time.perf_counter()
 
     def mark(self, phase: str) -> None:
         """End `phase` now: its wall time is the time since the previous mark, or since the timer started."""
         now = time.perf_counter()
-        self.phases.append((phase, now - self._last))
-        self.peak_rss.append(peak_rss_bytes())
+        self.phases.append((phase, now - self._last, peak_rss_bytes()))
         self._last = now
 
     def report(self) -> str:
         """The phases, their seconds and their share of the total, one a line."""
-        total = sum(seconds for _, seconds in self.phases) or 1e-9
-        width = max((len(phase) for phase, _ in self.phases), default=0)
+        total = sum(seconds for _, seconds, _ in self.phases) or 1e-9
+        width = max((len(phase) for phase, _, _ in self.phases), default=0)
         lines = [
             f"Wall time by phase, {total:.1f} s in all since the command started, and the process's peak "
             "resident memory (RSS) when each phase ended:"
         ]
-        for (phase, seconds), rss in zip(self.phases, self.peak_rss):
+        for phase, seconds, rss in self.phases:
             lines.append(
                 f"  {phase:<{width}}  {seconds:7.2f} s  {seconds / total:6.1%}  {rss / 2**20:8,.0f} MiB peak RSS"
             )

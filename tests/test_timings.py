@@ -22,14 +22,14 @@ def test_each_phase_lasts_from_the_previous_mark_and_the_report_adds_them_up() -
     timer.mark("first")
     time.sleep(0.15)
     timer.mark("second phase")
-    (first, a), (second, b) = timer.phases
+    (first, a, first_rss), (second, b, second_rss) = timer.phases
     assert (first, second) == ("first", "second phase")
     assert a >= 0.05 and b >= 0.15
     lines = timer.report().splitlines()
     total = float(re.search(r"([\d.]+) s in all", lines[0]).group(1))
     assert total == pytest.approx(a + b, abs=0.05)  # printed to 0.1 s
-    assert before <= timer.peak_rss[0] <= timer.peak_rss[1] <= peak_rss_bytes()
-    rss = f"{timer.peak_rss[0] / 2**20:,.0f}"
+    assert before <= first_rss <= second_rss <= peak_rss_bytes()
+    rss = f"{first_rss / 2**20:,.0f}"
     assert re.fullmatch(rf"  first\s+{a:.2f} s\s+{a / (a + b):.1%}\s+{rss} MiB peak RSS", lines[1])
     assert lines[2].startswith("  second phase ")
 
