@@ -211,6 +211,12 @@ def time_litgpt(
     return sum(iterations.values()) / 1000, wall
 
 
+def per_run(packed: list[float], unpacked: list[float]) -> str:
+    """The ratios of each run, packed / unpacked: "(per run: 1.54, 1.55, 1.47 / 1.66, 1.65, 1.60)"."""
+    listed = [", ".join(f"{r:.2f}" for r in ratios) for ratios in (packed, unpacked)]
+    return f"(per run: {listed[0]} / {listed[1]})"
+
+
 def main(args: argparse.Namespace) -> None:
     args.work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="litsft-vs-litgpt-"))
     os.environ["LITSFT_CACHE_DIR"] = str(args.work_dir / "cache")
@@ -266,7 +272,7 @@ def main(args: argparse.Namespace) -> None:
             f"finetune_{method} median of {args.runs}: litsft packed {median(rates['packed']):,.0f}, "
             f"LitGPT {median(rates['litgpt']):,.0f}, litsft unpacked {median(rates['unpacked']):,.0f} useful tokens/s; "
             f"ratio litsft/LitGPT packed {median(ratios_packed):.2f}x, unpacked {median(ratios_unpacked):.2f}x "
-            f"(per run: {', '.join(f'{r:.2f}' for r in ratios_packed)} / {', '.join(f'{r:.2f}' for r in ratios_unpacked)})"
+            f"{per_run(ratios_packed, ratios_unpacked)}"
         )
         wall_packed = [g / p for p, g in zip(walls["packed"], walls["litgpt"])]
         wall_unpacked = [g / u for u, g in zip(walls["unpacked"], walls["litgpt"])]
@@ -274,7 +280,7 @@ def main(args: argparse.Namespace) -> None:
             f"finetune_{method} whole process, median of {args.runs}: litsft packed {median(walls['packed']):.1f} s, "
             f"LitGPT {median(walls['litgpt']):.1f} s, litsft unpacked {median(walls['unpacked']):.1f} s; LitGPT's "
             f"time / litsft's packed {median(wall_packed):.2f}x, unpacked {median(wall_unpacked):.2f}x "
-            f"(per run: {', '.join(f'{r:.2f}' for r in wall_packed)} / {', '.join(f'{r:.2f}' for r in wall_unpacked)})"
+            f"{per_run(wall_packed, wall_unpacked)}"
         )
     print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
