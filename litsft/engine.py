@@ -34,10 +34,9 @@ from litsft.recipe import Recipe
 from litsft.sizes import num_parameters
 from litsft.step import diverged, loss_scaler, next_micro_batches, raise_if_diverged, train_step
 from litsft.storage import training_checkpoint as checkpoint
-from litsft.storage.checkpoint_dirs import resume_checkpoint
+from litsft.storage.checkpoint_dirs import FINAL_DIR, resume_checkpoint
 from litsft.storage.files import publish_atomically
 from litsft.timings import run_timer
-from litsft.validation import FINAL_DIR
 
 
 def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:

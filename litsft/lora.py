@@ -25,7 +25,7 @@ so FSDP2 can put the frozen base and the trainable adapters in separate units:
 `model.load_state_dict(plain_litsft_state_dict)` still works: `LoRALinear` renames `weight`/`bias` to
 `base.weight`/`base.bias` while loading and leaves its adapters as they are when the state dict has none.
 
-Which projections get adapters, and their size, is `litsft.args.LoRAConfig`: a run setting, read by the
+Which projections get adapters, and their size, is `litsft.lora_config.LoRAConfig`: a run setting, read by the
 CLI without torch. The folder finetune_lora writes is `litsft.storage.lora_folder`; merging it into a model
 folder and exporting it to Hugging Face or PEFT is `litsft.convert`.
 """
@@ -40,9 +40,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from litsft.args import LORA_TARGETS, LoRAConfig
 from litsft.config import Config
 from litsft.errors import LitsftError
+from litsft.lora_config import LORA_TARGETS, LoRAConfig
 from litsft.model import Transformer
 
 # Target -> the attribute name of the nn.Linear it adapts (the same name Hugging Face and PEFT use).

@@ -57,10 +57,8 @@ from litsft.args import (
     EvalConfig,
     FSDPConfig,
     LogConfig,
-    LoRAConfig,
     OptimizerConfig,
     Precision,
-    Quantization,
     ShardingStrategy,
     TrainConfig,
     accumulation_steps,
@@ -68,6 +66,7 @@ from litsft.args import (
 from litsft.config import Config, format_count
 from litsft.errors import LitsftError
 from litsft.flops import lora_parameters
+from litsft.lora_config import LoRAConfig, Quantization
 from litsft.loss import FP32_BYTES_PER_LOGIT, loss_chunk_tokens
 from litsft.quantization import NF4_BLOCK_SIZE, NF4_BYTES_PER_WEIGHT
 from litsft.sizes import block_saved_bytes_per_token, model_sizes, num_parameters

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from litsft.args import Quantization
 from litsft.config import Config
 from litsft.errors import LitsftError
+from litsft.lora_config import Quantization
 
 NF4_BLOCK_SIZE = 64
 """Values per absmax scale (QLoRA's and torchao's default)."""

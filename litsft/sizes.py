@@ -14,10 +14,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from litsft.args import LoRAConfig
 from litsft.attention import prepare
 from litsft.config import NAMED_CONFIGS, Config, format_count
 from litsft.lora import apply_lora
+from litsft.lora_config import LoRAConfig
 from litsft.model import RMSNorm, Transformer, rope_cos_sin
 
 

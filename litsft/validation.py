@@ -16,9 +16,7 @@ from litsft.args import FSDPConfig, RunConfig, describe
 from litsft.devices import check_devices
 from litsft.errors import LitsftError, check_number
 from litsft.processes import check_world_size, is_first_process
-from litsft.storage.checkpoint_dirs import STEP_PREFIX, read_trainer_state, resume_checkpoint
-
-FINAL_DIR = "final"
+from litsft.storage.checkpoint_dirs import FINAL_DIR, STEP_PREFIX, read_trainer_state, resume_checkpoint
 
 
 def check_run(run: RunConfig, recipe_name: str) -> None:

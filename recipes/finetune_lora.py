@@ -11,16 +11,15 @@ from litsft.args import (
     EvalConfig,
     FSDPConfig,
     LogConfig,
-    LoRAConfig,
     OptimizerConfig,
     Precision,
-    Quantization,
     RunConfig,
     TrainConfig,
 )
 from litsft.config import Config
 from litsft.data import DataModule
 from litsft.launcher import launch
+from litsft.lora_config import LoRAConfig, Quantization
 from litsft.model_source import resolve_checkpoint
 from litsft.recipe import Recipe
 

@@ -12,7 +12,6 @@ from litsft.args import (
     MAX_DEFAULT_SEQ_LENGTH,
     EvalConfig,
     FSDPConfig,
-    LoRAConfig,
     OptimizerConfig,
     RunConfig,
     TrainConfig,
@@ -41,8 +40,6 @@ def test_defaults() -> None:
         (0.9, 0.95),
     )
     assert (EvalConfig().max_batches, FSDPConfig().sharding_strategy) == (20, "FULL_SHARD")
-    assert LoRAConfig().target_list == ["q", "k", "v", "o", "gate", "up", "down"]
-    assert LoRAConfig(rank=4, alpha=8).scaling == 2.0
 
 
 @pytest.mark.parametrize(
@@ -55,10 +52,6 @@ def test_defaults() -> None:
         (lambda: OptimizerConfig(betas=(0.9, 1.0)), r"--optimizer.betas=1.0"),
         (lambda: OptimizerConfig(warmup_fraction=1.5), r"--optimizer.warmup_fraction=1.5"),
         (lambda: OptimizerConfig(eps=0.0), r"--optimizer.eps=0.0"),
-        (lambda: LoRAConfig(targets=["q", "qq"]), r"lora targets \['qq'\] are not valid"),
-        (lambda: LoRAConfig(targets="all"), r"lora targets='all' is not valid"),
-        (lambda: LoRAConfig(alpha=0), r"--lora.alpha=0"),
-        (lambda: LoRAConfig(dropout=1.0), r"--lora.dropout=1.0"),
     ],
 )
 def test_each_option_group_refuses_bad_values_with_the_option_named(make, message: str) -> None:

@@ -16,8 +16,8 @@ from litsft.recipes.finetune_full import full_finetuning
 from litsft.recipes.finetune_lora import lora_finetuning
 from litsft.recipes.pretrain import pretraining
 
-from litsft.args import LoRAConfig
 from litsft.config import Config
+from litsft.lora_config import LoRAConfig
 from litsft.recipe import Recipe
 from litsft.storage.model_folder import load_model_state_dict
 

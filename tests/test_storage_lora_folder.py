@@ -10,10 +10,10 @@ import pytest
 import torch
 from launch import write_tiny_checkpoint
 
-from litsft.args import LoRAConfig
 from litsft.config import Config
 from litsft.errors import LitsftError
 from litsft.lora import apply_lora, lora_state_dict
+from litsft.lora_config import LoRAConfig
 from litsft.model import Transformer
 from litsft.storage.lora_folder import (
     ADAPTER_NAME,

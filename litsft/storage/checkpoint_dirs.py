@@ -14,6 +14,8 @@ from litsft.errors import LitsftError
 from litsft.storage.files import read_json
 
 STEP_PREFIX = "step-"
+FINAL_DIR = "final"
+"""The out_dir folder holding the finished model."""
 PARTIAL_SUFFIX = ".partial"
 """A checkpoint being written is `.step-XXXXXXXX.partial/` until it is complete."""
 DELETING_SUFFIX = ".deleting"

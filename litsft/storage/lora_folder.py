@@ -20,10 +20,10 @@ from typing import get_args
 import torch
 from safetensors.torch import load_file
 
-from litsft.args import LoRAConfig, Quantization
 from litsft.config import Config
 from litsft.errors import LitsftError
 from litsft.lora import check_adapter_shapes
+from litsft.lora_config import LoRAConfig, Quantization
 from litsft.storage.files import read_json, write_json
 from litsft.storage.model_folder import copy_tokenizer_files, read_manifest, weights_fingerprint
 from litsft.storage.weight_files import save_safetensors
