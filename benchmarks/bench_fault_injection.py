@@ -59,6 +59,6 @@ def main(points: list[str]) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--points", nargs="+", default=FAULT_POINTS, help="fault points (see litsft/faults.py)"
+        "--points", nargs="+", default=FAULT_POINTS, help="fault points (see litsft/runtime/faults.py)"
     )
     sys.exit(main(parser.parse_args().points))

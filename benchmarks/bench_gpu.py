@@ -18,7 +18,7 @@ mixed lengths, micro batch 1:
 Timing leaves the first `--warmup` steps out (compilation, allocator warm-up) on every side. litsft logs every
 `--warmup` steps (`--train.log_interval`), so it synchronizes with the GPU about as rarely as the plain loop;
 its tokens/s come from its own metrics.csv rows after the first. Tokens are the non-padding input tokens on
-every side. MFU counts the FLOPs each side executes (litsft.flops.executed_training_flops) over the GPU's
+every side. MFU counts the FLOPs each side executes (litsft.model.flops.executed_training_flops) over the GPU's
 datasheet bf16 peak: litsft's blocks on the real tokens, its output head on the loss tokens only and
 attention within each document; the plain loop's blocks and head on every position of the row and causal
 attention over the whole row. Each run's line is printed as soon as it finishes, then the ratios.
@@ -45,10 +45,10 @@ from harness import (
     write_mixed_length_data,
 )
 
-from litsft.config import Config
-from litsft.flops import device_peak_flops, executed_training_flops, lora_parameters
-from litsft.lora import LoRAConfig
-from litsft.sizes import num_parameters
+from litsft.model.config import Config
+from litsft.model.flops import device_peak_flops, executed_training_flops, lora_parameters
+from litsft.model.lora import LoRAConfig
+from litsft.model.sizes import num_parameters
 
 LLAMA_3_2_1B = "Llama-3.2-1B"
 SHAPE_FIELDS = (
@@ -140,7 +140,7 @@ def print_result(name: str, result: dict) -> None:
 def packed_batches(checkpoint: Path, data: Path, args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
     """The micro-batches litsft's loader gives finetune_full (same data, seed and packing)."""
     from litsft.data import JSON
-    from litsft.tokenizer import Tokenizer
+    from litsft.data.tokenizer import Tokenizer
 
     module = JSON(json_path=data, prompt_style="alpaca")
     module.connect(Tokenizer(checkpoint), max_seq_length=args.max_seq_length, seed=1337)

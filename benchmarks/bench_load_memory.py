@@ -4,7 +4,7 @@
 
 Writes a random litsft checkpoint (default ~110M parameters, fp32), then for each strategy launches 2 processes
 (torchrun, gloo) that build the model on the meta device, shard it and fill it from the checkpoint exactly as
-the engine does (litsft.engine.setup_model), and print each rank's peak RSS growth over the process's RSS
+the engine does (litsft.training.engine.setup_model), and print each rank's peak RSS growth over the process's RSS
 before the model was built. Prints figures and the ratio; asserts nothing. glibc is told to return freed
 memory (MALLOC_MMAP_THRESHOLD_), otherwise RSS hides most of the difference (tutorials/cpu_distributed.md).
 """
@@ -24,12 +24,12 @@ from pathlib import Path
 def rank_main(checkpoint_dir: Path, strategy: str, result_file: Path) -> None:
     import torch.distributed as dist
 
-    from litsft.args import FSDPConfig, RunConfig
-    from litsft.config import Config
-    from litsft.engine import Recipe, setup_model
-    from litsft.model import Transformer
-    from litsft.parallel import build_fabric
-    from litsft.storage.model_folder import load_model_weights
+    from litsft.checkpoint.model_folder import load_model_weights
+    from litsft.model.config import Config
+    from litsft.model.network import Transformer
+    from litsft.training.args import FSDPConfig, RunConfig
+    from litsft.training.engine import Recipe, setup_model
+    from litsft.training.parallel import build_fabric
 
     fabric = build_fabric(2, 1, "32-true", FSDPConfig(sharding_strategy=strategy), "cpu")
     fabric.launch()
@@ -55,10 +55,10 @@ def main() -> None:
     if args.rank_main:
         return rank_main(Path(args.rank_main[0]), args.rank_main[1], Path(args.rank_main[2]))
 
-    from litsft.config import Config
-    from litsft.model import Transformer
-    from litsft.sizes import num_parameters
-    from litsft.storage.model_folder import save_model_folder
+    from litsft.checkpoint.model_folder import save_model_folder
+    from litsft.model.config import Config
+    from litsft.model.network import Transformer
+    from litsft.model.sizes import num_parameters
 
     work = Path(tempfile.mkdtemp(prefix="litsft-load-memory-"))
     config = Config.from_name("tiny-llama", vocab_size=32000, hidden_size=args.hidden,

@@ -55,7 +55,7 @@ def write_rows(path: Path, num_rows: int) -> None:
 def prepare(parquet: str, tokenizer_dir: str, cache_dir: str) -> None:
     """The child process: what rank 0 does, timed; prints one JSON line."""
     from litsft.data import HFDataset
-    from litsft.tokenizer import Tokenizer
+    from litsft.data.tokenizer import Tokenizer
 
     start = time.perf_counter()
     data = HFDataset(path=parquet, cache_dir=Path(cache_dir), val_split_fraction=0.0)

@@ -1,7 +1,7 @@
 """Memory and throughput of each sharding strategy on the demo model at 1, 2 and 4 ranks, on this machine's CPU.
 
 python benchmarks/bench_strategies.py [--steps 8] [--ranks 1 2 4]
-python benchmarks/bench_strategies.py --planner_only    # after a change to litsft/plan.py (seconds)
+python benchmarks/bench_strategies.py --planner_only    # after a change to litsft/training/plan.py (seconds)
 
 Each cell is a short `litsft finetune_full` run of demo-llama on `--data Demo` (micro batch 4 x 256 tokens
 per rank, so the global batch grows with the ranks), launched by torchrun as on a cluster; HYBRID_SHARD runs
@@ -9,7 +9,7 @@ as two torchrun "nodes" on 127.0.0.1. Measured per cell:
 - peak memory: the largest, over ranks, peak resident memory (getrusage) minus what the same process held
   after importing torch, Lightning and litsft: the memory training itself added;
 - throughput: median tokens/s over all ranks of the steps after the first two (metrics.csv).
-`--fsdp.cpu_offload` needs GPUs (litsft/parallel.py refuses it on CPU), so those cells say so.
+`--fsdp.cpu_offload` needs GPUs (litsft/training/parallel.py refuses it on CPU), so those cells say so.
 The planner's per-GPU estimate for Llama 2 7B and 70B on 8 GPUs is printed next to it.
 
 Writes benchmarks/results/bench_strategies.json and rewrites the tables in tutorials/sharding_strategies.md
@@ -52,7 +52,7 @@ def worker(result_dir: Path, litsft_args: list[str]) -> None:
     import lightning  # noqa: F401  (imported before the baseline is taken)
     import torch  # noqa: F401
 
-    import litsft.engine  # noqa: F401
+    import litsft.training.engine  # noqa: F401
     from litsft.__main__ import main
 
     baseline = current_rss_bytes()
@@ -146,8 +146,8 @@ def run_cell(
 
 
 def planner_rows() -> list[dict[str, Any]]:
-    from litsft.config import Config
-    from litsft.plan import estimate_memory, fits
+    from litsft.model.config import Config
+    from litsft.training.plan import estimate_memory, fits
 
     rows = []
     for model in PLANNED_MODELS:
@@ -229,7 +229,7 @@ def update_tutorial(results: dict[str, Any], tutorial: Path = TUTORIAL) -> None:
 
 
 def update_planner() -> None:
-    """After a change to litsft/plan.py: the planner's rows again, the measurements as they were."""
+    """After a change to litsft/training/plan.py: the planner's rows again, the measurements as they were."""
     results = json.loads(RESULTS.read_text())
     results["planner"] = planner_rows()
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
@@ -238,7 +238,7 @@ def update_planner() -> None:
 
 
 def main(steps: int, ranks: list[int]) -> None:
-    from litsft.demo import make_base_checkpoint
+    from litsft.cli.demo import make_base_checkpoint
 
     with tempfile.TemporaryDirectory() as directory:
         work = Path(directory)

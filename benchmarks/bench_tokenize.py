@@ -14,7 +14,7 @@ from litsft.data.chat import ChatFormat
 from litsft.data.demo import build_demo_tokenizer, generate_examples
 from litsft.data.records import to_conversation
 from litsft.data.samples import tokenize_conversations
-from litsft.tokenizer import Tokenizer
+from litsft.data.tokenizer import Tokenizer
 
 
 def main(num_records: int) -> None:

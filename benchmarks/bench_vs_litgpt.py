@@ -44,7 +44,7 @@ from pathlib import Path
 
 from harness import bench_env, machine_description, make_checkpoint, median, run_litsft, training_rows
 
-from litsft.config import Config
+from litsft.model.config import Config
 
 LITGPT_VENV = Path.home() / ".cache" / "litsft-bench" / "litgpt-venv"
 LITSFT_VENV = Path.home() / ".cache" / "litsft-bench" / "litsft-venv"
@@ -147,7 +147,7 @@ def litsft_useful_tokens(
 ) -> tuple[int, int]:
     """(useful tokens, input tokens) of epoch 0: samples of n tokens give n - 1 input positions."""
     from litsft.data import JSON
-    from litsft.tokenizer import Tokenizer
+    from litsft.data.tokenizer import Tokenizer
 
     data = JSON(json_path=data_dir, prompt_style="alpaca", packing=packing)
     data.connect(Tokenizer(checkpoint), max_seq_length=args.max_seq_length, seed=1337)

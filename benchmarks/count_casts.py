@@ -17,8 +17,8 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from litsft.config import Config
-from litsft.model import Transformer
+from litsft.model.config import Config
+from litsft.model.network import Transformer
 
 
 class CastCounter(TorchDispatchMode):

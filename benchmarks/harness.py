@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from litsft.config import Config
+from litsft.checkpoint.model_folder import save_model_folder
 from litsft.data.demo import WORDS, build_demo_tokenizer
-from litsft.model import Transformer
-from litsft.storage.model_folder import save_model_folder
-from litsft.tokenizer import Tokenizer
+from litsft.data.tokenizer import Tokenizer
+from litsft.model.config import Config
+from litsft.model.network import Transformer
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -14,8 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from litsft.cli.demo import exact_match_accuracy, make_base_checkpoint
 from litsft.data import Demo, write_demo_corpus
-from litsft.demo import exact_match_accuracy, make_base_checkpoint
 
 
 def run(*args: str) -> None:

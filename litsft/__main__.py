@@ -2,7 +2,7 @@
 
 Every error a user can cause ends the same way: one `error: ...` line on stderr, exit status 2, no
 traceback. A training run stopped by SIGTERM/SIGUSR1 exits with status 124 after writing a checkpoint
-(`litsft.preemption.PREEMPTED_EXIT_CODE`): relaunch the same command to resume.
+(`litsft.runtime.preemption.PREEMPTED_EXIT_CODE`): relaunch the same command to resume.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, NoReturn
 
-from litsft import timings  # noqa: F401  (its clock starts when it is imported: here, at the start)
 from litsft.errors import LitsftError
+from litsft.runtime import timings  # noqa: F401  (its clock starts when it is imported: here, at the start)
 
 # Subcommand -> "module:function". Imported only when chosen (most of them import torch), so `litsft --help`
 # and `litsft --version` import none of them.
@@ -33,15 +33,15 @@ COMMANDS: dict[str, str] = {
     "finetune_full": "litsft.recipes.finetune_full:setup",
     "finetune_lora": "litsft.recipes.finetune_lora:setup",
     "pretrain": "litsft.recipes.pretrain:setup",
-    "download": "litsft.hub:download",
-    "convert_from_hf": "litsft.convert:convert_from_hf",
-    "convert_to_hf": "litsft.convert:convert_to_hf",
-    "merge_lora": "litsft.convert:merge_lora",
-    "generate": "litsft.generate:generate",
+    "download": "litsft.checkpoint.hub:download",
+    "convert_from_hf": "litsft.checkpoint.convert:convert_from_hf",
+    "convert_to_hf": "litsft.checkpoint.convert:convert_to_hf",
+    "merge_lora": "litsft.checkpoint.convert:merge_lora",
+    "generate": "litsft.inference.generate:generate",
     "prepare": "litsft.data.prepare:prepare",
-    "plan": "litsft.plan:plan",
-    "list_models": "litsft.sizes:list_models",
-    "demo": "litsft.demo:demo",
+    "plan": "litsft.training.plan:plan",
+    "list_models": "litsft.model.sizes:list_models",
+    "demo": "litsft.cli.demo:demo",
 }
 USAGE_ERROR_EXIT_CODE = 2
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
             f"unknown command {command!r}; "
             + (f"did you mean {close[0]}?" if close else f"choose one of: {', '.join(COMMANDS)}")
         )
-    from litsft.cli_errors import bare_subclass_help, list_subclasses
+    from litsft.cli.cli_errors import bare_subclass_help, list_subclasses
 
     try:
         function = _load(COMMANDS[command])
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     except ArgumentError as err:
         from jsonargparse import capture_parser
 
-        from litsft.cli_errors import explain_parse_error
+        from litsft.cli.cli_errors import explain_parse_error
 
         explained = explain_parse_error(lambda: capture_parser(partial(cli, args=[])), rest)
         fail(explained or argument_error_line(str(err)))
@@ -148,7 +148,7 @@ def user_error_behind(err: BaseException) -> LitsftError | None:
 
 
 def fail(message: str) -> NoReturn:
-    from litsft.processes import is_spawned_rank
+    from litsft.runtime.processes import is_spawned_rank
 
     if is_spawned_rank():
         # A rank spawned by Fabric's launcher usually fails with the launcher, which kills it at once and

@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from litsft.args import (
+from litsft.checkpoint.model_source import resolve_checkpoint
+from litsft.cli.launcher import launch
+from litsft.data import DataModule
+from litsft.model.config import Config
+from litsft.training.args import (
     Accelerator,
     EvalConfig,
     FSDPConfig,
@@ -15,11 +19,7 @@ from litsft.args import (
     RunConfig,
     TrainConfig,
 )
-from litsft.config import Config
-from litsft.data import DataModule
-from litsft.launcher import launch
-from litsft.model_source import resolve_checkpoint
-from litsft.recipe import Recipe
+from litsft.training.recipe import Recipe
 
 
 def setup(
@@ -70,9 +70,9 @@ def setup(
 
 def full_finetuning(checkpoint_dir: Path, config: Config) -> Recipe:
     """Every weight trains, starting from the checkpoint's; the final model is a full checkpoint."""
-    # Imported here: litsft.launcher calls this once the run has passed its checks, and torch takes seconds.
-    from litsft.model import Transformer
-    from litsft.storage.model_folder import gather_and_save_model_folder, load_model_weights
+    # Imported here: litsft.cli.launcher calls this once the run has passed its checks, and torch takes seconds.
+    from litsft.checkpoint.model_folder import gather_and_save_model_folder, load_model_weights
+    from litsft.model.network import Transformer
 
     return Recipe(
         name="finetune_full",

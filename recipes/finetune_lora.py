@@ -6,7 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from litsft.args import (
+from litsft.checkpoint.model_source import resolve_checkpoint
+from litsft.cli.launcher import launch
+from litsft.data import DataModule
+from litsft.model.config import Config
+from litsft.model.lora_config import LoRAConfig, Quantization
+from litsft.training.args import (
     Accelerator,
     EvalConfig,
     FSDPConfig,
@@ -16,12 +21,7 @@ from litsft.args import (
     RunConfig,
     TrainConfig,
 )
-from litsft.config import Config
-from litsft.data import DataModule
-from litsft.launcher import launch
-from litsft.lora_config import LoRAConfig, Quantization
-from litsft.model_source import resolve_checkpoint
-from litsft.recipe import Recipe
+from litsft.training.recipe import Recipe
 
 
 def setup(
@@ -80,20 +80,20 @@ def lora_finetuning(
 ) -> Recipe:
     """Adapters on the frozen base train (over an NF4 base with `quantize`); step checkpoints and the final
     result hold the adapters alone."""
-    # Imported here: litsft.launcher calls this once the run has passed its checks, and torch takes seconds.
-    from litsft.lora import (
+    # Imported here: litsft.cli.launcher calls this once the run has passed its checks, and torch takes seconds.
+    from litsft.checkpoint.lora_folder import save_lora_folder
+    from litsft.checkpoint.model_folder import load_model_weights
+    from litsft.checkpoint.sharded_rows import copy_rows, global_rank
+    from litsft.model.lora import (
         apply_lora,
         base_weight_name,
         initial_adapter_value,
         lora_state_dict,
         reset_magnitudes,
     )
-    from litsft.model import Transformer, parameter_generator
-    from litsft.plan import shard_group_size
-    from litsft.quantization import check_nf4_shardable, quantize_base
-    from litsft.storage.lora_folder import save_lora_folder
-    from litsft.storage.model_folder import load_model_weights
-    from litsft.storage.sharded_rows import copy_rows, global_rank
+    from litsft.model.network import Transformer, parameter_generator
+    from litsft.model.quantization import check_nf4_shardable, quantize_base
+    from litsft.training.plan import shard_group_size
 
     if quantize is not None:  # before any process starts
         shard_group = shard_group_size(run.devices, run.num_nodes, run.fsdp.sharding_strategy)

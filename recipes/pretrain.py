@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from litsft.args import (
+from litsft.cli.launcher import launch
+from litsft.data import DataModule
+from litsft.errors import LitsftError
+from litsft.model.config import CONFIG_FILENAME, Config
+from litsft.training.args import (
     Accelerator,
     EvalConfig,
     FSDPConfig,
@@ -15,11 +19,7 @@ from litsft.args import (
     RunConfig,
     TrainConfig,
 )
-from litsft.config import CONFIG_FILENAME, Config
-from litsft.data import DataModule
-from litsft.errors import LitsftError
-from litsft.launcher import launch
-from litsft.recipe import Recipe
+from litsft.training.recipe import Recipe
 
 
 def setup(
@@ -79,10 +79,10 @@ def setup(
 
 def pretraining(config: Config, tokenizer_dir: Path, seed: int) -> Recipe:
     """Fresh weights, every one trained; the final model is a full checkpoint with the tokenizer's files."""
-    # Imported here: litsft.launcher calls this once the run has passed its checks, and torch takes seconds.
-    from litsft.model import Transformer, parameter_generator
-    from litsft.storage.model_folder import gather_and_save_model_folder
-    from litsft.storage.sharded_rows import copy_rows
+    # Imported here: litsft.cli.launcher calls this once the run has passed its checks, and torch takes seconds.
+    from litsft.checkpoint.model_folder import gather_and_save_model_folder
+    from litsft.checkpoint.sharded_rows import copy_rows
+    from litsft.model.network import Transformer, parameter_generator
 
     def initialize(model: Transformer) -> None:
         # Drawn per parameter from its own generator: the same weights on 1 GPU or 64.

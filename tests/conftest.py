@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 
 LONGEST_FIRST = (
-    "test_demo.py",
+    "test_cli_demo.py",
     "test_fault_injection.py",
     "test_docs.py",
-    "test_engine.py",
+    "test_training_engine.py",
     "test_reliability.py",
-    "test_hub.py",
+    "test_checkpoint_hub.py",
 )
 
 

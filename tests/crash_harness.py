@@ -17,7 +17,7 @@ from pathlib import Path
 
 from launch import free_port, test_env
 
-from litsft.faults import FAULT_ENV
+from litsft.runtime.faults import FAULT_ENV
 
 # Ten moments, in the order a run reaches them (8 steps, a checkpoint every 2, the newest 2 kept).
 # "@1": on rank 1 (rank 0 by default).

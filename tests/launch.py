@@ -15,9 +15,9 @@ import pytest
 import torch
 from tiny_tokenizer import write_tiny_tokenizer
 
-from litsft.config import Config
-from litsft.model import Transformer
-from litsft.storage.model_folder import load_model_state_dict, save_model_folder
+from litsft.checkpoint.model_folder import load_model_state_dict, save_model_folder
+from litsft.model.config import Config
+from litsft.model.network import Transformer
 
 
 def test_env(tmp_path: Path) -> dict[str, str]:
@@ -81,8 +81,8 @@ def litsft_in_process(
     generators, the phase timer). It saves the ~7 s a fresh process spends importing torch and Lightning; keep
     `litsft()` for what only a process shows (exit on a signal, spawned ranks, what a start-up imports)."""
     from litsft.__main__ import main
-    from litsft.preemption import PreemptionFlag
-    from litsft.timings import run_timer
+    from litsft.runtime.preemption import PreemptionFlag
+    from litsft.runtime.timings import run_timer
 
     saved_env, threads = dict(os.environ), torch.get_num_threads()
     deterministic, rng, python_rng = (

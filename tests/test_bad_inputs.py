@@ -23,11 +23,11 @@ from safetensors.torch import save_file
 from tiny_hf import save_tiny_hf, tiny_hf_model
 
 from litsft.__main__ import main
-from litsft.config import CONFIG_FILENAME, Config
-from litsft.lora import LoRAConfig, apply_lora, lora_state_dict
-from litsft.model import Transformer
-from litsft.preemption import PreemptionFlag
-from litsft.run_lock import LOCK_NAME, process_start_time
+from litsft.model.config import CONFIG_FILENAME, Config
+from litsft.model.lora import LoRAConfig, apply_lora, lora_state_dict
+from litsft.model.network import Transformer
+from litsft.runtime.preemption import PreemptionFlag
+from litsft.runtime.run_lock import LOCK_NAME, process_start_time
 
 
 @pytest.fixture(autouse=True)

@@ -44,9 +44,9 @@ def test_bench_gpu_counts_what_each_side_executes_and_times_after_the_warm_up(mo
     import bench_gpu
     from bench_gpu import StepWork
 
-    from litsft.attention import cumulative_lengths
-    from litsft.config import Config
-    from litsft.flops import executed_training_flops
+    from litsft.model.attention import cumulative_lengths
+    from litsft.model.config import Config
+    from litsft.model.flops import executed_training_flops
 
     config = Config.from_name("tiny-llama")
     labels = torch.full((1, 16), -100)

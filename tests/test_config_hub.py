@@ -9,9 +9,9 @@ import pytest
 from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namespace
 from litsft.recipes import finetune_full, finetune_lora, pretrain
 
-from litsft.args import accumulation_steps
-from litsft.config import NAMED_CONFIGS
 from litsft.data import JSON, HFDataset, LitData, TextFiles
+from litsft.model.config import NAMED_CONFIGS
+from litsft.training.args import accumulation_steps
 
 CONFIG_HUB = Path(__file__).parent.parent / "config_hub"
 RECIPES = {
@@ -205,9 +205,9 @@ def test_an_unknown_key_is_rejected(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_no_key_of_a_shipped_config_is_called_unknown(name: str) -> None:
-    """The CLI's diagnosis of a failed parse (litsft/cli_errors.py) knows every key the hub uses, so it
+    """The CLI's diagnosis of a failed parse (litsft/cli/cli_errors.py) knows every key the hub uses, so it
     never blames a valid key for another problem."""
-    from litsft.cli_errors import explain_parse_error
+    from litsft.cli.cli_errors import explain_parse_error
 
     def make_parser() -> ArgumentParser:
         parser = ArgumentParser(exit_on_error=False)

@@ -14,8 +14,8 @@ from tiny_tokenizer import write_tiny_tokenizer
 
 from litsft.data import JSON
 from litsft.data.base import digest_of, file_fingerprint, tokenizer_fingerprint
+from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError
-from litsft.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import pytest
 from tiny_tokenizer import write_tiny_tokenizer
 
 from litsft.data.chat import ChatFormat, Conversation
+from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError
-from litsft.tokenizer import Tokenizer
 
 CONVERSATION = [
     {"role": "system", "content": "You answer in one line."},

@@ -9,7 +9,7 @@ import pytest
 from litsft.data import Demo, build_demo_tokenizer, exact_match, write_demo_corpus
 from litsft.data.demo import ALL_TASKS, WORDS, corpus_text, demo_splits, generate_examples
 from litsft.data.loader import collate
-from litsft.tokenizer import Tokenizer
+from litsft.data.tokenizer import Tokenizer
 
 
 def padding_efficiency(loader) -> float:

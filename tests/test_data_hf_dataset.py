@@ -15,8 +15,8 @@ from tiny_datasets import CONFIG, as_messages, sharegpt_rows, write_infinity_ins
 from tiny_tokenizer import write_tiny_tokenizer
 
 from litsft.data import JSON, HFDataset
+from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError
-from litsft.tokenizer import Tokenizer
 
 REPO = "BAAI/Infinity-Instruct"
 

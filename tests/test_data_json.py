@@ -13,8 +13,8 @@ from tiny_tokenizer import write_tiny_tokenizer
 from litsft.data import JSON
 from litsft.data.loader import IGNORE_INDEX
 from litsft.data.records import to_conversation
+from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError
-from litsft.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from litsft.data.litdata_shards import (
     streaming_loader,
     tokenize_piece,
 )
-from litsft.tokenizer import Tokenizer
+from litsft.data.tokenizer import Tokenizer
 
 TEXTS = {"a.txt": "one two three\nfour five\n" * 12, "b.txt": "six seven\n", "c.txt": "eight nine ten\n" * 5}
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from litsft.config import Config
 from litsft.data.loader import IGNORE_INDEX, SFTLoader, collate, pack, plan_epoch
 from litsft.data.samples import Samples
 from litsft.errors import LitsftError
-from litsft.model import Transformer
+from litsft.model.config import Config
+from litsft.model.network import Transformer
 
 
 def random_samples(lengths: list[int], vocab_size: int = 512, seed: int = 0) -> Samples:

@@ -10,8 +10,8 @@ from tiny_tokenizer import write_tiny_tokenizer
 
 from litsft.data import JSON
 from litsft.data.records import RecordFormat, read_conversations, to_conversation
+from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError
-from litsft.tokenizer import Tokenizer
 
 SHAPES = (
     "each record needs 'messages', 'conversations' (ShareGPT), 'instruction' and 'output' (and optionally "

@@ -9,8 +9,8 @@ import torch
 from litsft.data import LitData, TextFiles, build_demo_tokenizer, write_demo_corpus
 from litsft.data.litdata_shards import byte_ranges, tokenize_piece
 from litsft.data.prepare import prepare
+from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError
-from litsft.tokenizer import Tokenizer
 
 
 @pytest.fixture(autouse=True)

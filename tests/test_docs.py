@@ -190,7 +190,7 @@ def write_records(path: Path, conversations: bool) -> None:
 
 @pytest.fixture(scope="module")
 def demo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from litsft.demo import make_base_checkpoint
+    from litsft.cli.demo import make_base_checkpoint
 
     return make_base_checkpoint(tmp_path_factory.mktemp("demo") / "demo", seed=0)
 
@@ -312,7 +312,7 @@ def test_doc_commands_run(path: Path, tmp_path: Path, demo_checkpoint: Path) -> 
 def test_every_command_is_run_or_marked() -> None:
     """Unmarked commands are the ones test_doc_commands_run runs; none of them may need more than the 2
     processes this machine can run, and every marker says why."""
-    from litsft.preemption import PREEMPTED_EXIT_CODE
+    from litsft.runtime.preemption import PREEMPTED_EXIT_CODE
 
     assert PREEMPTED_EXIT_CODE == 124  # the exit code the docs and multi_node.slurm rely on
     all_commands = [(p, c) for p in [README, *TUTORIALS] for c in commands(p)]
@@ -470,7 +470,7 @@ def test_sharding_tables_match_the_latest_benchmark() -> None:
     assert {("FULL_SHARD", 1, False), ("FULL_SHARD", 1, True)} <= measured
     assert all(c["peak_memory_mib"] > 0 and c["tokens_per_second"] > 0 for c in results["cells"])
     assert bench.section(text, "measured").count(bench.NEEDS_GPU) == 4 * 2 * len(results["ranks"])
-    # The planner rows are today's planner: a change to litsft/plan.py means re-running the script.
+    # The planner rows are today's planner: a change to litsft/training/plan.py means re-running the script.
     assert results["planner"] == bench.planner_rows(), (
         "run python benchmarks/bench_strategies.py --planner_only"
     )

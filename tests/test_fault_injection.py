@@ -28,9 +28,9 @@ from crash_harness import (
 )
 from launch import free_port, litsft_in_process, max_difference, write_records, write_tiny_checkpoint
 
-from litsft.faults import FAULT_ENV
-from litsft.preemption import PREEMPTED_EXIT_CODE
-from litsft.storage.training_checkpoint import is_complete, latest_checkpoint, training_rows
+from litsft.checkpoint.training_checkpoint import is_complete, latest_checkpoint, training_rows
+from litsft.runtime.faults import FAULT_ENV
+from litsft.runtime.preemption import PREEMPTED_EXIT_CODE
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,10 @@ from launch import (
     write_tiny_checkpoint,
 )
 from safetensors.torch import load_file
-from test_engine import finetune_args
+from test_training_engine import finetune_args
 
-from litsft.generate import load_model
-from litsft.model import Transformer
+from litsft.inference.generate import load_model
+from litsft.model.network import Transformer
 
 
 def lora_args(

@@ -13,11 +13,11 @@ PACKAGES = {"litsft": REPO / "litsft", "litsft.recipes": REPO / "recipes"}
 TESTED_ELSEWHERE = {
     "litsft.__main__": "test_main.py",  # the `litsft` command
     "litsft.data.json_data": "test_data_json.py",  # `--data JSON`
-    "litsft.families.spec": "test_families.py",  # the weight maps, next to the families that use them
-    "litsft.recipes.finetune_full": "test_engine.py",  # the engine's whole runs are full fine-tuning runs
+    "litsft.model.families.spec": "test_model_families.py",  # the weight maps, next to the families that use them
+    "litsft.recipes.finetune_full": "test_training_engine.py",  # the engine's whole runs are full fine-tuning runs
 }
-FAMILY_TESTS = "test_families.py"
-"""Every litsft/families/<module>.py: one section per module there, parametrized over that folder's files."""
+FAMILY_TESTS = "test_model_families.py"
+"""Every litsft/model/families/<module>.py: one section per module there, parametrized over that folder's files."""
 
 
 def modules() -> dict[str, Path]:
@@ -35,7 +35,7 @@ def expected_test_file(module: str) -> str:
     if module in TESTED_ELSEWHERE:
         return TESTED_ELSEWHERE[module]
     parts = module.removeprefix("litsft.recipes.").removeprefix("litsft.").split(".")
-    if parts[0] == "families":
+    if parts[:2] == ["model", "families"]:
         return FAMILY_TESTS
     return "test_" + "_".join(parts) + ".py"
 
@@ -43,15 +43,15 @@ def expected_test_file(module: str) -> str:
 def test_the_modules_are_found() -> None:
     found = modules()
     assert {
-        "litsft.loss",
+        "litsft.model.loss",
         "litsft.data.base",
-        "litsft.storage.checkpoint_dirs",
+        "litsft.checkpoint.checkpoint_dirs",
         "litsft.recipes.pretrain",
     } <= set(found)
     assert not any(name.endswith("__init__") for name in found)
-    assert expected_test_file("litsft.storage.checkpoint_dirs") == "test_storage_checkpoint_dirs.py"
+    assert expected_test_file("litsft.checkpoint.checkpoint_dirs") == "test_checkpoint_checkpoint_dirs.py"
     assert expected_test_file("litsft.recipes.finetune_lora") == "test_finetune_lora.py"
-    assert expected_test_file("litsft.families.qwen3") == "test_families.py"
+    assert expected_test_file("litsft.model.families.qwen3") == "test_model_families.py"
 
 
 def test_every_module_has_a_test_file_named_after_it() -> None:

@@ -18,16 +18,16 @@ import pytest
 from launch import free_port, write_records, write_tiny_checkpoint
 
 from litsft.__main__ import argument_error_line
-from litsft.errors import LitsftError
-from litsft.faults import FAULT_ENV, fault_point
-from litsft.rendezvous import TIMEOUT_ENV
-from litsft.run_lock import LOCK_NAME, STALE_AFTER_S, RunLock, process_start_time, read_holder
-from litsft.storage.training_checkpoint import (
+from litsft.checkpoint.training_checkpoint import (
     is_complete,
     latest_checkpoint,
     remove_partial_checkpoints,
     rotate_checkpoints,
 )
+from litsft.errors import LitsftError
+from litsft.runtime.faults import FAULT_ENV, fault_point
+from litsft.runtime.rendezvous import TIMEOUT_ENV
+from litsft.runtime.run_lock import LOCK_NAME, STALE_AFTER_S, RunLock, process_start_time, read_holder
 
 
 # ---- the out_dir lock ----------------------------------------------------------------------------------
@@ -234,7 +234,7 @@ def port_is_open(port: int) -> bool:
 
 
 def test_a_resume_on_another_number_of_processes_counts_them_in_words() -> None:
-    from litsft.checkpointer import resharding_notice
+    from litsft.training.checkpointer import resharding_notice
 
     assert resharding_notice(Path("out/step-00000004"), 1, 2).startswith(
         "Resuming out/step-00000004 (written by 1 process) on 2:"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from litsft.config import Config
+from litsft.model.config import Config
 
 
 def tiny_shape(config: Config) -> Config:

@@ -27,8 +27,8 @@ import numpy as np
 from litsft.data.chat import ChatFormat, Message, PromptStyle
 from litsft.data.records import RecordFormat, RecordShape
 from litsft.data.samples import Samples, tokenize_conversations, write_atomically
+from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError, check_number
-from litsft.tokenizer import Tokenizer
 
 CACHE_FORMAT_VERSION = 2
 """Part of every cache key: bump it when the cached layout or the tokenization rules change."""

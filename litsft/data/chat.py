@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from litsft.data.tokenizer import Tokenizer, render_chat_template
 from litsft.errors import LitsftError
-from litsft.tokenizer import Tokenizer, render_chat_template
 
 Message = dict[str, Any]
 """{"role": "system" | "user" | "assistant" | "tool", "content": str, ...}: also `tool_calls`, a reasoning field

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from litsft.data.samples import CACHE_FIX
-from litsft.storage.files import publish_atomically
-from litsft.tokenizer import Tokenizer
+from litsft.data.tokenizer import Tokenizer
+from litsft.runtime.files import publish_atomically
 
 RANGE_BYTES = 16 * 2**20
 """Large files are cut at line ends into pieces of about this size, tokenized in parallel."""

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from litsft.attention import cumulative_lengths
 from litsft.data.samples import Samples
 from litsft.errors import LitsftError
+from litsft.model.attention import cumulative_lengths
 
 IGNORE_INDEX = -100
 PAD_DOCUMENT_ID = -1

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from litsft.data.litdata_shards import optimize_text
 from litsft.data.text import check_text_files, text_files
+from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError
-from litsft.tokenizer import Tokenizer
 
 
 def prepare(

@@ -13,7 +13,7 @@ import numpy as np
 
 from litsft.data.chat import ChatFormat, ConversationError, Message
 from litsft.errors import LitsftError
-from litsft.storage.files import publish_atomically, write_json
+from litsft.runtime.files import publish_atomically, write_json
 
 
 @dataclass

@@ -1,0 +1,173 @@
+"""Checks run before any process is spawned: each failure is one LitsftError naming the value and the fix,
+and nothing in out_dir or the inputs is touched before they pass.
+
+`check_run` reads only the arguments and files, without torch, so a bad command line is refused before
+torch or Lightning is imported; `check_machine` asks torch about the GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from litsft.checkpoint.checkpoint_dirs import FINAL_DIR, STEP_PREFIX, read_trainer_state, resume_checkpoint
+from litsft.errors import LitsftError, check_number
+from litsft.runtime.processes import check_world_size, is_first_process
+from litsft.training.args import FSDPConfig, RunConfig, describe
+from litsft.training.devices import check_devices
+
+
+def check_run(run: RunConfig, recipe_name: str) -> None:
+    """Everything about a run's arguments and files that can be known wrong before launch, cheapest first."""
+    check_positive(run)
+    check_world_size(run.devices, run.num_nodes)
+    max_length = run.config.max_position_embeddings
+    if run.train.max_seq_length is not None and run.train.max_seq_length > max_length:
+        raise LitsftError(
+            f"--train.max_seq_length={run.train.max_seq_length} exceeds the model's context length "
+            f"{max_length}; use at most {max_length}"
+        )
+    if run.data is None:
+        raise LitsftError("no data given; pass e.g. --data JSON --data.json_path train.json, or --data Demo")
+    check_tokenizer(run.tokenizer_dir, run.config.vocab_size)
+    check_out_dir(run, recipe_name)
+
+
+def check_machine(run: RunConfig, gpus: int) -> None:
+    """What a run (its accelerator chosen) asks of the machine: a GPU per process, bf16 support, ..."""
+    check_devices(run.accelerator, run.devices, gpus)
+    check_precision(run.precision, run.accelerator)
+    check_fsdp_options(run.devices * run.num_nodes, run.precision, run.fsdp, run.accelerator)
+
+
+def check_fsdp_options(world_size: int, precision: str, fsdp: FSDPConfig, accelerator: str) -> None:
+    """Refuse, in one line, the combinations that `parallel.build_fabric` would otherwise run differently
+    from what they ask for, or crash on."""
+    if fsdp.cpu_offload and accelerator == "cpu":
+        raise LitsftError(
+            "--fsdp.cpu_offload needs GPUs: on a CPU-only machine everything already lives in CPU memory"
+        )
+    if fsdp.cpu_offload and world_size == 1:
+        # FSDP2 does the offloading, and one process trains without FSDP: the option would change nothing.
+        raise LitsftError(
+            "--fsdp.cpu_offload needs 2 or more GPUs (it is FSDP's, and one GPU trains without FSDP); on one "
+            "GPU drop it and save memory with finetune_lora, --fsdp.activation_checkpointing true or a smaller "
+            "--train.micro_batch_size"
+        )
+    if precision == "16-mixed" and world_size > 1:
+        # Lightning's ModelParallelStrategy (FSDP2) takes no 16-mixed and would stop with its own error
+        # (`mp_precision_supported` in lightning/fabric/connector.py).
+        raise LitsftError(
+            "--precision 16-mixed runs on one GPU only (FSDP2 here takes no fp16 autocast with loss scaling); "
+            "with several GPUs use bf16-mixed (Ampere or newer) or 32-true"
+        )
+
+
+def check_positive(run: RunConfig) -> None:
+    # The train.*, eval.* and optimizer.* options are checked where they are declared (__post_init__).
+    check_number("--devices", run.devices, at_least=1)
+    check_number("--num_nodes", run.num_nodes, at_least=1)
+
+
+def check_precision(precision: str, accelerator: str) -> None:
+    if accelerator == "cpu":
+        if precision == "16-mixed":
+            raise LitsftError(
+                "--precision 16-mixed needs a CUDA GPU (fp16 autocast with loss scaling); on CPU use 32-true "
+                "or bf16-mixed"
+            )
+        return
+    import torch
+
+    if precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
+        raise LitsftError(
+            f"--precision {precision}: this GPU ({torch.cuda.get_device_name()}) has no bfloat16 support; "
+            "use 16-mixed or 32-true"
+        )
+
+
+def check_tokenizer(tokenizer_dir: Path | None, vocab_size: int) -> None:
+    """Token ids at or past the embedding table's size would index out of range in the first forward."""
+    if tokenizer_dir is None:
+        return
+    from litsft.data.tokenizer import Tokenizer
+
+    tokens = Tokenizer(tokenizer_dir).vocab_size
+    if tokens > vocab_size:
+        raise LitsftError(
+            f"the tokenizer in {tokenizer_dir} has {tokens} tokens but the model's vocab_size is {vocab_size}: "
+            "ids past the embedding table would crash training; use the tokenizer the model was trained with"
+        )
+
+
+def check_out_dir(run: RunConfig, recipe_name: str) -> None:
+    """A finished run is never overwritten, a fresh start never writes over checkpoints, and a resume
+    checkpoint must come from the same recipe and model."""
+    out_dir = run.out_dir
+    if out_dir.exists() and not out_dir.is_dir():
+        raise LitsftError(f"--out_dir {out_dir} is a file; pass a directory")
+    final = out_dir / FINAL_DIR
+    if final.exists():
+        raise LitsftError(
+            f"{final} exists: this run has finished; pass another --out_dir, or delete {final} to train again"
+        )
+    if run.resume is False and any(out_dir.glob(f"{STEP_PREFIX}*")):
+        raise LitsftError(
+            f"--resume false but {out_dir} holds checkpoints of an earlier run; pass --resume auto to continue "
+            "it, or another --out_dir to start over"
+        )
+    path = resume_checkpoint(run.resume, out_dir)
+    if path is not None:
+        check_resumable(path, run, recipe_name)
+        notice = schedule_changes(path, run)
+        if notice is not None and is_first_process():
+            print(notice, flush=True)
+
+
+def check_resumable(path: Path, run: RunConfig, recipe_name: str) -> None:
+    state = read_trainer_state(path)
+    if state.get("recipe") != recipe_name:
+        raise LitsftError(
+            f"{path} was written by {state.get('recipe')}, not {recipe_name}; resume it with "
+            f"`litsft {state.get('recipe')}` or pass another --out_dir"
+        )
+    data = run.data.fingerprint()
+    if state.get("data") is not None and data is not None and state["data"] != data:
+        raise LitsftError(
+            f"{path} was trained on other data than --data gives now (data fingerprint {state['data'][:12]}, "
+            f"now {data[:12]}); resume with the data it was trained on, or pass another --out_dir to start over"
+        )
+    saved, current = state.get("config", {}), _json_round_trip(asdict(run.config))
+    different = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    if different:
+        key = different[0]
+        raise LitsftError(
+            f"{path} was written for a different model ({key}={saved.get(key)!r}, this run has "
+            f"{current.get(key)!r}); pass the checkpoint_dir it was trained from, or another --out_dir"
+        )
+
+
+def schedule_changes(path: Path, run: RunConfig) -> str | None:
+    """One line naming the optimizer and run-length settings that differ from those `path` was trained with
+    (resuming applies the new ones from its step, so the learning rate may jump); None when none do."""
+    state = read_trainer_state(path)
+    saved, current = state.get("arguments", {}), _json_round_trip(describe(run.cli_arguments))
+    changes = [
+        f"--{group}.{key} {saved[group].get(key)} -> {value}"
+        for group, keys in (("optimizer", None), ("train", ("max_steps", "epochs", "global_batch_size")))
+        if isinstance(saved.get(group), dict) and isinstance(current.get(group), dict)
+        for key, value in current[group].items()
+        if (keys is None or key in keys) and saved[group].get(key) != value
+    ]
+    if not changes:
+        return None
+    return (
+        f"Resuming {path} with other settings than it was trained with ({', '.join(changes)}): they apply from "
+        f"step {state.get('step')} on, so the learning rate may jump there"
+    )
+
+
+def _json_round_trip(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))

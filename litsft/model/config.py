@@ -1,0 +1,364 @@
+"""Model configuration: one dataclass for every supported family, the named configs the families register,
+and the translation to and from Hugging Face `config.json` (the shared keys here, each family's own in
+litsft.model.families)."""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from litsft.errors import LitsftError
+from litsft.model.families import FAMILIES, family_of, family_of_hf_config
+from litsft.runtime.files import read_json
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+"""The dtype a conversion stores the weights in; "auto" keeps theirs."""
+LayerType = Literal["full_attention", "sliding_attention"]
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "su")
+LONG_ROPE_TYPES = ("longrope", "su")
+"""LongRoPE (Phi-3 128k, Phi-4-mini); "su" is the name Phi-3's first config.json files gave it."""
+HF_KEYS_READ = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "attention_bias",
+        "attention_dropout",
+        "sliding_window",
+        "use_sliding_window",
+        "bos_token_id",
+        "eos_token_id",
+        "torch_dtype",
+        "dtype",
+        "mlp_bias",
+        "transformers_version",
+        "_name_or_path",
+        "use_cache",
+        "hidden_act",
+        "pretraining_tp",
+        "initializer_range",
+    }
+)
+"""config.json keys `Config.from_hf_config` reads or deliberately drops; the others are kept in hf_extra."""
+
+
+@dataclass
+class Config:
+    """Shape and numerics of one decoder-only transformer (Llama and its relatives)."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0
+    """Per-head width; 0 means hidden_size // num_heads. Qwen3 sets it explicitly."""
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    """HF-style rope scaling, e.g. {"rope_type": "llama3", "factor": 8.0, ...}; None for plain RoPE. LongRoPE
+    ({"type": "longrope", "short_factor": [...], "long_factor": [...], "original_max_position_embeddings": n})
+    rotates a sequence of up to n tokens with the short factors, a longer one with the long factors."""
+    rotary_fraction: float = 1.0
+    """The share of each head's dimensions RoPE rotates, the first ones (transformers' partial_rotary_factor;
+    Phi-4-mini: 0.75); the rest pass through unrotated."""
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    """Bias on the q/k/v projections (Qwen2, Qwen2.5)."""
+    out_bias: bool = False
+    """Bias on the attention output projection (Llama with attention_bias=true)."""
+    qk_norm: bool = False
+    """RMSNorm on each head's queries and keys before RoPE (Qwen3)."""
+    attention_dropout: float = 0.0
+    sliding_window: int | None = None
+    """In a "sliding_attention" layer a query attends to at most this many latest positions, itself included
+    (Mistral v0.1, Qwen2 with use_sliding_window); None: every layer attends to the whole sequence."""
+    layer_types: list[LayerType] | None = None
+    """Each layer's attention, as transformers' `layer_types` names it; None: every layer alike (sliding when
+    `sliding_window` is set). Read per layer by `attention_window`."""
+    # ---- Gemma 2 / Gemma 3 / OLMo 2 block features (each off by default) ----
+    rope_local_base: float | None = None
+    """RoPE base of the "sliding_attention" layers, which then rotate without `rope_scaling` (Gemma 3's
+    rope_local_base_freq); None: every layer uses `rope_theta` and `rope_scaling`."""
+    qk_norm_over: Literal["head", "all_heads"] = "head"
+    """What `qk_norm` normalizes: each head's D values (Qwen3, Gemma 3) or the whole projection, all heads
+    at once, before it is split into heads (OLMo 2)."""
+    pre_norms: bool = True
+    """RMSNorm before attention and before the MLP; OLMo 2 has none, only the post-norms."""
+    post_attention_norm: bool = False
+    """RMSNorm on the attention output before it is added to the residual stream (Gemma 2/3, OLMo 2)."""
+    post_mlp_norm: bool = False
+    """RMSNorm on the MLP output before it is added to the residual stream (Gemma 2/3, OLMo 2)."""
+    norm_unit_offset: bool = False
+    """Gemma's RMSNorm: scale by (1 + weight), computed in fp32 before the cast; weights start at zero."""
+    scale_embeddings: bool = False
+    """Multiply the embeddings by sqrt(hidden_size), rounded to the embedding dtype as transformers does
+    (Gemma)."""
+    mlp_activation: Literal["silu", "gelu_tanh"] = "silu"
+    """The gated MLP's activation: SwiGLU (silu) or GeGLU with tanh-approximated GELU (Gemma)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5."""
+    softcap_attention: float | None = None
+    """Attention logits are capped to c * tanh(score / c) before the softmax (Gemma 2)."""
+    softcap_final: float | None = None
+    """Output logits are capped to c * tanh(logit / c) (Gemma 2)."""
+    # ----
+    hf_architecture: str = "LlamaForCausalLM"
+    """The config.json architecture, which names the family (litsft.model.families) that builds and converts it."""
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    torch_dtype: str = "bfloat16"
+    """The dtype the published weights use; written into the HF export."""
+    hf_extra: dict[str, Any] = field(default_factory=dict)
+    """Keys of an imported config.json that litsft does not model, written back unchanged on export."""
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise LitsftError(
+                f"{self.name}: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise LitsftError(
+                f"{self.name}: rope_scaling type {self.rope_type!r} is not supported; "
+                f"supported types are {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        self._check_rotary()
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise LitsftError(
+                f"{self.name}: sliding_window={self.sliding_window} must be at least 1 (or null for none)"
+            )
+        for key in ("query_pre_attn_scalar", "softcap_attention", "softcap_final", "rope_local_base"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise LitsftError(f"{self.name}: {key}={value} must be positive (or null for none)")
+        family_of(self.hf_architecture)  # refuses an architecture no family registered
+        self._normalize_layer_types()
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dimensions RoPE rotates."""
+        return int(self.head_dim * self.rotary_fraction)
+
+    @property
+    def rope_type(self) -> str:
+        scaling = self.rope_scaling or {}
+        return scaling.get("rope_type", scaling.get("type", "default"))
+
+    def _check_rotary(self) -> None:
+        if not 0 < self.rotary_fraction <= 1 or self.rotary_dim % 2:
+            raise LitsftError(
+                f"{self.name}: rotary_fraction={self.rotary_fraction} must rotate an even number of each head's "
+                f"{self.head_dim} dimensions (0 < fraction <= 1)"
+            )
+        if self.rope_type not in LONG_ROPE_TYPES:
+            return
+        scaling = self.rope_scaling or {}
+        for key in ("short_factor", "long_factor"):
+            if len(scaling.get(key) or ()) != self.rotary_dim // 2:
+                raise LitsftError(
+                    f"{self.name}: LongRoPE's {key} must hold one factor per rotated pair of dimensions, "
+                    f"{self.rotary_dim // 2}; got {len(scaling.get(key) or ())}"
+                )
+        if "original_max_position_embeddings" not in scaling:
+            raise LitsftError(
+                f"{self.name}: LongRoPE needs original_max_position_embeddings, the length past which the long "
+                "factors apply"
+            )
+
+    def _normalize_layer_types(self) -> None:
+        """One spelling per layout, so that equal models compare equal: uniform layers as None."""
+        if self.layer_types is None:
+            return
+        self.layer_types = list(self.layer_types)
+        unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
+        if unknown or len(self.layer_types) != self.num_layers:
+            raise LitsftError(
+                f"{self.name}: layer_types must name full_attention or sliding_attention for each of the "
+                f"{self.num_layers} layers; got {self.layer_types}"
+            )
+        if self.sliding_window is None or "sliding_attention" not in self.layer_types:
+            self.sliding_window, self.layer_types = None, None
+        elif "full_attention" not in self.layer_types:
+            self.layer_types = None
+
+    def attention_scale(self) -> float | None:
+        """What attention multiplies its scores by; None: the kernels' default, head_dim ** -0.5."""
+        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar**-0.5
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates with `rope_local_base` (a sliding layer of Gemma 3)."""
+        return self.rope_local_base is not None and self.attention_window(layer) is not None
+
+    def attention_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (counting from 0), or None for full causal attention."""
+        if self.layer_types is not None and self.layer_types[layer] == "full_attention":
+            return None
+        return self.sliding_window
+
+    # ---- named configs -------------------------------------------------------------------------
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> Config:
+        if name not in NAMED_CONFIGS:
+            close = close_model_names(name)
+            hint = (
+                f" Did you mean one of: {', '.join(close)}?"
+                if close
+                else " Run `litsft list_models` for the list."
+            )
+            raise LitsftError(f"unknown model name {name!r}.{hint}")
+        # A deep copy: the registry's dicts and lists (rope_scaling, eos ids) must not be shared with callers.
+        return replace(copy.deepcopy(NAMED_CONFIGS[name]), **overrides)
+
+    # ---- litsft checkpoint dirs ---------------------------------------------------------------
+    def save(self, checkpoint_dir: Path | str) -> None:
+        path = Path(checkpoint_dir) / CONFIG_FILENAME
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint_dir: Path | str) -> Config:
+        path = Path(checkpoint_dir) / CONFIG_FILENAME
+        if not path.is_file():
+            raise LitsftError(
+                f"{checkpoint_dir} is not a litsft checkpoint: {CONFIG_FILENAME} is missing. "
+                "Convert a Hugging Face checkpoint first with `litsft convert_from_hf <hf_dir> --out_dir <dir>`"
+            )
+        values = read_json(path)
+        if "max_window_layers" in values:  # written before layer_types: the windowed layers came last
+            first = values.pop("max_window_layers")
+            values["layer_types"] = [
+                "sliding_attention" if i >= first else "full_attention" for i in range(values["num_layers"])
+            ]
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise LitsftError(
+                f"{path} has unknown keys {unknown}; it was written by a different litsft version"
+            )
+        return cls(**values)
+
+    # ---- Hugging Face config.json ---------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, hf_config: dict[str, Any], name: str = "") -> Config:
+        """Build a Config from a Hugging Face `config.json` dict of a registered family: the keys every family
+        shares are read here, the family reads its own (litsft.model.families)."""
+        family = family_of_hf_config(hf_config)
+        own, consumed = family.config_from_hf(hf_config)
+        if hf_config.get("mlp_bias"):
+            raise LitsftError(
+                "mlp_bias=true is not supported by litsft's model; use a checkpoint without MLP biases"
+            )
+        if "hidden_act" not in consumed and hf_config.get("hidden_act", "silu") != "silu":
+            raise LitsftError(
+                f"hidden_act={hf_config['hidden_act']!r} is not supported; litsft's MLP is SwiGLU (silu)"
+            )
+        # transformers >= 5 writes `rope_parameters` (theta included); published checkpoints use
+        # `rope_theta` + `rope_scaling`. Read both.
+        rope_parameters = dict(hf_config.get("rope_parameters") or {})
+        rope_theta = rope_parameters.pop("rope_theta", None) or hf_config.get("rope_theta", 10000.0)
+        rope_scaling = hf_config.get("rope_scaling") or rope_parameters or None
+        if rope_scaling is not None:
+            # transformers >= 5 also files partial_rotary_factor there; families that have it read it themselves.
+            rope_scaling = {
+                k: v for k, v in rope_scaling.items() if k not in ("rope_theta", "partial_rotary_factor")
+            }
+            if rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+                rope_scaling = None
+        shared: dict[str, Any] = dict(
+            name=name or hf_config.get("_name_or_path", "") or family.architecture,
+            vocab_size=hf_config["vocab_size"],
+            hidden_size=hf_config["hidden_size"],
+            intermediate_size=hf_config["intermediate_size"],
+            num_layers=hf_config["num_hidden_layers"],
+            num_heads=hf_config["num_attention_heads"],
+            num_kv_heads=hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"],
+            head_dim=hf_config.get("head_dim") or 0,
+            max_position_embeddings=hf_config.get("max_position_embeddings", 4096),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            attention_dropout=float(hf_config.get("attention_dropout", 0.0) or 0.0),
+            hf_architecture=family.architecture,
+            bos_token_id=hf_config.get("bos_token_id"),
+            eos_token_id=hf_config.get("eos_token_id"),
+            torch_dtype=str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"),
+            hf_extra={k: v for k, v in hf_config.items() if k not in HF_KEYS_READ | consumed},
+        )
+        return cls(**shared | own)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The `config.json` that transformers needs to load the exported weights."""
+        family = family_of(self.hf_architecture)
+        hf: dict[str, Any] = {
+            "architectures": [family.architecture],
+            "model_type": family.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": copy.deepcopy(self.rope_scaling),
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_dropout": self.attention_dropout,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": copy.deepcopy(self.eos_token_id),
+            "torch_dtype": self.torch_dtype,
+            "use_cache": True,
+        }
+        hf.update(family.hf_from_config(self))
+        # Copies: transformers edits the dicts it is given (it adds rope_theta to rope_scaling).
+        hf.update(copy.deepcopy(self.hf_extra))
+        return hf
+
+
+CONFIG_FILENAME = "litsft_config.json"
+
+# ---- named configs: registered by each family (litsft.model.families), with their sources --------------------
+NAMED_CONFIGS: dict[str, Config] = {
+    name: Config(**values) for family in FAMILIES.values() for name, values in family.named_configs.items()
+}
+
+
+def close_model_names(name: str, limit: int = 5) -> list[str]:
+    """Named configs that contain `name` (any case) or nearly spell it, best first."""
+    lower = {n.lower(): n for n in NAMED_CONFIGS}
+    contained = [n for low, n in lower.items() if name.lower() in low]
+    similar = [lower[m] for m in difflib.get_close_matches(name.lower(), list(lower), n=limit, cutoff=0.8)]
+    return list(dict.fromkeys(contained + similar))[:limit]
+
+
+def format_count(count: int) -> str:
+    """A parameter count for people, three significant digits: 6.74B, 13.0B, 135M, 158K."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            value = count / scale
+            decimals = 2 if value < 10 else 1 if value < 100 else 0
+            return f"{value:.{decimals}f}{suffix}"
+    return str(count)

@@ -1,0 +1,214 @@
+"""What a model family is to litsft: a `Family` spec (its Hugging Face config translation, its weight-name
+map, the block variant it needs, its named configs) and the registry the rest of the code looks it up in.
+
+Nothing here imports torch or litsft.model.config: a family is data and small functions over plain dicts, so
+that litsft.model.config (the one `Config` dataclass) can sit on top of every family.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from litsft.errors import LitsftError
+
+
+@dataclass(frozen=True)
+class WeightMap:
+    """litsft parameter names <-> Hugging Face tensor names; "{i}" stands for the layer index.
+
+    `names` maps one litsft name to one HF name. `fused` maps one HF tensor that several litsft parameters
+    share (Phi-3's `qkv_proj` holds q, k and v; its `gate_up_proj` gate and up) to those parameters, in the
+    order they are concatenated along dim 0: importing splits it by the litsft shapes, exporting concatenates
+    them again, so the round trip is bit-exact. `ignored` are HF names litsft recomputes and drops (RoPE's
+    inverse frequencies that old transformers versions saved)."""
+
+    names: Mapping[str, str]
+    fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    ignored: tuple[str, ...] = ()
+
+    def hf_name(self, litsft_name: str) -> str:
+        """The Hugging Face name of a litsft parameter name (for a fused part: the fused tensor's name)."""
+        name = _rename(litsft_name, self.names) or _rename(litsft_name, self._fused_of_part)
+        if name is None:
+            raise KeyError(f"no Hugging Face name for litsft parameter {litsft_name!r}")
+        return name
+
+    def litsft_names(self, hf_name: str) -> tuple[str, ...] | None:
+        """The litsft names a Hugging Face tensor holds (several for a fused one), or None when litsft has no
+        such parameter."""
+        single = _rename(hf_name, self._litsft_of_hf)
+        if single is not None:
+            return (single,)
+        match = _LAYER_INDEX.search(hf_name)
+        parts = self.fused.get(_template_of(hf_name))
+        if parts is None:
+            return None
+        return tuple(part.format(i=match.group(1)) if match else part for part in parts)
+
+    def is_ignored(self, hf_name: str) -> bool:
+        return any(re.fullmatch(pattern, hf_name) for pattern in self.ignored)
+
+    def from_hf(
+        self, hf_tensors: Iterable[tuple[str, Any]], shapes: Mapping[str, tuple[int, ...]]
+    ) -> Iterator[tuple[str, Any]]:
+        """HF-named tensors -> litsft-named ones, fused tensors split by the litsft `shapes` of their parts."""
+        for hf_name, tensor in hf_tensors:
+            names = self.litsft_names(hf_name)
+            if names is None:
+                raise KeyError(f"no litsft name for Hugging Face tensor {hf_name!r}")
+            if len(names) == 1:
+                yield names[0], tensor
+                continue
+            yield from zip(names, tensor.split([shapes[name][0] for name in names], dim=0))
+
+    def to_hf(
+        self, named_tensors: Iterable[tuple[str, Any]], concatenate: Callable[[list[Any]], Any]
+    ) -> Iterator[tuple[str, Any]]:
+        """litsft-named tensors -> HF-named ones; the parts of a fused tensor are held until all have passed,
+        then joined with `concatenate` (torch.cat along dim 0)."""
+        pending: dict[str, dict[str, Any]] = {}
+        for name, tensor in named_tensors:
+            single = _rename(name, self.names)
+            if single is not None:
+                yield single, tensor
+                continue
+            fused_name = self.hf_name(name)
+            parts = self.litsft_names(fused_name)
+            assert parts is not None
+            held = pending.setdefault(fused_name, {})
+            held[name] = tensor
+            if len(held) == len(parts):
+                yield fused_name, concatenate([held[part] for part in parts])
+                del pending[fused_name]
+        if pending:
+            missing = [
+                part
+                for fused in pending
+                for part in self.litsft_names(fused) or ()
+                if part not in pending[fused]
+            ]
+            raise KeyError(f"parts of fused tensors never came: {missing}")
+
+    @cached_property
+    def _litsft_of_hf(self) -> dict[str, str]:
+        return {hf: litsft for litsft, hf in self.names.items()}
+
+    @cached_property
+    def _fused_of_part(self) -> dict[str, str]:
+        return {part: fused for fused, parts in self.fused.items() for part in parts}
+
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def _template_of(name: str) -> str:
+    return _LAYER_INDEX.sub(".{i}.", name, count=1)
+
+
+def _rename(name: str, templates: Mapping[str, str]) -> str | None:
+    """Translate `name` with `templates`, or None when no template matches."""
+    match = _LAYER_INDEX.search(name)
+    target = templates.get(_template_of(name))
+    if target is None:
+        return None
+    return target.format(i=match.group(1)) if match else target
+
+
+# The decoder layout Llama set and most families keep: litsft name -> Hugging Face name.
+LLAMA_WEIGHT_NAMES: dict[str, str] = {
+    "embed.weight": "model.embed_tokens.weight",
+    "blocks.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blocks.{i}.attn.q_proj.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blocks.{i}.attn.q_proj.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blocks.{i}.attn.k_proj.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blocks.{i}.attn.k_proj.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blocks.{i}.attn.v_proj.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blocks.{i}.attn.v_proj.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blocks.{i}.attn.o_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blocks.{i}.attn.o_proj.bias": "model.layers.{i}.self_attn.o_proj.bias",
+    "blocks.{i}.attn.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blocks.{i}.attn.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blocks.{i}.mlp_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blocks.{i}.mlp.gate_proj.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blocks.{i}.mlp.up_proj.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blocks.{i}.mlp.down_proj.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+LLAMA_WEIGHTS = WeightMap(
+    LLAMA_WEIGHT_NAMES, ignored=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything that differs between model families. The shared `Config` fields are read from and written
+    to config.json by litsft.model.config; a family adds its own.
+
+    Attributes:
+        architecture: The `architectures` entry of its config.json, e.g. "LlamaForCausalLM".
+        model_type: The `model_type` of its config.json, e.g. "llama".
+        config_from_hf: config.json dict -> (the `Config` fields only this family reads, the config.json
+            keys it consumed; those not consumed and not shared are kept in `Config.hf_extra`).
+        hf_from_config: a `Config` -> the config.json keys only this family writes.
+        weights: Its weight-name map.
+        block: The block variant litsft.model.network builds for it (a key of litsft.model.network.BLOCK_VARIANTS).
+        named_configs: name -> `Config` field values of each published model, with its source cited in the
+            family's module.
+    """
+
+    architecture: str
+    model_type: str
+    config_from_hf: Callable[[dict[str, Any]], tuple[dict[str, Any], set[str]]]
+    hf_from_config: Callable[[Any], dict[str, Any]]
+    weights: WeightMap = LLAMA_WEIGHTS
+    block: str = "pre_norm"
+    named_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+FAMILIES: dict[str, Family] = {}
+"""architecture -> its family, in registration order."""
+
+
+def register_family(family: Family) -> Family:
+    if family.architecture in FAMILIES:
+        raise ValueError(f"family {family.architecture} is registered twice")
+    FAMILIES[family.architecture] = family
+    return family
+
+
+def family_of(architecture: str) -> Family:
+    """The registered family of an HF architecture name (what `Config.hf_architecture` holds)."""
+    if architecture not in FAMILIES:
+        raise LitsftError(f"unsupported architecture {architecture!r}; litsft supports {', '.join(FAMILIES)}")
+    return FAMILIES[architecture]
+
+
+def family_of_hf_config(hf_config: Mapping[str, Any]) -> Family:
+    """The family of a config.json: by its `architectures`, else by its `model_type`."""
+    architectures = hf_config.get("architectures") or []
+    if architectures:
+        return family_of(architectures[0])
+    model_type = hf_config.get("model_type")
+    for family in FAMILIES.values():
+        if family.model_type == model_type:
+            return family
+    raise LitsftError(f"unsupported architecture {model_type!r}; litsft supports {', '.join(FAMILIES)}")
+
+
+def published(
+    name: str, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, **family: Any
+) -> tuple[str, dict[str, Any]]:
+    """One published shape as `Config` field values; `family` holds what the whole family shares."""
+    shape = dict(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=intermediate,
+    )
+    return name, dict(name=name, **shape, **family)

@@ -1,0 +1,378 @@
+"""LoRA: low-rank adapters on a frozen Transformer, and the math that folds them into base weights.
+
+A projection `W` becomes `W x + B A dropout(x) * scaling`, with A (rank, in) and B (out, rank); B starts
+at zero, so a fresh adapter leaves the model's outputs unchanged. Three variants, as PEFT defines them
+(https://github.com/huggingface/peft/blob/main/src/peft/tuners/lora/layer.py):
+
+| variant | scaling             | output                                                              |
+|---------|---------------------|---------------------------------------------------------------------|
+| lora    | alpha / rank        | W x + s B A x                                                       |
+| rslora  | alpha / sqrt(rank)  | W x + s B A x (rank-stabilized, Kalajdzievski 2023)                 |
+| dora    | alpha / rank        | m / ||W + s B A||_row * (W x + s B A x) (Liu et al. 2024)           |
+
+DoRA's magnitude m (out,) starts as the row norms of W, so a fresh DoRA adapter changes nothing either; it
+is trained, while the row norm ||W + s B A|| is treated as a constant in the backward pass (section 4.3 of
+the DoRA paper, and PEFT).
+
+Parameter names. Each adapted `nn.Linear` is wrapped in a `LoRALinear` that keeps it as a child named `base`,
+so FSDP2 can put the frozen base and the trainable adapters in separate units:
+
+    blocks.0.attn.q_proj.weight   ->  blocks.0.attn.q_proj.base.weight     (frozen)
+                                      blocks.0.attn.q_proj.lora_A.weight   (rank, in)
+                                      blocks.0.attn.q_proj.lora_B.weight   (out, rank)
+                                      blocks.0.attn.q_proj.lora_magnitude_vector.weight  (out,) DoRA only
+
+`model.load_state_dict(plain_litsft_state_dict)` still works: `LoRALinear` renames `weight`/`bias` to
+`base.weight`/`base.bias` while loading and leaves its adapters as they are when the state dict has none.
+
+Which projections get adapters, and their size, is `litsft.model.lora_config.LoRAConfig`: a run setting, read by the
+CLI without torch. The folder finetune_lora writes is `litsft.checkpoint.lora_folder`; merging it into a model
+folder and exporting it to Hugging Face or PEFT is `litsft.checkpoint.convert`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from litsft.errors import LitsftError
+from litsft.model.config import Config
+from litsft.model.lora_config import LORA_TARGETS, LoRAConfig
+from litsft.model.network import Transformer
+
+# Target -> the attribute name of the nn.Linear it adapts (the same name Hugging Face and PEFT use).
+MODULE_OF_TARGET: dict[str, str] = {t: t if t == "lm_head" else f"{t}_proj" for t in LORA_TARGETS}
+
+
+class LoRAUp(nn.Linear):
+    """lora_B, (out, rank): `reset_parameters()` zeroes it, so Fabric materializing a meta-device model (which
+    calls `reset_parameters()` on every module holding parameters) gives a fresh adapter, not a random one.
+    Its forward is a plain linear layer with a backward pass suited to its rank-wide input (`NarrowInputLinear`)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return NarrowInputLinear.apply(h, self.weight)
+
+
+class NarrowInputLinear(torch.autograd.Function):
+    """h @ weight.T for an input h (..., r) only r (the LoRA rank) wide.
+
+    Autograd's linear computes the gradients as grad @ weight (..., r) and grad.T @ h (out, r): products whose
+    output is r columns wide, which BLAS on a CPU runs 3-4x slower than the same products transposed
+    (measured: 0.59 ms against 0.20 ms for 2048 tokens, rank 8, 352 outputs). This backward computes the
+    transposed products and returns transposed views; the values are the same.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, h: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(h, weight)
+        return h @ weight.t()
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        h, weight = ctx.saved_tensors
+        # Under autocast the forward ran in a lower precision than the fp32 weight; the backward uses that one.
+        grad = grad.flatten(0, -2)
+        h_flat = h.flatten(0, -2).to(grad.dtype)
+        grad_h = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_h = (weight.to(grad.dtype).t() @ grad.t()).t().reshape(h.shape).to(h.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = (h_flat.t() @ grad).t().to(weight.dtype)
+        return grad_h, grad_weight
+
+
+class AdapterDropout(nn.Dropout):
+    """nn.Dropout with a cheaper keep-mask on the CPU.
+
+    torch's CPU dropout draws a Bernoulli sample per element (bernoulli_ was 15% of a LoRA step on this
+    project's CPU benchmark). Here each random 64-bit draw gives two 31-bit integers, each compared with
+    p * 2^31: the same dropout, with p exact to 2^-31, at about 3/4 of the cost. On a GPU torch's own kernel
+    is used. The draws come from torch's default generator, so seeding and resuming work as before.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0 or x.device.type != "cpu":
+            return super().forward(x)
+        bits = torch.empty((x.numel() + 1) // 2, dtype=torch.int64).random_()  # uniform in [0, 2^63)
+        halves = bits.view(torch.int32)[: x.numel()].view(x.shape).bitwise_and_(0x7FFFFFFF)  # 31 uniform bits
+        threshold = round(self.p * 2**31)
+        keep_scale = (halves >= threshold).to(x.dtype).mul_(2**31 / (2**31 - threshold))
+        return x * keep_scale
+
+
+class LoRALinear(nn.Module):
+    """A frozen `nn.Linear` plus a trainable low-rank update: base(x) + B(A(dropout(x))) * scaling, or its
+    DoRA form (module docstring) when built with `dora=True`."""
+
+    def __init__(
+        self, base: nn.Linear, rank: int, alpha: float, dropout: float, scaling: float | None = None,
+        dora: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.base = base
+        # An NF4 base weight's dtype is the one it dequantizes to: the adapters' dtype too.
+        factory = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, **factory)
+        self.lora_B = LoRAUp(rank, base.out_features, bias=False, **factory)
+        self.lora_magnitude_vector = DoRAMagnitude(base.out_features, **factory) if dora else None
+        self.dropout = AdapterDropout(dropout) if dropout > 0 else nn.Identity()
+        self.scaling = alpha / rank if scaling is None else scaling
+        if base.weight.device.type != "meta":
+            self.reset_lora_parameters()
+        self.register_load_state_dict_pre_hook(_load_plain_names)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.base(x)
+        h = self.dropout(x)
+        # Scaling the rank-wide intermediate costs out_features / rank times less than scaling the output.
+        update = self.lora_B(self.lora_A(h) * self.scaling)
+        if self.lora_magnitude_vector is None:
+            return result + update
+        # DoRA, computed as PEFT does: W x is the base output without its bias (recomputed on the dropped-out
+        # input when dropout is active), the row norms of W + s B A come from B A through the adapters' own
+        # forward (so a sharded adapter is gathered the way FSDP gathers it) and are held constant.
+        weight = base_weight(self.base).to(x.dtype)
+        eye = torch.eye(self.lora_A.in_features, device=x.device, dtype=x.dtype)
+        delta = self.lora_B(self.lora_A(eye)).t() * self.scaling  # (out, in)
+        row_norm = torch.linalg.vector_norm(weight + delta.detach(), dim=1).detach()
+        if isinstance(self.dropout, nn.Identity) or not self.training:
+            bias = self.base.bias
+            plain = result if bias is None else result - bias
+        else:
+            plain = nn.functional.linear(h, weight)
+        return result + self.lora_magnitude_vector(plain, update, row_norm)
+
+    @torch.no_grad()
+    def reset_lora_parameters(self) -> None:
+        """A as PEFT and the LoRA paper initialize it (nn.Linear's default), B zero, DoRA's magnitude the
+        row norms of the base weight."""
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+        self.reset_magnitude()
+
+    @torch.no_grad()
+    def reset_magnitude(self) -> None:
+        """DoRA's magnitude := the row norms of the base weight (with B = 0, of W + s B A), for the rows of the
+        magnitude this rank holds (FSDP2 gives the weight the same rows, or all of them when it leaves an
+        NF4 weight unsharded)."""
+        if self.lora_magnitude_vector is None:
+            return
+        magnitude, offset = _rows_held(self.lora_magnitude_vector.weight.data)
+        weight, weight_offset = _rows_held(self.base.weight.data)
+        if magnitude.numel():
+            start = offset - weight_offset
+            rows = dequantized(weight)[start : start + magnitude.shape[0]]
+            magnitude.copy_(torch.linalg.vector_norm(rows.float(), dim=1))
+
+    def delta_weight(self) -> torch.Tensor:
+        """B @ A * scaling (out, in), in fp32."""
+        return lora_delta(self.lora_A.weight, self.lora_B.weight, self.scaling)
+
+
+class DoRAMagnitude(nn.Module):
+    """DoRA's trained magnitude, one value per output row; a module of its own so that, like lora_A and
+    lora_B, FSDP2 can gather it on its own and its name matches PEFT's `lora_magnitude_vector`."""
+
+    def __init__(
+        self, out_features: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(out_features, device=device, dtype=dtype))
+
+    def reset_parameters(self) -> None:
+        # Placeholder until the base weights are loaded (`LoRALinear.reset_magnitude`).
+        nn.init.ones_(self.weight)
+
+    def forward(self, plain: torch.Tensor, update: torch.Tensor, row_norm: torch.Tensor) -> torch.Tensor:
+        """The DoRA output minus the base output: (m / n - 1) W x + (m / n) s B A x."""
+        scale = (self.weight / row_norm).to(plain.dtype)
+        return (scale - 1) * plain + scale * update
+
+
+def _rows_held(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the rows of `tensor` this rank holds, the first one's index): a DTensor's local rows, or all."""
+    if not isinstance(tensor, DTensor):
+        return tensor, 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tensor.to_local(), offset[0]
+
+
+def base_weight(base: nn.Module) -> torch.Tensor:
+    """The base layer's weight as a plain tensor, dequantized when it is stored in NF4."""
+    return dequantized(base.weight)
+
+
+def dequantized(weight: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: `weight` itself, or the values an NF4 weight stands for."""
+    if hasattr(weight, "get_original_weight"):  # torchao's NF4Tensor
+        return weight.get_original_weight()
+    return weight
+
+
+def _load_plain_names(
+    module: LoRALinear, state_dict: dict[str, torch.Tensor], prefix: str, *_: object
+) -> None:
+    """Accept `prefix.weight`/`prefix.bias` of a plain checkpoint as `prefix.base.weight`/`.base.bias`, and keep
+    the current adapters when the state dict has none (load_state_dict hands the hook its own copy)."""
+    for suffix in ("weight", "bias"):
+        if prefix + suffix in state_dict:
+            state_dict[prefix + "base." + suffix] = state_dict.pop(prefix + suffix)
+    for name, adapter in module.named_children():
+        if name.startswith("lora_"):
+            state_dict.setdefault(f"{prefix}{name}.weight", adapter.weight)
+
+
+def lora_delta(lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The weight update B @ A * scaling (out, in), computed in fp32 so a bf16 merge rounds only once."""
+    return (lora_B.float() @ lora_A.float()) * scaling
+
+
+# ---- applying to a model -------------------------------------------------------------------------------
+def apply_lora(model: Transformer, config: LoRAConfig) -> Transformer:
+    """Wrap the targeted projections of `model` in LoRALinear (in place) and freeze everything but the
+    adapters. Works on a model on the meta device: after `to_empty()`, let Fabric's materialization
+    call each module's `reset_parameters()` (or draw the adapters with `initial_adapter_value`), then load the
+    base weights and, for DoRA, `reset_magnitudes`."""
+    module_names = {MODULE_OF_TARGET[t] for t in config.target_list}
+    for parent in list(model.modules()):
+        if isinstance(parent, LoRALinear):
+            continue
+        for name, child in list(parent.named_children()):
+            if name in module_names and type(child) is nn.Linear:
+                adapted = LoRALinear(
+                    child, config.rank, config.alpha, config.dropout, config.scaling, config.variant == "dora"
+                )
+                setattr(parent, name, adapted)
+    mark_only_lora_trainable(model)
+    return model
+
+
+def reset_magnitudes(model: nn.Module) -> None:
+    """DoRA: set every magnitude to the row norms of its (loaded) base weight, as a fresh adapter needs."""
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            module.reset_magnitude()
+
+
+def mark_only_lora_trainable(model: nn.Module) -> None:
+    for name, param in model.named_parameters():
+        param.requires_grad = _is_adapter_name(name)
+
+
+ADAPTER_MODULES = ("lora_A", "lora_B", "lora_magnitude_vector")
+
+
+def _is_adapter_name(name: str) -> bool:
+    return any(f".{adapter}." in f".{name}" for adapter in ADAPTER_MODULES)
+
+
+def lora_state_dict(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a LoRA model, or of its (gathered) state dict, as full tensors in litsft names.
+    With an FSDP2-sharded model every rank must call it: gathering a sharded tensor is a collective."""
+    if isinstance(model_or_state_dict, nn.Module):
+        model_or_state_dict = model_or_state_dict.state_dict()
+    adapters = {}
+    for name, tensor in model_or_state_dict.items():
+        if _is_adapter_name(name):
+            if hasattr(tensor, "full_tensor"):  # a DTensor shard
+                tensor = tensor.full_tensor()
+            # torch.compile wraps modules as `_orig_mod`; the saved names must not depend on it.
+            adapters[name.replace("_orig_mod.", "")] = tensor.detach()
+    return adapters
+
+
+# ---- merging -------------------------------------------------------------------------------------------
+def iter_merged_tensors(
+    base_tensors: Iterable[tuple[str, torch.Tensor]],
+    adapter_state_dict: Mapping[str, torch.Tensor],
+    lora_config: LoRAConfig,
+    tie_word_embeddings: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Merge one base tensor at a time, so merging a 70B model holds one weight in memory, not the model.
+    With tied embeddings and an lm_head adapter, `lm_head.weight` (embeddings + update) follows `embed.weight`;
+    the merged checkpoint is then untied (see `merged_config`)."""
+
+    def merge(module: str, tensor: torch.Tensor) -> torch.Tensor:
+        lora_A = adapter_state_dict.get(f"{module}.lora_A.weight")
+        if lora_A is None:
+            return tensor
+        delta = lora_delta(lora_A, adapter_state_dict[f"{module}.lora_B.weight"], lora_config.scaling)
+        merged = tensor.float() + delta.to(tensor.device)
+        magnitude = adapter_state_dict.get(f"{module}.lora_magnitude_vector.weight")
+        if magnitude is not None:  # DoRA: each row rescaled to its trained magnitude, as PEFT merges it
+            merged *= (magnitude.float().to(merged.device) / torch.linalg.vector_norm(merged, dim=1))[:, None]
+        return merged.to(tensor.dtype)
+
+    for name, tensor in base_tensors:
+        module, _, suffix = name.rpartition(".")
+        yield name, merge(module, tensor) if suffix == "weight" else tensor
+        if name == "embed.weight" and tie_word_embeddings and "lm_head.lora_A.weight" in adapter_state_dict:
+            yield "lm_head.weight", merge("lm_head", tensor)
+
+
+def merged_config(config: Config, lora_config: LoRAConfig) -> Config:
+    """The base config, untied when lm_head has an adapter: the merged lm_head no longer equals the embeddings."""
+    if config.tie_word_embeddings and "lm_head" in lora_config.target_list:
+        return replace(config, tie_word_embeddings=False)
+    return config
+
+
+# ---- checking adapters against a model -----------------------------------------------------------------
+def check_adapter_shapes(
+    adapters: Mapping[str, torch.Tensor], config: Config, lora_config: LoRAConfig, source: str
+) -> None:
+    """Raise LitsftError unless `adapters` holds exactly the tensors, and shapes, that `lora_config` gives `config`."""
+    with torch.device("meta"):
+        expected = {
+            name: tuple(t.shape)
+            for name, t in lora_state_dict(apply_lora(Transformer(config), lora_config)).items()
+        }
+    for name, tensor in adapters.items():
+        if name not in expected:
+            raise LitsftError(
+                f"{source}: tensor {name!r} is not an adapter of {config.name} with targets "
+                f"{lora_config.targets!r}; the adapter belongs to a different model or LoRA config"
+            )
+        if tuple(tensor.shape) != expected[name]:
+            raise LitsftError(
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)} but {config.name} with rank "
+                f"{lora_config.rank} needs {expected[name]}; the adapter belongs to a different base checkpoint"
+            )
+    missing = sorted(set(expected) - set(adapters))
+    if missing:
+        raise LitsftError(
+            f"{source}: {len(missing)} adapter tensors are missing, e.g. {missing[0]!r}; the LoRA checkpoint is incomplete"
+        )
+
+
+def base_weight_name(name: str) -> str | None:
+    """Where a LoRA model's parameter lives in the plain base checkpoint, or None for an adapter."""
+    if _is_adapter_name(name):
+        return None
+    return name.replace(".base.", ".")
+
+
+def initial_adapter_value(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """A fresh adapter drawn from `generator` alone, so it does not depend on how the model is sharded:
+    A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (nn.Linear's default, PEFT's choice), B = 0, DoRA's magnitude 1
+    until `reset_magnitudes` sets it from the loaded base weights."""
+    if name.endswith("lora_magnitude_vector.weight"):
+        return torch.ones(shape)
+    if name.endswith("lora_B.weight"):
+        return torch.zeros(shape)
+    bound = 1 / math.sqrt(shape[1])
+    return (torch.rand(shape, generator=generator) * 2 - 1) * bound

@@ -1,0 +1,75 @@
+"""LoRA and QLoRA settings: which projections get adapters, their size and variant, and how the frozen base
+is stored. Plain dataclasses with no torch, so the CLI parses `--lora.*` and `--quantize` without starting
+anything heavy; `litsft.model.lora` builds the adapters they describe."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from litsft.errors import LitsftError, check_number
+
+Quantization = Literal["nf4"]
+"""How finetune_lora stores the frozen base weights of the projections it adapts: nf4 is QLoRA's 4-bit
+NormalFloat with double-quantized scales (litsft.model.quantization)."""
+
+LoRATarget = Literal["q", "k", "v", "o", "gate", "up", "down", "lm_head"]
+LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
+LoRAVariant = Literal["lora", "rslora", "dora"]
+# PEFT's "all-linear" leaves the output layer out; so does litsft's.
+ALL_LINEAR: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass
+class LoRAConfig:
+    """Which projections get low-rank adapters, and their size."""
+
+    rank: int = 8
+    """Rank r of each adapter: A is (r, in_features), B is (out_features, r)."""
+    alpha: float = 16
+    """The adapter's output is scaled by alpha / rank."""
+    dropout: float = 0.05
+    """Dropout on the adapter's input during training."""
+    targets: list[LoRATarget] | Literal["all-linear"] = "all-linear"
+    """Projections to adapt: a list of q, k, v, o, gate, up, down, lm_head, or all-linear (every attention
+    and MLP projection, not lm_head). Adapting the MLP too is what lets LoRA approach full fine-tuning
+    (QLoRA, Dettmers et al. 2023), for a few more adapter parameters."""
+    variant: LoRAVariant = "lora"
+    """lora (scaling alpha / rank), rslora (alpha / sqrt(rank): the update's size no longer shrinks as the
+    rank grows) or dora (LoRA on the direction of each weight row plus a trained magnitude per row)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.targets, str):
+            if self.targets != "all-linear":
+                raise LitsftError(
+                    f"lora targets={self.targets!r} is not valid; use 'all-linear' or a list of {', '.join(LORA_TARGETS)}"
+                )
+        else:
+            self.targets = list(self.targets)
+            unknown = [t for t in self.targets if t not in LORA_TARGETS]
+            if unknown or not self.targets:
+                raise LitsftError(
+                    f"lora targets {unknown or self.targets} are not valid; choose from {', '.join(LORA_TARGETS)} "
+                    "or use 'all-linear'"
+                )
+        check_number("--lora.rank", self.rank, at_least=1, fix="use e.g. 8 or 16")
+        check_number(
+            "--lora.alpha", self.alpha, above=0,
+            fix="the adapters' output is scaled by alpha / rank, so 0 trains nothing; use e.g. 2 x rank",
+        )  # fmt: skip
+        check_number("--lora.dropout", self.dropout, at_least=0, below=1, fix="use e.g. 0.05, or 0 for none")
+        if self.variant not in get_args(LoRAVariant):
+            raise LitsftError(
+                f"--lora.variant={self.variant!r} is not valid; choose one of {', '.join(get_args(LoRAVariant))}"
+            )
+
+    @property
+    def target_list(self) -> list[str]:
+        """The targets with all-linear spelled out."""
+        return list(ALL_LINEAR) if self.targets == "all-linear" else list(self.targets)
+
+    @property
+    def scaling(self) -> float:
+        """The factor on B A: alpha / rank, or alpha / sqrt(rank) for rsLoRA."""
+        return self.alpha / (math.sqrt(self.rank) if self.variant == "rslora" else self.rank)

@@ -1,0 +1,232 @@
+"""Run settings: every option a training recipe takes besides its model and data, as typed dataclasses.
+
+The recipes' signatures are the CLI (jsonargparse reads these classes, their types and attribute
+docstrings for `--help`, `--print_config` and YAML), so this module imports no torch: `litsft plan` and
+the parser read it without starting anything heavy. Defaults that depend on the model or the machine are
+resolved by `with_defaults`, a pure function; nothing changes a RunConfig in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from litsft.errors import LitsftError, check_number
+from litsft.model.config import Config
+
+ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
+Precision = Literal["bf16-mixed", "bf16-true", "16-mixed", "32-true"]
+Accelerator = Literal["auto", "cpu", "cuda"]
+MAX_DEFAULT_SEQ_LENGTH = 2048
+"""--train.max_seq_length when none is given: the model's context length, capped here."""
+
+
+@dataclass
+class FSDPConfig:
+    """How the model is sharded when more than one process trains it."""
+
+    sharding_strategy: ShardingStrategy = "FULL_SHARD"
+    """FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), HYBRID_SHARD (shard in a node, replicate across
+    nodes) or NO_SHARD (replicate, like DDP)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass: less memory, about 1/3 more compute."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (GPU runs only)."""
+
+
+@dataclass
+class TrainConfig:
+    """Batch sizes, length of the run and checkpointing."""
+
+    global_batch_size: int = 16
+    """Rows (packed sequences or samples) per optimizer step, over all devices and accumulation steps."""
+    micro_batch_size: int = 4
+    """Rows per device per forward pass; global_batch_size / (micro_batch_size x devices x nodes) is the
+    number of gradient-accumulation steps."""
+    epochs: int = 1
+    """Passes over the training data (used when max_steps is not given)."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (overrides epochs; required for streaming data of unknown length)."""
+    max_seq_length: int | None = None
+    """Tokens per row; defaults to the model's context length, capped at 2048."""
+    max_norm: float | None = 1.0
+    """Clip the global gradient norm to this value; None disables clipping (the norm is still logged)."""
+    save_interval: int | None = None
+    """Write a resumable checkpoint every this many optimizer steps."""
+    keep_last: int | None = None
+    """Keep only the newest this-many step checkpoints (older ones are deleted after a new one is complete)."""
+    log_interval: int = 1
+    """Log metrics every this many optimizer steps."""
+    compile: bool | None = None
+    """Compile each transformer block with torch.compile (the first steps are slower). Default: on for GPU
+    runs, off on CPU (where compiling costs more time than it saves); false turns it off."""
+    deterministic: bool = False
+    """Bit-identical reruns: torch.use_deterministic_algorithms(True), fixed cuBLAS workspace, no cuDNN
+    autotuning. Free on CPU (already deterministic for a fixed --seed, devices and batch sizes); on GPUs
+    some kernels (e.g. the embedding backward) are slower, and an op without a deterministic version
+    stops the run with an error."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "micro_batch_size", "epochs", "max_steps", "max_seq_length",
+                     "save_interval", "keep_last", "log_interval"):  # fmt: skip
+            check_number(f"--train.{name}", getattr(self, name), at_least=1)
+        check_number("--train.max_norm", self.max_norm, above=0, fix="pass null to disable clipping")
+
+
+@dataclass
+class EvalConfig:
+    """Validation during and after training."""
+
+    interval: int | None = None
+    """Validate every this many optimizer steps (and always at the end)."""
+    max_batches: int | None = 20
+    """Micro-batches per validation pass (None: the whole validation set)."""
+    max_new_tokens: int = 40
+    """Length of the sample generated at each validation from the first validation prompt (SFT data), printed
+    and written to out_dir/samples.txt; 0 generates none."""
+
+    def __post_init__(self) -> None:
+        check_number("--eval.interval", self.interval, at_least=1)
+        check_number("--eval.max_batches", self.max_batches, at_least=1, fix="pass null for the whole set")
+        check_number("--eval.max_new_tokens", self.max_new_tokens, at_least=0, fix="0 generates no sample")
+
+
+@dataclass
+class LogConfig:
+    """Where metrics go."""
+
+    loggers: list[Literal["csv", "tensorboard", "wandb"]] = field(default_factory=lambda: ["csv"])
+    """Where metrics are written besides the progress bar: csv (out_dir/metrics.csv), tensorboard, wandb."""
+    timings: bool = False
+    """Print the wall time of each phase of the run at its end (start-up, checks, imports, data, model, training,
+    final validation and save), with the process's peak resident memory as each phase ended."""
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = 2e-5
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = 0.0
+    """Learning rate at the end of a cosine or linear decay."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay, applied to matrices and embeddings only (not to norms and biases)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's decay rates of the gradient's running mean and of its running square, e.g. [0.9, 0.95]."""
+    eps: float = 1e-8
+    """Added to the root of AdamW's running square before dividing by it, for numerical stability."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape of the decay after warmup."""
+    warmup_steps: int | None = None
+    """Linear warmup length in optimizer steps."""
+    warmup_fraction: float = 0.0
+    """Warmup as a fraction of all optimizer steps; used when warmup_steps is not given."""
+
+    def __post_init__(self) -> None:
+        check_number(
+            "--optimizer.lr", self.lr, above=0, fix="use e.g. 2e-5 (full fine-tuning) or 2e-4 (LoRA)"
+        )
+        check_number("--optimizer.min_lr", self.min_lr, at_least=0, fix="use 0 to decay to zero")
+        if self.min_lr > self.lr:
+            raise LitsftError(
+                f"--optimizer.min_lr={self.min_lr} is above --optimizer.lr={self.lr}, so the schedule would rise "
+                "instead of decay; use a min_lr of at most lr (e.g. lr / 10, or 0)"
+            )
+        check_number(
+            "--optimizer.weight_decay", self.weight_decay, at_least=0, fix="use 0 for none, e.g. 0.1"
+        )
+        for beta in self.betas:
+            check_number("--optimizer.betas", beta, at_least=0, below=1, fix="use e.g. [0.9, 0.95]")
+        check_number("--optimizer.eps", self.eps, above=0, fix="use e.g. 1e-8")
+        check_number("--optimizer.warmup_steps", self.warmup_steps, at_least=0, fix="use 0 for no warmup")
+        check_number(
+            "--optimizer.warmup_fraction", self.warmup_fraction, at_least=0, at_most=1,
+            fix="it is the share of all steps spent warming up, e.g. 0.03",
+        )  # fmt: skip
+
+
+@dataclass
+class RunConfig:
+    """Everything the engine needs besides the recipe; the recipes' CLI arguments, gathered."""
+
+    config: Config
+    tokenizer_dir: Path | None
+    data: Any
+    out_dir: Path
+    devices: int = 1
+    num_nodes: int = 1
+    accelerator: Accelerator = "auto"
+    precision: Precision | None = None
+    resume: bool | Literal["auto"] | Path = "auto"
+    seed: int = 1337
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    cli_arguments: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_arguments(
+        cls, arguments: dict[str, Any], config: Config, tokenizer_dir: Path | None
+    ) -> RunConfig:
+        """A recipe's CLI arguments (its `locals()`) as a RunConfig; the ones RunConfig does not know stay
+        recorded in cli_arguments only."""
+        known = {f.name for f in dataclasses.fields(cls)} - {"config", "tokenizer_dir", "cli_arguments"}
+        chosen = {name: value for name, value in arguments.items() if name in known}
+        return cls(config=config, tokenizer_dir=tokenizer_dir, cli_arguments=arguments, **chosen)
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+
+def with_defaults(run: RunConfig, default_precision: Precision) -> RunConfig:
+    """A copy of `run` with the unset precision and sequence length filled in: `default_precision` (what
+    the machine supports best) and the model's context length capped at MAX_DEFAULT_SEQ_LENGTH."""
+    max_seq_length = run.train.max_seq_length or min(
+        run.config.max_position_embeddings, MAX_DEFAULT_SEQ_LENGTH
+    )
+    return dataclasses.replace(
+        run,
+        precision=run.precision or default_precision,
+        train=dataclasses.replace(
+            run.train,
+            max_seq_length=max_seq_length,
+            compile=compile_enabled(run.train.compile, str(run.accelerator)),
+        ),
+    )
+
+
+def compile_enabled(setting: bool | None, device_type: str) -> bool:
+    """Whether to compile the blocks: as --train.compile says, else on CUDA only."""
+    return setting if setting is not None else device_type == "cuda"
+
+
+def accumulation_steps(train: TrainConfig, world_size: int) -> int:
+    """Micro-batches per optimizer step on each process."""
+    per_step = train.micro_batch_size * world_size
+    if train.global_batch_size % per_step:
+        raise LitsftError(
+            f"--train.global_batch_size={train.global_batch_size} is not divisible by --train.micro_batch_size="
+            f"{train.micro_batch_size} x {world_size} processes = {per_step}; pick a global batch size that is a "
+            f"multiple of {per_step}"
+        )
+    return train.global_batch_size // per_step
+
+
+def describe(value: Any) -> Any:
+    """A JSON-friendly view of CLI arguments (dataclasses, paths, data modules) for logs and checkpoints."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: describe(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {"class": type(value).__name__, **fields}
+    if isinstance(value, dict):
+        return {str(k): describe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [describe(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)

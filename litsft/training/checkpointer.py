@@ -1,0 +1,114 @@
+"""What a training checkpoint holds, and the component that saves and restores it.
+
+`TrainState` is everything the loop changes besides the learning-rate schedule: step, epoch, the model, the
+optimizer, the training loader's position and, under 16-mixed, the loss scale. `Checkpointer.save` writes it
+(with the run's config and this rank's random streams) through `litsft.checkpoint.training_checkpoint`;
+`Checkpointer.load` restores it in place, also into a different number of ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from litsft.checkpoint import training_checkpoint as checkpoint
+from litsft.runtime.faults import fault_point
+from litsft.training.args import RunConfig, describe
+
+
+@dataclass
+class TrainState:
+    """The state of a run between two optimizer steps."""
+
+    model: Any
+    """The model as Fabric wraps it (`model.module` is the model itself, with its own parameter names)."""
+    optimizer: torch.optim.Optimizer
+    train_loader: Any
+    step: int = 0
+    epoch: int = 0
+    skipped_steps: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    """Steps whose update was skipped for an inf/NaN gradient norm, counted on the device (the loop
+    reads it only where it waits for the device anyway). Not checkpointed: a save happens only after the
+    loop has checked that it is zero."""
+    loss_scaler: torch.amp.GradScaler | None = None
+    """The GradScaler of 16-mixed (None under every other precision). Its scale is found during training
+    (halved on each overflow, doubled after `growth_interval` clean steps); a resume that started it again
+    from its initial value would skip updates the uninterrupted run makes."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's part of the state that is not a tensor of the model or optimizer."""
+        state = {"step": self.step, "epoch": self.epoch, "loader": self.train_loader.state_dict()}
+        if self.loss_scaler is not None:
+            state["loss_scaler"] = self.loss_scaler.state_dict()  # plain numbers: scale, growth tracker
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.epoch = state["step"], state["epoch"]
+        self.train_loader.set_epoch(self.epoch)
+        self.train_loader.load_state_dict(state["loader"])
+        # A checkpoint written under another precision has no scale to continue from: the scaler starts as new.
+        if self.loss_scaler is not None and "loss_scaler" in state:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+
+class Checkpointer:
+    """Saves and restores a TrainState under `run.out_dir` (collective: every rank calls save and load)."""
+
+    def __init__(self, fabric: Any, run: RunConfig, recipe_name: str, save_frozen: bool) -> None:
+        self.fabric, self.run, self.recipe_name = fabric, run, recipe_name
+        self.save_frozen = save_frozen
+        """Whether checkpoints hold frozen parameters too (LoRA: no, the base is loaded again)."""
+
+    def save(self, state: TrainState) -> Path:
+        out_dir, step = self.run.out_dir, state.step
+        trainer_state = {
+            "epoch": state.epoch,
+            "recipe": self.recipe_name,
+            "seed": self.run.seed,
+            "config": asdict(self.run.config),
+            "arguments": describe(self.run.cli_arguments),
+            "data": self.run.data.fingerprint(),
+        }
+        rank_state = {"rng": checkpoint.rng_state(), **state.state_dict()}
+        path = checkpoint.save_training_checkpoint(
+            out_dir,
+            step,
+            state.model.module,
+            state.optimizer,
+            trainer_state,
+            rank_state,
+            save_frozen=self.save_frozen,
+        )
+        fault_point(f"save_{step}_after_rename", self.fabric.global_rank)
+        checkpoint.rotate_checkpoints(out_dir, self.run.train.keep_last)
+        self.fabric.print(f"Saved checkpoint {out_dir / checkpoint.checkpoint_name(step)}")
+        return path
+
+    def load(self, path: Path, state: TrainState) -> None:
+        fabric = self.fabric
+        trainer_state, rank_state = checkpoint.load_training_checkpoint(
+            path, state.model.module, state.optimizer, load_frozen=self.save_frozen
+        )
+        step = trainer_state["step"]
+        if rank_state is None:
+            # A different number of ranks: weights and optimizer state were resharded; data order does not
+            # depend on the world size; only the per-rank random streams (dropout) cannot continue, so they
+            # are reseeded.
+            fabric.print(resharding_notice(path, trainer_state["world_size"], fabric.world_size))
+            rank_state = checkpoint.load_rank_zero_state(path)
+            torch.manual_seed(self.run.seed + step * 7919 + fabric.global_rank)
+        else:
+            checkpoint.set_rng_state(rank_state["rng"])
+        state.load_state_dict({**rank_state, "step": step})
+        fabric.print(f"Resumed from {path} at step {step}")
+
+
+def resharding_notice(path: Path, written_by: int, world_size: int) -> str:
+    """What a resume on another number of processes than the checkpoint's says."""
+    return (
+        f"Resuming {path} (written by {written_by} process{'es' if written_by != 1 else ''}) on {world_size}: "
+        "random streams are reseeded, so dropout differs from an uninterrupted run."
+    )

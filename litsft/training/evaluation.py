@@ -1,0 +1,55 @@
+"""Validation during and after training: the held-out loss over the same batches on every pass, and a
+greedy sample of the first validation conversation's prompt (SFT data), written beside the metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+from litsft.training.args import RunConfig
+from litsft.training.step import sum_over_ranks, to_device
+
+
+@torch.no_grad()
+def validate(
+    fabric: Fabric, model: nn.Module, val_loader: Any, tokenizer: Any, run: RunConfig, metrics: Any, step: int
+) -> None:
+    if val_loader is None:
+        return
+    model.eval()
+    # From the first batch on every pass: the loader would otherwise go on where the last pass stopped, and
+    # passes would score different batches (or none once it is used up).
+    val_loader.set_epoch(0)
+    totals = torch.zeros(2, device=fabric.device)
+    for i, batch in enumerate(val_loader):
+        if run.eval.max_batches is not None and i >= run.eval.max_batches:
+            break
+        batch = to_device(batch, fabric.device)
+        totals[0] += model(**batch)
+        totals[1] += batch["loss_positions"].numel()
+    totals = sum_over_ranks(fabric, totals)
+    sample = generate_sample(model, tokenizer, run)
+    model.train()
+    if totals[1] > 0:
+        metrics.validation_done(
+            step, loss=(totals[0] / totals[1]).item(), tokens=int(totals[1].item()), sample=sample
+        )
+
+
+def generate_sample(model: nn.Module, tokenizer: Any, run: RunConfig) -> str | None:
+    """Greedy completion of the first validation conversation's prompt (SFT data modules). Every rank
+    generates it: forwards of a sharded model are collective."""
+    if run.eval.max_new_tokens <= 0 or not hasattr(run.data, "validation_prompts"):
+        return None
+    prompts = run.data.validation_prompts(1)
+    if not prompts:
+        return None
+    from litsft.inference.generate import generate_batch
+
+    completion = generate_batch(
+        model, prompts[:1], max_new_tokens=run.eval.max_new_tokens, stop_ids=tokenizer.stop_ids
+    )[0]
+    return tokenizer.decode(prompts[0], skip_special_tokens=False) + tokenizer.decode(completion)

@@ -1,0 +1,189 @@
+"""How the model is prepared for training on its devices: `parallelize` applies activation checkpointing,
+torch.compile and FSDP2 to it, in that order, and is the one place that decides sharding.
+
+Every sharding strategy is FSDP2 (`fully_shard`) on a device mesh, run through Fabric's
+ModelParallelStrategy. FSDP2 runs unpatched on CPU (gloo) and GPU (NCCL), and its hybrid mode is
+correct where FSDP1's silently drops the cross-replica all-reduce (measured: tutorials/cpu_distributed.md):
+
+| strategy      | mesh                          | reshard_after_forward |
+|---------------|-------------------------------|-----------------------|
+| FULL_SHARD    | 1-D, all ranks                | True  (ZeRO-3)        |
+| SHARD_GRAD_OP | 1-D, all ranks                | False (ZeRO-2)        |
+| HYBRID_SHARD  | 2-D (nodes, devices per node) | True: shard in a node, replicate across nodes |
+| NO_SHARD      | 2-D (all ranks, 1)            | replicate everywhere (DDP)                    |
+
+One process runs without FSDP (activation checkpointing and compile still apply), its mixed precision
+Fabric's autocast; so FSDP's CPU offload needs 2 or more processes (`validation.check_fsdp_options`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from litsft.model.quantization import is_nf4
+from litsft.training.args import FSDPConfig, Precision, ShardingStrategy
+from litsft.training.devices import Device
+
+
+def build_fabric(
+    devices: int,
+    num_nodes: int,
+    precision: Precision,
+    fsdp: FSDPConfig,
+    accelerator: Device,
+    compile_blocks: bool = False,
+) -> Fabric:
+    """A Fabric for `devices` x `num_nodes` processes on `accelerator` (CPU processes talk over gloo). With
+    more than one, `fabric.setup_module` runs `parallelize` (FSDP2-sharded as `fsdp` says); one process
+    calls `parallelize(model, None, ...)` itself."""
+    if devices * num_nodes == 1:
+        return Fabric(accelerator=accelerator, devices=1, num_nodes=1, precision=precision)
+
+    def parallelize_for_strategy(model: nn.Module, fabric_mesh: DeviceMesh) -> nn.Module:
+        mesh = data_parallel_mesh(fsdp.sharding_strategy, fabric_mesh, num_nodes, devices)
+        return parallelize(model, mesh, fsdp, precision, compile_blocks)
+
+    # Every rank is a data-parallel replica (no tensor parallelism), which is also what Fabric's
+    # distributed-sampler arguments are then computed from.
+    strategy = ModelParallelStrategy(
+        parallelize_fn=parallelize_for_strategy,
+        data_parallel_size=devices * num_nodes,
+        tensor_parallel_size=1,
+    )
+    # Fabric's autocast would cast inside every op; with FSDP2 the cast happens once per all-gather
+    # (MixedPrecisionPolicy below), so Fabric only needs to know about true-precision modes.
+    fabric_precision = "32-true" if precision == "bf16-mixed" else precision
+    return Fabric(
+        accelerator=accelerator,
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        precision=fabric_precision,
+    )
+
+
+def data_parallel_mesh(
+    strategy: ShardingStrategy, fabric_mesh: DeviceMesh, num_nodes: int, devices: int
+) -> DeviceMesh:
+    """The mesh FSDP2 shards on, from Fabric's (data_parallel=world size, tensor_parallel=1) mesh.
+
+    FSDP2 reads a 1-D mesh as "shard over these ranks" and a 2-D one as (replicate, shard)."""
+    device_type = fabric_mesh.device_type
+    if device_type == "cpu":
+        # Fabric materializes the sharded model with each module's reset_parameters(), a random op on
+        # DTensors, and torch warns once per rank that DTensor random ops are incomplete on CPU meshes.
+        # Harmless here: the recipe's initialize() then overwrites every parameter (loaded weights, or
+        # weights drawn from per-parameter seeded generators), so no value from that op survives.
+        warnings.filterwarnings(
+            "ignore", message="DTensor random operators may not have complete support on cpu device mesh"
+        )
+    if strategy == "NO_SHARD":
+        return fabric_mesh  # (world size, 1): replicate everywhere, shards of one rank
+    if strategy == "HYBRID_SHARD":
+        # Fabric's mesh has no node dimension, so the (nodes, devices per node) one is made here.
+        return init_device_mesh(device_type, (num_nodes, devices), mesh_dim_names=("replicate", "shard"))
+    return fabric_mesh["data_parallel"]
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    fsdp: FSDPConfig,
+    precision: Precision,
+    compile_blocks: bool = False,
+) -> nn.Module:
+    """Prepare `model` (in place; parameter names do not change) for training: activation checkpointing on
+    each block if asked, then each block and the loss's cross-entropy compiled if asked, then FSDP2 on `mesh`
+    (None: one process, no FSDP). The order matters: compile sees the recomputation, and FSDP wraps the
+    compiled blocks."""
+    if fsdp.activation_checkpointing:
+        for block in model.blocks:
+            recompute_in_backward(block)
+    if compile_blocks:
+        # Dynamic shapes from the first compilation: every packed batch brings a new document layout (the
+        # number of real tokens, the number of documents in cu_seqlens, the longest one, an int varlen_attn
+        # takes). Compiled for the first shapes it saw, a block would recompile for the next ones; with
+        # dynamic=True they are symbols and one graph serves every layout (tests/test_model_attention.py checks
+        # that nothing recompiles). Parameters keep static shapes.
+        for block in model.blocks:
+            block.compile(dynamic=True)
+        model.loss_compiled = True
+    if mesh is not None:
+        fully_shard_blocks(model, mesh, fsdp, precision)
+    return model
+
+
+def recompute_in_backward(block: nn.Module) -> None:
+    """Activation checkpointing: in training, `block` keeps only its inputs and runs its forward again in the
+    backward pass (less memory, about 1/3 more compute). Its forward is replaced on the instance, not
+    wrapped in another module, so parameter names stay those of checkpoints and exports."""
+    forward = block.forward
+
+    def forward_recomputed_in_backward(*args: Any, **kwargs: Any) -> Any:
+        if not block.training:
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    block.forward = forward_recomputed_in_backward
+
+
+def fully_shard_blocks(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, precision: Precision) -> None:
+    """Shard each transformer block as its own FSDP unit, then the root (embeddings, final norm, head).
+
+    A block is one unit also under LoRA, its frozen base and its adapters together: one all-gather and one
+    reduce-scatter per block, and no FSDP hook between the block's layers, which would break a compiled
+    block into pieces (FSDP2's hooks are not traced). FSDP2 takes frozen and trainable parameters in one
+    unit: it all-gathers both and reduce-scatters the gradients of the trainable ones only (the parameters
+    that have a gradient, `FSDPParamGroup.post_backward` in torch/distributed/fsdp/_fully_shard/).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mp_policy = MixedPrecisionPolicy()
+    if precision == "bf16-mixed":
+        # fp32 master weights and gradient reduction, bf16 compute.
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload_policy = CPUOffloadPolicy(pin_memory=True) if fsdp.cpu_offload else OffloadPolicy()
+    reshard = fsdp.sharding_strategy != "SHARD_GRAD_OP"
+    options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    if mesh.size(mesh.ndim - 1) == 1:
+        # Shards of one rank (NO_SHARD, HYBRID_SHARD with one device per node): every rank holds the whole
+        # frozen NF4 weights (QLoRA) anyway, and torchao's NF4 all-gather hooks do not handle a group of one,
+        # so FSDP leaves them alone; being frozen, they need no gradient reduction either.
+        options["ignored_params"] = {p for p in model.parameters() if is_nf4(p)}
+
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard, **options)
+    # The root's parameters are needed again right at the start of backward; keeping them saves one all-gather.
+    fully_shard(model, reshard_after_forward=False, **options)
+
+
+def synchronize_gradients(model: nn.Module, strategy: ShardingStrategy, last_micro_batch: bool) -> None:
+    """Set how the next backward pass of gradient accumulation reduces its gradients across ranks.
+
+    Sharded strategies (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD) reduce-scatter every micro-batch, as
+    torchtitan does: skipping it (FSDP2's `set_requires_gradient_sync(False)`, Fabric's `no_backward_sync`)
+    would keep every unit's whole unsharded gradient on every rank until the last micro-batch, and in fp32
+    under bf16-mixed (FSDP2 upcasts it to the reduce dtype to accumulate: `to_accumulated_grad_if_needed` in
+    torch/distributed/fsdp/_fully_shard/_fsdp_param.py): 4 bytes per parameter of the whole model, the memory
+    that sharding was meant to save. HYBRID_SHARD reduce-scatters within a node each micro-batch and
+    all-reduces across nodes only on the last one. NO_SHARD holds whole gradients anyway: it all-reduces on
+    the last micro-batch only. One process (no FSDP): nothing to do.
+
+    The strategy is named, not read off the parameters: after an evaluation forward pass the units that
+    are not resharded (the root, SHARD_GRAD_OP's blocks) hold plain unsharded parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in model.modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        unit.set_requires_gradient_sync(last_micro_batch or strategy != "NO_SHARD", recurse=False)
+        if strategy == "HYBRID_SHARD":
+            unit.set_requires_all_reduce(last_micro_batch, recurse=False)

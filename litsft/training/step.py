@@ -1,0 +1,166 @@
+"""One optimizer step: micro-batches gathered for gradient accumulation, moved to the device, forward and
+backward with the loss weighted by the global target-token count, clipping, and an update that a non-finite
+gradient norm skips on the device. Nothing here makes the host wait for the device."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+from litsft.errors import LitsftError
+from litsft.model.attention import Documents
+from litsft.model.batch import model_inputs
+from litsft.training.args import ShardingStrategy
+from litsft.training.parallel import synchronize_gradients
+
+
+def next_micro_batches(
+    batches: Iterator, loader: Any, epoch: int, accumulation: int
+) -> tuple[list[dict[str, torch.Tensor]] | None, int, Iterator]:
+    """The next `accumulation` micro-batches, moving to the next epoch when this one cannot fill a step."""
+    for _ in range(2):
+        micro_batches = []
+        for batch in batches:
+            micro_batches.append(batch)
+            if len(micro_batches) == accumulation:
+                return micro_batches, epoch, batches
+        epoch += 1
+        loader.set_epoch(epoch)
+        batches = iter(loader)
+    return None, epoch, batches
+
+
+def train_step(
+    fabric: Fabric,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[dict[str, torch.Tensor]],
+    max_norm: float | None,
+    sharding_strategy: ShardingStrategy = "FULL_SHARD",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One optimizer step over the micro-batches of this rank. Returns (mean loss, grad norm, target tokens,
+    non-padding input tokens), all global and still on the device: nothing here makes the host wait for it.
+    `sharding_strategy` decides how the micro-batches' gradients are reduced (`synchronize_gradients`);
+    without FSDP (one process) it changes nothing."""
+    device = fabric.device
+    inputs = [to_device(mb, device) for mb in micro_batches]
+    # Counted on the host, where the batches are, and copied like them: a tensor made from host values
+    # directly on a GPU (torch.tensor(..., device=...)) is a copy the host waits for.
+    counts = torch.tensor(
+        [
+            sum(batch["loss_positions"].numel() for batch in inputs),
+            sum(_input_token_count(mb) for mb in micro_batches),
+        ]
+    )
+    counts = sum_over_ranks(fabric, copy_to_device(counts, device))
+    target_tokens = counts[0].clamp(min=1)
+    # Each rank's summed loss is divided by the *global* target-token count, so every token weighs the same
+    # whatever the packing, micro-batch size or number of ranks. FSDP averages gradients over ranks, which
+    # the factor world_size undoes.
+    scale = fabric.world_size / target_tokens
+    loss_sum = torch.zeros((), device=device)
+    for i, batch in enumerate(inputs):
+        synchronize_gradients(model, sharding_strategy, last_micro_batch=i == len(inputs) - 1)
+        loss = model(**batch)
+        fabric.backward(loss * scale)
+        loss_sum += loss.detach()
+    # Fabric's wrapper hands step() to the optimizer it wraps, which is where the scaler and AdamW look.
+    inner_optimizer = getattr(optimizer, "optimizer", optimizer)
+    scaler = loss_scaler(fabric)
+    if scaler is not None:
+        # 16-mixed: backward left the gradients multiplied by the loss scale (2**16 at first). Unscaled before
+        # clipping, so that max_norm and the reported norm are those of the true gradients; the scaler records
+        # whether they overflowed, and its step() then hands that flag to AdamW instead of unscaling again.
+        scaler.unscale_(inner_optimizer)
+    grad_norm = clip_gradients(model, max_norm)
+    if scaler is None:
+        # Checked on the device, not read by the host: with `found_inf` set (the flag torch's GradScaler uses),
+        # fused AdamW leaves parameters, moments and step count alone when the norm is inf or NaN. The loop
+        # reports it at its next synchronization (`raise_if_diverged`).
+        inner_optimizer.found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss = sum_over_ranks(fabric, loss_sum) / target_tokens
+    return loss, grad_norm, counts[0], counts[1]
+
+
+def loss_scaler(fabric: Fabric) -> torch.amp.GradScaler | None:
+    """The GradScaler of fp16 mixed precision (16-mixed), None under every other precision."""
+    return getattr(fabric.strategy.precision, "scaler", None)
+
+
+def diverged(fabric: Fabric, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+    """Whether this step's update was skipped because training diverged (a bool tensor, on the device).
+
+    Without loss scaling, an inf or NaN gradient norm is divergence. Under 16-mixed it is also how the
+    scaler finds its scale: a finite loss whose scaled gradients overflowed fp16 has its update skipped and
+    the scale halved, which is calibration, not divergence; a non-finite loss is divergence either way."""
+    if loss_scaler(fabric) is None:
+        return ~torch.isfinite(grad_norm)
+    return ~torch.isfinite(loss)
+
+
+def sum_over_ranks(fabric: Fabric, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` summed over every rank, in place. Not `fabric.all_reduce`: Lightning runs a barrier before each
+    reduction (`_sync_ddp` in lightning/fabric/utilities/distributed.py), and on NCCL a barrier's wait
+    synchronizes the CUDA stream (`WorkNCCL::synchronize` in torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp),
+    so the host would stop and wait for the device twice a step. A plain all-reduce is queued like a kernel."""
+    if fabric.world_size > 1:
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+    return tensor
+
+
+def raise_if_diverged(skipped_steps: torch.Tensor, step: int) -> None:
+    """Stop with one line if any optimizer step so far had an inf or NaN gradient norm (and was skipped)."""
+    skipped = int(skipped_steps.item())
+    if skipped:
+        raise LitsftError(
+            f"the gradient norm was inf or NaN in {skipped} of the first {step} steps (their updates were "
+            "skipped): training diverged or the data holds a broken sample; lower --optimizer.lr, check the "
+            "data, or resume from an earlier checkpoint"
+        )
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
+    """The model's inputs of a CPU micro-batch (`model_inputs`: packed rows joined, their documents, the flat
+    indices of the labels that carry a loss, all found here on the host), on `device`, copied without making
+    the host wait."""
+    moved: dict[str, Any] = {}
+    for name, value in model_inputs(batch).items():
+        if isinstance(value, Documents):
+            moved[name] = Documents(copy_to_device(value.cu_seqlens, device), value.max_seqlen)
+        else:
+            moved[name] = copy_to_device(value, device)
+    return moved
+
+
+def copy_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`, copied asynchronously. A copy from pageable host memory to a GPU makes the host
+    wait whatever `non_blocking` says (https://docs.nvidia.com/cuda/cuda-runtime-api/api-sync-behavior.html);
+    from pinned (page-locked) memory it is queued like a kernel
+    (https://pytorch.org/docs/stable/notes/cuda.html#use-pinned-memory-buffers). torch's caching host
+    allocator keeps the pinned buffer until the copy has run."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+def _input_token_count(batch: dict[str, torch.Tensor]) -> int:
+    """The input tokens of a host micro-batch that are not padding."""
+    if "document_ids" in batch:
+        return int((batch["document_ids"] >= 0).sum())
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return batch["input_ids"].numel()
+
+
+def clip_gradients(model: nn.Module, max_norm: float | None) -> torch.Tensor:
+    """Global gradient norm over all ranks (clipped to max_norm when given)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else math.inf, foreach=True)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

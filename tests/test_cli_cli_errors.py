@@ -1,0 +1,78 @@
+"""litsft/cli/cli_errors.py against the finetune_full parser, in this process: the one line for an unknown option
+or config key (close spellings, another tool's name, the option in another group, the chosen data module's
+fields), for a --config that is not YAML, and `--data.help` without a class. The same lines end to end, from
+the `litsft` command, are in tests/test_bad_inputs.py."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import pytest
+from jsonargparse import CLI, capture_parser
+from litsft.recipes import finetune_full
+
+from litsft.cli.cli_errors import bare_subclass_help, explain_parse_error, list_subclasses
+
+
+def make_parser():
+    """The parser `litsft finetune_full` parses with."""
+    return capture_parser(partial(CLI, finetune_full.setup, as_positional=True, exit_on_error=False, args=[]))
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--train.max_step", "3"], "unknown option --train.max_step; did you mean --train.max_steps?"),
+        (["--train.max_steps=3", "--train.epoch=2"], "unknown option --train.epoch; did you mean --train.epochs?"),
+        (["--per_device_train_batch_size", "4"], "unknown option --per_device_train_batch_size; did you mean --train.micro_batch_size?"),
+        (["--warmup_ratio", "0.1"], "unknown option --warmup_ratio; did you mean --optimizer.warmup_fraction?"),
+        (["--zzz", "1"], "unknown option --zzz; --help lists every option"),
+        (["--data", "JSON", "--data.mask_promt", "false"], "unknown option --data.mask_promt of --data JSON; did you mean --data.mask_prompt?"),
+        (["--data", "litsft.data.JSON", "--data.zzz", "1"], "unknown option --data.zzz of --data JSON; --data.help JSON lists its options"),
+        (["--data.zzz", "1"], "unknown option --data.zzz; --data.help <class> lists its options"),
+    ],
+)  # fmt: skip
+def test_an_unknown_option_is_named_with_what_was_meant(argv: list[str], line: str) -> None:
+    assert explain_parse_error(make_parser, ["checkpoints/x", *argv]) == line
+
+
+def test_known_options_and_subclass_keys_are_not_blamed() -> None:
+    argv = ["checkpoints/x", "--train.max_steps", "3", "--data", "JSON", "--data.json_path", "d.json",
+            "--data.init_args.mask_prompt", "false", "--optimizer.lr=1e-4", "--print_config"]  # fmt: skip
+    assert explain_parse_error(make_parser, argv) is None
+
+
+def test_every_unknown_key_of_a_config_is_named_with_its_file(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "train:\n  max_step: 3\n  epochs: 2\n"
+        "data:\n  class_path: litsft.data.JSON\n  init_args:\n    json_path: d.json\n    mask_promt: false\n"
+    )
+    assert explain_parse_error(make_parser, ["checkpoints/x", "--config", str(config)]) == (
+        f"--config {config}: unknown key train.max_step; did you mean train.max_steps?; and unknown key "
+        "data.mask_promt of --data JSON; did you mean data.mask_prompt?"
+    )
+    config.write_text("train:\n  max_steps: 3\n  epochs: 2\n")
+    assert explain_parse_error(make_parser, ["checkpoints/x", f"--config={config}"]) is None
+
+
+def test_a_config_that_is_not_yaml_is_named_with_its_line(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("train:\n  max_steps: 3\n   epochs: 2\n")
+    assert explain_parse_error(make_parser, ["checkpoints/x", "--config", str(config), "--zzz", "1"]) == (
+        f"--config {config} line 3, column 10: mapping values are not allowed here; fix the YAML syntax there"
+    )
+    # A missing file is jsonargparse's to name: the unknown option is what is explained here.
+    missing = ["checkpoints/x", "--config", str(tmp_path / "missing.yaml"), "--zzz", "1"]
+    assert explain_parse_error(make_parser, missing) == "unknown option --zzz; --help lists every option"
+
+
+def test_data_help_without_a_class_lists_the_classes() -> None:
+    assert bare_subclass_help(["checkpoints/x", "--data.help"]) == "data"
+    assert bare_subclass_help(["--data.help", "--devices", "2"]) == "data"
+    assert bare_subclass_help(["--data.help", "JSON"]) is None
+    listed = list_subclasses(make_parser, "data").splitlines()
+    assert listed[0] == "--data takes one of these (--data.help NAME lists its options):"
+    assert {line.split()[0] for line in listed[1:]} == {"JSON", "HFDataset", "Demo", "TextFiles", "LitData"}
+    assert list_subclasses(make_parser, "train") is None

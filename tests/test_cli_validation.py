@@ -1,0 +1,134 @@
+"""litsft/cli/validation.py: the checks before launch, each refusing one wrong run with the value and the fix,
+and touching nothing on disk."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+from launch import write_records
+from tiny_tokenizer import write_tiny_tokenizer
+
+from litsft.checkpoint.checkpoint_dirs import TRAINER_STATE
+from litsft.cli.validation import check_machine, check_run
+from litsft.data import JSON
+from litsft.errors import LitsftError
+from litsft.model.config import Config
+from litsft.runtime.files import write_json
+from litsft.training.args import FSDPConfig, RunConfig, TrainConfig
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> RunConfig:
+    write_tiny_tokenizer(tmp_path / "tokenizer")
+    data = JSON(json_path=write_records(tmp_path / "data.json", count=8))
+    config = Config.from_name("tiny-llama")  # vocab 512, context 1024
+    return RunConfig(
+        config, tmp_path / "tokenizer", data, tmp_path / "out", accelerator="cpu", precision="32-true"
+    )
+
+
+def fake_checkpoint(out_dir: Path, run: RunConfig, **recorded: object) -> Path:
+    """A complete checkpoint as far as the checks read one: its trainer_state.json (listing no files)."""
+    path = out_dir / "step-00000004"
+    path.mkdir(parents=True)
+    state = {
+        "recipe": "finetune_full",
+        "data": run.data.fingerprint(),
+        "config": asdict(run.config),
+        "files": [],
+    }
+    write_json(path / TRAINER_STATE, {**state, **recorded})
+    return path
+
+
+def test_a_good_run_passes_and_writes_nothing(run: RunConfig) -> None:
+    check_run(run, "finetune_full")
+    check_machine(run, gpus=0)
+    assert not run.out_dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(devices=0), "--devices=0 must be at least 1"),
+        (dict(num_nodes=3), "--num_nodes 3 needs a process started on every node"),
+        (
+            dict(train=TrainConfig(max_seq_length=2048)),
+            "max_seq_length=2048 exceeds the model's context length 1024",
+        ),
+        (dict(data=None), "no data given"),
+    ],
+)
+def test_arguments_refused(run: RunConfig, change: dict, message: str) -> None:
+    with pytest.raises(LitsftError, match=message):
+        check_run(replace(run, **change), "finetune_full")
+
+
+def test_a_tokenizer_larger_than_the_embedding_table_is_refused(run: RunConfig) -> None:
+    small = replace(run, config=replace(run.config, vocab_size=100))
+    with pytest.raises(LitsftError, match=r"has \d+ tokens but the model's vocab_size is 100"):
+        check_run(small, "finetune_full")
+
+
+def test_out_dir_a_file_or_a_finished_run_is_refused(run: RunConfig) -> None:
+    run.out_dir.write_text("")
+    with pytest.raises(LitsftError, match="is a file; pass a directory"):
+        check_run(run, "finetune_full")
+    run.out_dir.unlink()
+    (run.out_dir / "final").mkdir(parents=True)
+    with pytest.raises(LitsftError, match="this run has finished"):
+        check_run(run, "finetune_full")
+    assert sorted(p.name for p in run.out_dir.iterdir()) == ["final"]
+
+
+def test_starting_over_on_top_of_checkpoints_is_refused(run: RunConfig) -> None:
+    fake_checkpoint(run.out_dir, run)
+    with pytest.raises(LitsftError, match="--resume false but .* holds checkpoints of an earlier run"):
+        check_run(replace(run, resume=False), "finetune_full")
+    check_run(run, "finetune_full")  # --resume auto continues it
+
+
+@pytest.mark.parametrize(
+    ("recorded", "message"),
+    [
+        (dict(recipe="finetune_lora"), "was written by finetune_lora, not finetune_full"),
+        (dict(data="0" * 64), "trained on other data than --data gives now"),
+        (
+            dict(config={**asdict(Config.from_name("tiny-llama")), "num_layers": 9}),
+            r"different model \(num_layers=9",
+        ),
+    ],
+)
+def test_resuming_another_recipe_data_or_model_is_refused(
+    run: RunConfig, recorded: dict, message: str
+) -> None:
+    fake_checkpoint(run.out_dir, run, **recorded)
+    with pytest.raises(LitsftError, match=message):
+        check_run(run, "finetune_full")
+
+
+def test_an_incomplete_checkpoint_given_to_resume_is_refused(run: RunConfig, tmp_path: Path) -> None:
+    (tmp_path / "step-00000001").mkdir()
+    with pytest.raises(LitsftError, match="is not a complete litsft training checkpoint"):
+        check_run(replace(run, resume=tmp_path / "step-00000001"), "finetune_full")
+
+
+@pytest.mark.parametrize(
+    ("change", "gpus", "message"),
+    [
+        (
+            dict(accelerator="cuda", devices=4),
+            2,
+            "--devices 4 asks for 4 GPUs per node but this machine has 2",
+        ),
+        (dict(precision="16-mixed"), 0, "--precision 16-mixed needs a CUDA GPU"),
+        (dict(fsdp=FSDPConfig(cpu_offload=True)), 0, "--fsdp.cpu_offload needs GPUs"),
+    ],
+)
+def test_what_the_machine_cannot_give_is_refused(
+    run: RunConfig, change: dict, gpus: int, message: str
+) -> None:
+    with pytest.raises(LitsftError, match=message):
+        check_machine(replace(run, **change), gpus)

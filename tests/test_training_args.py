@@ -1,0 +1,104 @@
+"""litsft/training/args.py: the run settings' defaults, the checks each option group makes on itself, the defaults
+that depend on the model and the machine, and the batch arithmetic."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from litsft.errors import LitsftError
+from litsft.model.config import Config
+from litsft.training.args import (
+    MAX_DEFAULT_SEQ_LENGTH,
+    EvalConfig,
+    FSDPConfig,
+    OptimizerConfig,
+    RunConfig,
+    TrainConfig,
+    accumulation_steps,
+    compile_enabled,
+    describe,
+    with_defaults,
+)
+
+
+def test_defaults() -> None:
+    train, optimizer = TrainConfig(), OptimizerConfig()
+    assert (train.global_batch_size, train.micro_batch_size, train.epochs, train.max_norm) == (16, 4, 1, 1.0)
+    assert (train.max_steps, train.max_seq_length, train.compile, train.deterministic) == (
+        None,
+        None,
+        None,
+        False,
+    )
+    assert (optimizer.lr, optimizer.min_lr, optimizer.schedule, optimizer.betas) == (
+        2e-5,
+        0.0,
+        "cosine",
+        (0.9, 0.95),
+    )
+    assert (EvalConfig().max_batches, FSDPConfig().sharding_strategy) == (20, "FULL_SHARD")
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: TrainConfig(micro_batch_size=0), r"--train.micro_batch_size=0 must be at least 1"),
+        (lambda: TrainConfig(max_norm=0.0), r"--train.max_norm=0.0 .*pass null to disable clipping"),
+        (lambda: EvalConfig(max_new_tokens=-1), r"--eval.max_new_tokens=-1"),
+        (lambda: OptimizerConfig(lr=1e-4, min_lr=1e-3), r"min_lr=0.001 is above --optimizer.lr=0.0001"),
+        (lambda: OptimizerConfig(betas=(0.9, 1.0)), r"--optimizer.betas=1.0"),
+        (lambda: OptimizerConfig(warmup_fraction=1.5), r"--optimizer.warmup_fraction=1.5"),
+        (lambda: OptimizerConfig(eps=0.0), r"--optimizer.eps=0.0"),
+    ],
+)
+def test_each_option_group_refuses_bad_values_with_the_option_named(make, message: str) -> None:
+    with pytest.raises(LitsftError, match=message):
+        make()
+
+
+def run_config(**train: object) -> RunConfig:
+    config = Config.from_name("tiny-llama")  # context length 1024
+    return RunConfig(config, None, None, Path("out"), train=TrainConfig(**train))
+
+
+def test_defaults_from_the_model_and_the_machine_fill_only_what_is_unset() -> None:
+    run = run_config()
+    filled = with_defaults(replace(run, accelerator="cpu"), "32-true")
+    assert (filled.precision, filled.train.max_seq_length, filled.train.compile) == ("32-true", 1024, False)
+    assert run.precision is None and run.train.max_seq_length is None  # the original is left alone
+    long_context = replace(
+        run, config=replace(run.config, max_position_embeddings=131072), accelerator="cuda"
+    )
+    assert with_defaults(long_context, "bf16-mixed").train.max_seq_length == MAX_DEFAULT_SEQ_LENGTH
+    given = replace(run_config(max_seq_length=64, compile=False), precision="bf16-true", accelerator="cuda")
+    kept = with_defaults(given, "bf16-mixed")
+    assert (kept.precision, kept.train.max_seq_length, kept.train.compile) == ("bf16-true", 64, False)
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "expected"), [(None, "cuda", True), (None, "cpu", False), (True, "cpu", True)]
+)
+def test_compile_follows_the_setting_else_the_device(setting, device, expected) -> None:
+    assert compile_enabled(setting, device) is expected
+
+
+def test_accumulation_steps_and_an_indivisible_global_batch() -> None:
+    assert accumulation_steps(TrainConfig(global_batch_size=32, micro_batch_size=4), world_size=2) == 4
+    with pytest.raises(LitsftError, match="multiple of 12"):
+        accumulation_steps(TrainConfig(global_batch_size=16, micro_batch_size=4), world_size=3)
+
+
+def test_run_config_takes_the_arguments_it_knows_and_records_all() -> None:
+    arguments = {"devices": 2, "seed": 3, "out_dir": Path("o"), "checkpoint_dir": Path("c"), "data": None}
+    run = RunConfig.from_arguments(arguments, Config.from_name("tiny-llama"), tokenizer_dir=Path("c"))
+    assert (run.devices, run.seed, run.out_dir, run.world_size) == (2, 3, Path("o"), 2)
+    assert run.cli_arguments == arguments and not hasattr(run, "checkpoint_dir")
+
+
+def test_describe_gives_plain_json_values() -> None:
+    described = describe({"train": TrainConfig(epochs=2), "out_dir": Path("out"), "betas": (0.9, 0.95)})
+    assert described["train"]["class"] == "TrainConfig" and described["train"]["epochs"] == 2
+    assert (described["out_dir"], described["betas"]) == ("out", [0.9, 0.95])

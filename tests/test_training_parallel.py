@@ -1,0 +1,233 @@
+"""litsft/training/parallel.py: what `parallelize` does to a model, on one process (sharding itself is checked end to
+end by the distributed-equivalence tests in test_training_engine.py)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from litsft.model.config import Config
+from litsft.model.network import Transformer
+from litsft.training.args import FSDPConfig
+from litsft.training.parallel import parallelize
+
+
+def model_and_batch() -> tuple[Transformer, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Transformer(Config.from_name("tiny-llama"))
+    model.init_weights(1)
+    tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(3))
+    return model, {"input_ids": tokens, "labels": tokens}
+
+
+def test_activation_checkpointing_recomputes_blocks_with_the_same_loss_gradients_and_names() -> None:
+    reference, batch = model_and_batch()
+    checkpointed, _ = model_and_batch()
+    names = [name for name, _ in checkpointed.named_parameters()]
+    parallelize(checkpointed, None, FSDPConfig(activation_checkpointing=True), "32-true")
+    assert [name for name, _ in checkpointed.named_parameters()] == names
+
+    calls = []
+    checkpointed.blocks[0].attn.register_forward_hook(lambda *_: calls.append(1))
+    losses = []
+    for model in (reference, checkpointed):
+        loss = model(**batch)
+        loss.backward()
+        losses.append(loss.detach())
+    assert len(calls) == 2  # the forward pass, and again in the backward pass
+    assert torch.equal(losses[0], losses[1])
+    for (name, a), b in zip(reference.named_parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-6, msg=name)
+
+    calls.clear()
+    with torch.no_grad():
+        checkpointed.eval()(**batch)
+    assert len(calls) == 1  # nothing to recompute outside training
+
+
+# ---- several processes on a CPU mesh -----------------------------------------------------------------------
+def _micro_batch(rank: int, index: int) -> dict[str, torch.Tensor]:
+    tokens = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(100 * rank + index))
+    return {"input_ids": tokens, "labels": tokens}
+
+
+MESHES = {"FULL_SHARD": (2,), "HYBRID_SHARD": (2, 2)}
+"""The mesh each case runs on: 2 ranks sharding; 2 nodes x 2 devices, sharding in a node, replicating across."""
+
+
+def _sharded_facts(rank: int, strategy: str, lora: bool) -> dict:
+    """Gradient accumulation over 3 micro-batches, as the training step does it (`synchronize_gradients`
+    before each): what the gradients are after each micro-batch, how many FSDP units the model has, and how
+    far the accumulated gradients are from one process's on all the data."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from litsft.model.lora import LoRAConfig, apply_lora
+    from litsft.training.parallel import synchronize_gradients
+
+    def build() -> Transformer:
+        model, _ = model_and_batch()
+        if lora:
+            model = apply_lora(model, LoRAConfig(rank=4, alpha=8, dropout=0.0, targets="all-linear"))
+            for name, param in model.named_parameters():  # non-zero adapters: every gradient is non-zero
+                if "lora_" in name:
+                    param.data = torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name)))
+        return model
+
+    shape = MESHES[strategy]
+    ranks = math.prod(shape)
+    reference, model = build(), build()
+    names = ("replicate", "shard") if len(shape) == 2 else None
+    parallelize(model, init_device_mesh("cpu", shape, mesh_dim_names=names), FSDPConfig(sharding_strategy=strategy), "32-true")  # fmt: skip
+    facts: dict = {"units": sum(isinstance(m, FSDPModule) for m in model.modules()), "after_micro_batch": []}
+    trained = {name: param for name, param in model.named_parameters() if param.requires_grad}
+    with (
+        torch.no_grad()
+    ):  # a validation pass first, as between training steps: unresharded units stay gathered
+        model.eval()(_micro_batch(rank, 9)["input_ids"])
+    model.train()
+    facts["trained_elements"] = sum(param.numel() for param in trained.values())
+    facts["trained_tensors"] = len(trained)
+    for index in range(3):
+        synchronize_gradients(model, strategy, last_micro_batch=index == 2)
+        model(**_micro_batch(rank, index)).backward()
+        shards = all(
+            isinstance(param.grad, DTensor)
+            and param.grad.placements == param.placements
+            and param.grad.to_local().shape == param.to_local().shape
+            and param.to_local().numel() < param.numel()
+            for param in trained.values()
+            if param.numel() > 1  # a 1-element tensor is not split; it stays sharded on one rank
+        )
+        facts["after_micro_batch"].append((shards, *_gradient_elements(model)))
+    # FSDP averages over the ranks: the reference sums every micro-batch of every rank and divides.
+    for index in range(3):
+        for other in range(ranks):
+            (reference(**_micro_batch(other, index)) / ranks).backward()
+    expected = dict(reference.named_parameters())
+    facts["max_difference"] = max(
+        (param.grad.full_tensor() - expected[name].grad).abs().max().item() for name, param in trained.items()
+    )
+    facts["frozen_grads"] = sum(
+        param.grad is not None for param in model.parameters() if not param.requires_grad
+    )
+    return facts
+
+
+def _gradient_elements(model: nn.Module) -> tuple[int, int]:
+    """(whole, sharded): elements of the unsharded gradients FSDP2 holds for the next micro-batch, and of the
+    sharded ones (the parameters' gradient shards, HYBRID_SHARD's reduce-scattered shards awaiting their
+    all-reduce). FSDP2 has no public view of what it holds between micro-batches: read from its state."""
+    from torch.distributed.fsdp import FSDPModule
+
+    whole = sharded = 0
+    for unit in model.modules():
+        group = unit._get_fsdp_state()._fsdp_param_group if isinstance(unit, FSDPModule) else None
+        if group is None:
+            continue
+        for fsdp_param in group.fsdp_params:
+            for gradient in (
+                fsdp_param.unsharded_accumulated_grad,
+                getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None),
+            ):
+                whole += gradient.numel() if gradient is not None else 0
+        if group._partial_reduce_output is not None:
+            sharded += group._partial_reduce_output.numel()
+    sharded += sum(param.grad.to_local().numel() for param in model.parameters() if param.grad is not None)
+    return whole, sharded
+
+
+def _sharded_worker(rank: int, init_file: str, strategy: str, lora: bool, results) -> None:
+    import traceback
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        world_size = math.prod(MESHES[strategy])
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        results.put((rank, _sharded_facts(rank, strategy, lora)))
+        dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+
+
+@pytest.mark.parametrize(
+    ("strategy", "lora"), [("FULL_SHARD", False), ("FULL_SHARD", True), ("HYBRID_SHARD", False)]
+)
+def test_accumulation_keeps_sharded_gradients_in_one_unit_per_block(
+    tmp_path, strategy: str, lora: bool
+) -> None:
+    """Each micro-batch's gradients are reduce-scattered (under HYBRID_SHARD within a node, all-reduced across
+    nodes after the last micro-batch only): after every micro-batch, not only the last, each rank holds its
+    shard of every gradient (a DTensor of the parameter's local shape), never the whole gradient, and the
+    accumulated result equals one process's over all the data. A LoRA model is one FSDP unit per block plus
+    the root (not one per adapter matrix), its frozen base gets no gradient."""
+    import torch.multiprocessing as mp
+
+    # fork, not spawn: the children reuse this process's imports and start in a fraction of a second.
+    context = mp.get_context("fork")
+    results = context.Queue()
+    ranks = range(math.prod(MESHES[strategy]))
+    workers = [
+        context.Process(target=_sharded_worker, args=(rank, str(tmp_path / "init"), strategy, lora, results))
+        for rank in ranks
+    ]
+    for worker in workers:
+        worker.start()
+    facts = dict(results.get(timeout=180) for _ in workers)
+    for worker in workers:
+        worker.join(timeout=60)
+    shard_group = MESHES[strategy][-1]
+    for rank in ranks:
+        assert isinstance(facts[rank], dict), facts[rank]
+        trained, tensors = facts[rank]["trained_elements"], facts[rank]["trained_tensors"]
+        for index, (shards, whole, sharded) in enumerate(facts[rank]["after_micro_batch"]):
+            # HYBRID_SHARD holds its shards aside until the last micro-batch's all-reduce; then, and under
+            # FULL_SHARD after every micro-batch, they are the parameters' gradients.
+            assert shards == (index == 2 or strategy == "FULL_SHARD"), (index, facts[rank])
+            assert whole == 0, (index, facts[rank])
+            assert 0 < sharded <= trained / shard_group + tensors, (
+                index,
+                facts[rank],
+            )  # rows of an uneven split
+        assert facts[rank]["max_difference"] < 1e-5
+        assert facts[rank]["units"] == Config.from_name("tiny-llama").num_layers + 1
+        assert facts[rank]["frozen_grads"] == 0
+
+
+@pytest.mark.parametrize(
+    ("world_size", "precision", "cpu_offload", "accelerator", "refusal"),
+    [
+        (1, "bf16-mixed", True, "cuda", "--fsdp.cpu_offload needs 2 or more GPUs (it is FSDP's, and one GPU"),
+        (2, "32-true", True, "cpu", "--fsdp.cpu_offload needs GPUs: on a CPU-only machine"),
+        (8, "bf16-mixed", True, "cuda", None),
+        (2, "16-mixed", False, "cuda", "--precision 16-mixed runs on one GPU only"),
+        (1, "16-mixed", False, "cuda", None),
+    ],
+)
+def test_fsdp_options_that_would_not_do_what_they_ask_are_refused(
+    world_size, precision, cpu_offload, accelerator, refusal
+):
+    """One GPU trains without FSDP, so FSDP's CPU offload would be silently ignored there; FSDP2 takes no
+    16-mixed. Both are refused in one line before anything starts (the device kind is made up: the check
+    reads no hardware), and tutorials/sharding_strategies.md quotes the GPU refusals as the CLI prints them."""
+    from litsft.cli.validation import check_fsdp_options
+    from litsft.errors import LitsftError
+
+    fsdp = FSDPConfig(cpu_offload=cpu_offload)
+    if refusal is None:
+        check_fsdp_options(world_size, precision, fsdp, accelerator)
+        return
+    with pytest.raises(LitsftError) as error:
+        check_fsdp_options(world_size, precision, fsdp, accelerator)
+    assert str(error.value).startswith(refusal)
+    assert "\n" not in str(error.value)
+    if accelerator == "cuda":
+        tutorial = Path(__file__).resolve().parent.parent / "tutorials" / "sharding_strategies.md"
+        assert f"error: {error.value}\n" in tutorial.read_text()
