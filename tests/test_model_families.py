@@ -1,23 +1,36 @@
-"""litsft/model/families/: the weight-name maps of spec.py (both ways, fused tensors), and one section per family
-module, its tests named by the module (`[gemma2]`, `[qwen3]`...): it registers its family, config.jsons
-resolve to it, its weight map names every parameter of its configs. Logits against transformers: below for
-Gemma 2, Gemma 3 and OLMo 2; every family's in tests/test_checkpoint_convert.py (conversion round trip) and
-tests/test_model_network.py (sliding windows)."""
+"""litsft/model/families/: the weight-name maps of spec.py (both ways, fused tensors); each family's declaration
+of the config.json keys it reads and ignores, held against transformers' config class for its architecture,
+and the refusal of a value it cannot compute; then one section per family module, its tests named by the module
+(`[gemma2]`, `[qwen3]`...): it registers its family, config.jsons resolve to it, its weight map names every
+parameter of its configs. Logits against transformers: below for Gemma 2, Gemma 3 and OLMo 2; every
+family's in tests/test_checkpoint_convert.py (conversion round trip) and tests/test_model_network.py (sliding
+windows)."""
 
 import dataclasses
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from tiny_hf import SLIDING_WINDOW, assert_logits_match_transformers, save_tiny_hf, tiny_hf_model
+from tiny_hf import (
+    SLIDING_WINDOW,
+    TINY_HF_MODELS,
+    assert_logits_match_transformers,
+    save_tiny_hf,
+    tiny_hf_model,
+)
+from transformers import AutoConfig, PretrainedConfig
 
+from litsft.__main__ import main
 from litsft.checkpoint.convert import convert_from_hf, expected_shapes
 from litsft.checkpoint.model_folder import load_model_state_dict
+from litsft.errors import LitsftError
 from litsft.inference.generate import generate_tokens
 from litsft.model.config import NAMED_CONFIGS, Config
 from litsft.model.families import FAMILIES, family_of_hf_config
 from litsft.model.families.phi3 import PHI3_WEIGHTS
-from litsft.model.families.spec import LLAMA_WEIGHTS
+from litsft.model.families.spec import LLAMA_WEIGHTS, SHARED_HF_KEYS, Family
 from litsft.model.network import Transformer
 
 torch.set_num_threads(1)
@@ -61,6 +74,180 @@ def test_a_fused_tensor_with_a_missing_part_is_an_error():
     ]
     with pytest.raises(KeyError, match="never came"):
         list(PHI3_WEIGHTS.to_hf(parts, torch.cat))
+
+
+# ---- the config.json keys each family declares, against transformers' config classes ----------------------
+GENERIC_CONFIG_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "architectures",
+        "chunk_size_feed_forward",
+        "dtype",
+        "id2label",
+        "is_encoder_decoder",
+        "label2id",
+        "model_type",
+        "output_attentions",
+        "output_hidden_states",
+        "problem_type",
+        "return_dict",
+        "transformers_version",
+    }
+)
+"""Keys every transformers config has (PretrainedConfig's own), left out of each family's declaration: they
+name the checkpoint and steer transformers' outputs (which tensors it returns, classification labels,
+feed-forward chunking for memory), never what a decoder computes; litsft reads the few it needs (SHARED_HF_KEYS)."""
+
+
+def test_the_generic_keys_are_pretrained_configs_own():
+    """A key transformers adds to every config fails here, so that someone decides whether it changes the math."""
+    assert set(PretrainedConfig().to_dict()) == GENERIC_CONFIG_KEYS
+
+
+def transformers_config(family: Family) -> dict[str, Any]:
+    """transformers' default config of the family's architecture, as its config.json would hold it."""
+    return json.loads(json.dumps(AutoConfig.for_model(family.model_type).to_dict()))
+
+
+def undeclared_keys(family: Family) -> list[str]:
+    """The keys of transformers' config class for the family that it neither reads nor declares ignored."""
+    return family.undeclared_keys(set(transformers_config(family)) - GENERIC_CONFIG_KEYS)
+
+
+@pytest.mark.parametrize("architecture", FAMILIES, ids=lambda architecture: family_module(architecture))
+def test_every_key_of_transformers_config_class_is_read_or_ignored_with_a_reason(architecture):
+    """A family that forgets a knob of its architecture fails here instead of converting with other logits.
+    Each ignored key says why; a key ignored only at some values lists transformers' default among them."""
+    family = FAMILIES[architecture]
+    assert undeclared_keys(family) == []
+    assert not (family.hf_keys_read | SHARED_HF_KEYS) & set(family.hf_keys_ignored)
+    defaults = transformers_config(family)
+    for key, ignored in family.hf_keys_ignored.items():
+        assert len(ignored.why) > 20, key
+        if ignored.supported is not None and key in defaults:
+            assert defaults[key] in ignored.supported, key
+
+
+def test_the_check_reports_a_key_a_family_stops_reading(monkeypatch):
+    """Gemma 2 without `final_logit_softcapping` in its declaration (as if its config_from_hf forgot it): the
+    check names the key and the test above fails."""
+    gemma2 = FAMILIES["Gemma2ForCausalLM"]
+    forgetful = dataclasses.replace(gemma2, hf_keys_read=gemma2.hf_keys_read - {"final_logit_softcapping"})
+    monkeypatch.setitem(FAMILIES, "Gemma2ForCausalLM", forgetful)
+    assert undeclared_keys(forgetful) == ["final_logit_softcapping"]
+    with pytest.raises(AssertionError, match="final_logit_softcapping"):
+        test_every_key_of_transformers_config_class_is_read_or_ignored_with_a_reason("Gemma2ForCausalLM")
+
+
+class KeysRead(dict):
+    """A config.json dict that records which keys are looked up."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.looked_up: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.looked_up.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        self.looked_up.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self.looked_up.add(str(key))
+        return super().__contains__(key)
+
+
+def config_jsons_of(family: Family) -> list[dict[str, Any]]:
+    """Config.jsons that take each path of a family's translation: transformers' default config of the
+    family, the config.json of each tiny model of tests/tiny_hf.py (windows, partial rotary, LongRoPE...), the
+    export of each of its named configs (the keys of published config.json files), each also with its false
+    flags turned on (use_sliding_window...) and a sliding window."""
+    tiny = [
+        config.to_dict() for config, _ in TINY_HF_MODELS.values() if config.model_type == family.model_type
+    ]
+    named = [Config.from_name(name).to_hf_config() for name in family.named_configs]
+    config_jsons = [json.loads(json.dumps(c)) for c in (transformers_config(family), *tiny, *named)]
+    features_on = [{**{k: v is False or v for k, v in c.items()}, "sliding_window": 16} for c in config_jsons]
+    return config_jsons + features_on
+
+
+@pytest.mark.parametrize("architecture", FAMILIES, ids=lambda architecture: family_module(architecture))
+def test_a_family_reads_the_keys_it_declares_and_no_other(architecture):
+    """The declaration is the code's: `config_from_hf` looks up its declared keys (over transformers' default
+    config and the tiny models' config.jsons) and no key it does not declare (beyond the shared ones)."""
+    family = FAMILIES[architecture]
+    looked_up: set[str] = set()
+    for config_json in config_jsons_of(family):
+        recording = KeysRead(config_json)
+        family.config_from_hf(recording)
+        looked_up |= recording.looked_up
+    assert looked_up - SHARED_HF_KEYS == set(family.hf_keys_read)
+
+
+UNSUPPORTED_VALUES = {
+    "mlp_bias": True,
+    "hidden_act": "gelu",
+    "use_bidirectional_attention": True,
+    "resid_pdrop": 0.1,
+}
+
+
+@pytest.mark.parametrize(
+    ("architecture", "key"),
+    [
+        (architecture, key)
+        for architecture, family in FAMILIES.items()
+        for key, ignored in family.hf_keys_ignored.items()
+        if ignored.supported is not None
+    ],
+    ids=lambda value: family_module(value) if value in FAMILIES else value,
+)
+def test_a_value_that_changes_the_math_of_an_ignored_key_is_refused(architecture, key):
+    """transformers' default config of the family converts; with the key at a value litsft does not compute
+    (MLP biases, another activation, bidirectional attention, residual dropout) it is refused in one line
+    that names the key, the value and the fix, instead of riding along in hf_extra."""
+    family = FAMILIES[architecture]
+    config_json = {**transformers_config(family), "architectures": [architecture]}
+    Config.from_hf_config(config_json)
+    with pytest.raises(LitsftError) as error:
+        Config.from_hf_config({**config_json, key: UNSUPPORTED_VALUES[key]})
+    message = str(error.value)
+    assert message.startswith(f"{key}={json.dumps(UNSUPPORTED_VALUES[key])} in a {architecture} config.json")
+    assert f"use a checkpoint whose config.json has {key}=" in message and "\n" not in message
+
+
+def test_converting_a_checkpoint_with_an_unsupported_key_exits_2_in_one_line_and_writes_nothing(
+    tmp_path, capsys
+):
+    """`litsft convert_from_hf` of a Llama checkpoint whose config.json has mlp_bias=true."""
+    hf_dir = save_tiny_hf(tiny_hf_model("llama"), tmp_path / "hf")
+    config_json = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config_json, "mlp_bias": True}))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert_from_hf", str(hf_dir), "--out_dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: mlp_bias=true in a LlamaForCausalLM config.json is not supported (litsft's MLP projections have "
+        "no bias); use a checkpoint whose config.json has mlp_bias=false or leaves it out\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_keys_litsft_does_not_translate_ride_along_unless_the_export_writes_them():
+    """A harmless ignored key (initializer_range) and a key no family knows are written back on export; a value
+    the export writes anyway (use_cache true, hidden_act silu) is not kept twice."""
+    config_json = {
+        **Config.from_name("tiny-llama").to_hf_config(),
+        "initializer_range": 0.1,
+        "a_key_of_a_newer_release": [1, 2],
+        "use_cache": True,
+    }
+    config = Config.from_hf_config(config_json)
+    assert config.hf_extra == {"initializer_range": 0.1, "a_key_of_a_newer_release": [1, 2]}
+    assert config.to_hf_config() == config_json
 
 
 def family_module(architecture: str) -> str:

@@ -1,6 +1,7 @@
 """litsft/model/loss.py: the chunked cross-entropy equals F.cross_entropy summed over the full logits, in value and
-gradients, with and without soft-capping, whatever the chunk size, eager and compiled; chunks are sized by
-memory. (The model's use of it, the head run on the labelled positions only, is in tests/test_model_network.py.)"""
+gradients, with and without soft-capping and logit scaling (`output_logits`, which the model's `logits` uses
+too), whatever the chunk size, eager and compiled; chunks are sized by memory. (The model's use of it, the head
+run on the labelled positions only, is in tests/test_model_network.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from litsft.model.loss import chunked_cross_entropy, loss_chunk_tokens
+from litsft.model.loss import chunked_cross_entropy, loss_chunk_tokens, output_logits
 
 TOKENS, HIDDEN, VOCAB = 37, 8, 11
 
@@ -27,9 +28,12 @@ def head_hidden_and_labels(
     return head, hidden, labels
 
 
-def reference(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, softcap: float | None):
-    """The full (N, V) logits, capped as c * tanh(logit / c), summed cross-entropy over the labelled tokens."""
-    logits = head(hidden)
+def reference(
+    head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, softcap: float | None, scaling: float = 1.0
+):
+    """The full (N, V) logits, divided by `scaling`, capped as c * tanh(logit / c), summed cross-entropy over
+    the labelled tokens."""
+    logits = head(hidden) / scaling
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
@@ -47,6 +51,29 @@ def test_summed_loss_and_gradients_equal_the_full_logits(chunk_size: int, softca
     torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-6)
     for grad, expected_grad in zip(grads, expected_grads):
         torch.testing.assert_close(grad, expected_grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_scaled_logits_give_the_loss_of_the_scaled_full_logits(softcap: float | None) -> None:
+    """Granite's logits_scaling (logits divided by it, before any cap), in chunks, equals the full logits'."""
+    head, hidden, labels = head_hidden_and_labels()
+    expected = reference(head, hidden, labels, softcap, scaling=8.0)
+    loss = chunked_cross_entropy(hidden, head, labels, chunk_size=5, softcap=softcap, scaling=8.0)
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-6)
+    assert not torch.allclose(
+        loss, chunked_cross_entropy(hidden, head, labels, chunk_size=5, softcap=softcap)
+    )
+    with torch.no_grad():
+        assert torch.equal(
+            output_logits(head(hidden), 8.0, softcap), reference_logits(head, hidden, 8.0, softcap)
+        )
+
+
+def reference_logits(
+    head: nn.Linear, hidden: torch.Tensor, scaling: float, softcap: float | None
+) -> torch.Tensor:
+    logits = head(hidden) / scaling
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 
 def test_softcap_changes_the_loss() -> None:

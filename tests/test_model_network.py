@@ -21,10 +21,12 @@ from litsft.model.config import Config
 from litsft.model.network import RMSNorm, Transformer
 
 
-def test_loss_runs_the_head_on_labelled_positions_only_and_matches_the_full_logits():
-    """The loss skips the output head where labels are -100; value and gradients are those of the full logits."""
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma2"])
+def test_loss_runs_the_head_on_labelled_positions_only_and_matches_the_full_logits(name):
+    """The loss skips the output head where labels are -100; value and gradients are those of the full logits,
+    soft-capped (Gemma 2) too."""
     torch.manual_seed(0)
-    model = Transformer(Config.from_name("tiny-llama"))
+    model = Transformer(Config.from_name(name))
     input_ids = torch.randint(0, 512, (2, 40))
     labels = torch.randint(0, 512, (2, 40))
     labels[0, :25] = -100  # a masked prompt

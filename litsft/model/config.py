@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from litsft.errors import LitsftError
 from litsft.model.families import FAMILIES, family_of, family_of_hf_config
+from litsft.model.families.spec import SHARED_HF_KEYS
 from litsft.runtime.files import read_json
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -21,41 +22,13 @@ LayerType = Literal["full_attention", "sliding_attention"]
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "su")
 LONG_ROPE_TYPES = ("longrope", "su")
 """LongRoPE (Phi-3 128k, Phi-4-mini); "su" is the name Phi-3's first config.json files gave it."""
-HF_KEYS_READ = frozenset(
-    {
-        "architectures",
-        "model_type",
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "max_position_embeddings",
-        "rope_theta",
-        "rope_scaling",
-        "rope_parameters",
-        "rms_norm_eps",
-        "tie_word_embeddings",
-        "attention_bias",
-        "attention_dropout",
-        "sliding_window",
-        "use_sliding_window",
-        "bos_token_id",
-        "eos_token_id",
-        "torch_dtype",
-        "dtype",
-        "mlp_bias",
-        "transformers_version",
-        "_name_or_path",
-        "use_cache",
-        "hidden_act",
-        "pretraining_tp",
-        "initializer_range",
-    }
+POSITIVE_FIELDS = (
+    "query_pre_attn_scalar",
+    "softcap_attention",
+    "softcap_final",
+    "rope_local_base",
 )
-"""config.json keys `Config.from_hf_config` reads or deliberately drops; the others are kept in hf_extra."""
+"""Scales and caps: a value that is not positive (or, where allowed, null) is refused."""
 
 
 @dataclass
@@ -129,7 +102,9 @@ class Config:
     torch_dtype: str = "bfloat16"
     """The dtype the published weights use; written into the HF export."""
     hf_extra: dict[str, Any] = field(default_factory=dict)
-    """Keys of an imported config.json that litsft does not model, written back unchanged on export."""
+    """Keys of an imported config.json that litsft does not translate (litsft.model.families.spec.Family's
+    `hf_keys_ignored`, and keys no family knows) and that the export would not write with the same value: written
+    back unchanged on export."""
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -148,7 +123,7 @@ class Config:
             raise LitsftError(
                 f"{self.name}: sliding_window={self.sliding_window} must be at least 1 (or null for none)"
             )
-        for key in ("query_pre_attn_scalar", "softcap_attention", "softcap_final", "rope_local_base"):
+        for key in POSITIVE_FIELDS:
             value = getattr(self, key)
             if value is not None and not value > 0:
                 raise LitsftError(f"{self.name}: {key}={value} must be positive (or null for none)")
@@ -263,15 +238,8 @@ class Config:
         """Build a Config from a Hugging Face `config.json` dict of a registered family: the keys every family
         shares are read here, the family reads its own (litsft.model.families)."""
         family = family_of_hf_config(hf_config)
-        own, consumed = family.config_from_hf(hf_config)
-        if hf_config.get("mlp_bias"):
-            raise LitsftError(
-                "mlp_bias=true is not supported by litsft's model; use a checkpoint without MLP biases"
-            )
-        if "hidden_act" not in consumed and hf_config.get("hidden_act", "silu") != "silu":
-            raise LitsftError(
-                f"hidden_act={hf_config['hidden_act']!r} is not supported; litsft's MLP is SwiGLU (silu)"
-            )
+        family.refuse_unsupported(hf_config)
+        own = family.config_from_hf(hf_config)
         # transformers >= 5 writes `rope_parameters` (theta included); published checkpoints use
         # `rope_theta` + `rope_scaling`. Read both.
         rope_parameters = dict(hf_config.get("rope_parameters") or {})
@@ -303,9 +271,18 @@ class Config:
             bos_token_id=hf_config.get("bos_token_id"),
             eos_token_id=hf_config.get("eos_token_id"),
             torch_dtype=str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"),
-            hf_extra={k: v for k, v in hf_config.items() if k not in HF_KEYS_READ | consumed},
         )
-        return cls(**shared | own)
+        config = cls(**shared | own)
+        # What the export would not write by itself: the keys litsft does not translate, unless the export
+        # writes them with the same value (a fresh config.json then reads back with no hf_extra).
+        exported = config.to_hf_config()
+        config.hf_extra = {
+            key: value
+            for key, value in hf_config.items()
+            if key not in SHARED_HF_KEYS | family.hf_keys_read
+            and (key not in exported or exported[key] != value)
+        }
+        return config
 
     def to_hf_config(self) -> dict[str, Any]:
         """The `config.json` that transformers needs to load the exported weights."""

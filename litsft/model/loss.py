@@ -1,5 +1,6 @@
 """The training loss: summed cross-entropy of the output head over the tokens that carry a label, computed a
-chunk of tokens at a time so that the full (N, V) logits never exist, with chunks sized by memory."""
+chunk of tokens at a time so that the full (N, V) logits never exist, with chunks sized by memory; and
+`output_logits`, what a family does to the head's raw logits, for the loss and the model's `logits` alike."""
 
 from __future__ import annotations
 
@@ -37,10 +38,21 @@ def logits_dtype(hidden: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
 
 
-def _logits_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    logits = logits.float()  # (N, V)
+def output_logits(logits: torch.Tensor, scaling: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+    """The output head's settings applied to its raw logits (..., V): divided by `scaling` (Granite's
+    logits_scaling), then capped to c * tanh(logit / c) with c = `softcap` (Gemma 2's final soft-cap). The one
+    definition of both, for `Transformer.logits` and the training loss."""
+    if scaling != 1.0:
+        logits = logits / scaling
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def _logits_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, scaling: float, softcap: float | None
+) -> torch.Tensor:
+    logits = output_logits(logits.float(), scaling, softcap)  # (N, V), in fp32 for the softmax
     return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
 
 
@@ -59,10 +71,11 @@ def _chunk_cross_entropy(
     hidden: torch.Tensor,
     head: nn.Module,
     labels: torch.Tensor,
+    scaling: float,
     softcap: float | None,
     logits_cross_entropy: Callable[..., torch.Tensor],
 ) -> torch.Tensor:
-    return logits_cross_entropy(head(hidden), labels, softcap)
+    return logits_cross_entropy(head(hidden), labels, scaling, softcap)
 
 
 def chunked_cross_entropy(
@@ -72,19 +85,19 @@ def chunked_cross_entropy(
     chunk_size: int,
     softcap: float | None = None,
     compiled: bool = False,
+    scaling: float = 1.0,
 ) -> torch.Tensor:
     """Summed cross-entropy of head(hidden (N, C)) against labels (N,), `chunk_size` tokens at a time (the
-    model passes `loss_chunk_tokens`); with `softcap` c the logits are first capped to c * tanh(logit / c)
-    (Gemma 2's final soft-capping).
+    model passes `loss_chunk_tokens`), of the logits `output_logits` makes with `scaling` and `softcap`.
 
     Each chunk's logits are recomputed in the backward pass instead of kept, so the full (N, V) fp32
     logits (2 GiB for one 4k sequence with a 128k vocabulary) never exist. `compiled` runs each chunk's
-    cast, soft-cap and cross-entropy through torch.compile (with the model's blocks: litsft.training.parallel), which
+    cast, output settings and cross-entropy through torch.compile (with the model's blocks: litsft.training.parallel), which
     fuses them and keeps no fp32 copy of the logits for the backward pass (FP32_BYTES_PER_LOGIT).
     """
     logits_cross_entropy = _compiled_logits_cross_entropy() if compiled else _logits_cross_entropy
     if hidden.shape[0] <= chunk_size:
-        return _chunk_cross_entropy(hidden, head, labels, softcap, logits_cross_entropy)
+        return _chunk_cross_entropy(hidden, head, labels, scaling, softcap, logits_cross_entropy)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_size):
         end = start + chunk_size
@@ -93,6 +106,7 @@ def chunked_cross_entropy(
             hidden[start:end],
             head,
             labels[start:end],
+            scaling,
             softcap,
             logits_cross_entropy,
             use_reentrant=False,

@@ -34,7 +34,7 @@ from litsft.model.attention import (
 from litsft.model.batch import loss_positions_of, without_padding
 from litsft.model.config import LONG_ROPE_TYPES, Config
 from litsft.model.families import family_of
-from litsft.model.loss import chunked_cross_entropy, logits_dtype, loss_chunk_tokens
+from litsft.model.loss import chunked_cross_entropy, logits_dtype, loss_chunk_tokens, output_logits
 
 
 class RMSNorm(nn.Module):
@@ -352,10 +352,9 @@ class Transformer(nn.Module):
         )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output head on final hidden states (..., C) -> (..., V), soft-capped when the config says so."""
-        logits = self.lm_head(hidden)
-        cap = self.config.softcap_final
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        """The output head on final hidden states (..., C) -> (..., V), soft-capped as the config says
+        (litsft.model.loss.output_logits, which the loss applies too)."""
+        return output_logits(self.lm_head(hidden), softcap=self.config.softcap_final)
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the output projection when the config ties them. Called again after

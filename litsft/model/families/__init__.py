@@ -4,18 +4,31 @@ ways, its weight names, the block variant it needs, its named configs with their
 
 Adding a family:
 1. A module here, `litsft/model/families/<family>.py`, that builds a `Family` (`litsft.model.families.spec`) and calls
-   `register_family`: `config_from_hf` / `hf_from_config` for the config.json keys only it has, a
-   `WeightMap` (start from `spec.LLAMA_WEIGHT_NAMES`; fused tensors go in `fused`), the name of its block
-   variant, and its named configs, each with the URL of the config.json it was typed from.
+   `register_family`: `config_from_hf` / `hf_from_config` for the config.json keys only it has, and the
+   declaration of its keys: `hf_keys_read` (what `config_from_hf` reads) and `hf_keys_ignored` (every other
+   key of transformers' config class for the architecture, each with why; start from `spec.DECODER_IGNORED`;
+   a key whose other values change the math names the values litsft supports, and conversion refuses the
+   rest). Then a `WeightMap` (start from `spec.LLAMA_WEIGHT_NAMES`; fused tensors go in `fused`), the name of
+   its block variant, and its named configs, each with the URL of the config.json it was typed from.
 2. Import the module below.
 3. If it needs a new block, add it to `litsft.model.network.BLOCK_VARIANTS`; new per-layer features are `Config`
    fields, off by default.
 The engine, the recipes and storage do not change. The tests that are parametrized over every registered
-family (tests/test_model_families.py, tests/test_model_flops.py) cover it at once; add its tiny transformers model to
-tests/tiny_hf.py for the conversion and logits tests.
+family (tests/test_model_families.py, tests/test_model_flops.py, tests/test_model_sizes.py) cover it at once:
+among them, its declared keys against transformers' config class (a key it neither reads nor ignores fails);
+add its tiny transformers model to tests/tiny_hf.py for the conversion and logits tests.
 """
 
-from litsft.model.families import gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3  # noqa: F401  (each registers its family)
+from litsft.model.families import (  # noqa: F401  (each registers its family)
+    gemma2,
+    gemma3,
+    llama,
+    mistral,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen3,
+)
 from litsft.model.families.spec import (
     FAMILIES,
     Family,

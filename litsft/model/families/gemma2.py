@@ -18,7 +18,16 @@ from typing import Any
 
 from litsft.errors import LitsftError
 from litsft.model.families.llama import TINY, attention_biases
-from litsft.model.families.spec import LLAMA_WEIGHT_NAMES, Family, WeightMap, published, register_family
+from litsft.model.families.spec import (
+    DECODER_IGNORED,
+    LLAMA_WEIGHT_NAMES,
+    Family,
+    IgnoredKey,
+    WeightMap,
+    published,
+    register_family,
+    unsupported,
+)
 
 # Gemma's norms: `post_attention_layernorm` is the norm *after* attention (Llama's name for the norm before
 # the MLP), `pre_feedforward_layernorm` the one before the MLP.
@@ -39,45 +48,53 @@ GEMMA_BLOCK = dict(
     mlp_activation="gelu_tanh",
 )
 """The `Config` fields every Gemma 2 and Gemma 3 model sets."""
-GEMMA_KEYS = {
-    "hidden_activation",
-    "hidden_act",
-    "query_pre_attn_scalar",
-    "attn_logit_softcapping",
-    "final_logit_softcapping",
-    "layer_types",
-    "sliding_window_pattern",
-    "use_bidirectional_attention",
+GEMMA_KEYS = frozenset(
+    {
+        "attention_bias",
+        "hidden_activation",
+        "hidden_act",
+        "query_pre_attn_scalar",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "sliding_window",
+        "layer_types",
+        "sliding_window_pattern",
+        "_sliding_window_pattern",
+    }
+)
+"""The config.json keys `gemma_from_hf` reads (`_sliding_window_pattern`: transformers 5's spelling)."""
+GEMMA_IGNORED: dict[str, IgnoredKey] = {
+    **{key: ignored for key, ignored in DECODER_IGNORED.items() if key not in GEMMA_KEYS},
+    "use_bidirectional_attention": unsupported(
+        "attention both ways, for embedding models; litsft trains causal language models only", None, False
+    ),
 }
 
 
-def gemma_from_hf(
-    hf_config: dict[str, Any], defaults: dict[str, Any], sliding_every: int
-) -> tuple[dict[str, Any], set[str]]:
+def gemma_from_hf(hf_config: dict[str, Any], defaults: dict[str, Any], sliding_every: int) -> dict[str, Any]:
     """The `Config` fields of a Gemma 2 or 3 config.json; a missing key takes transformers' default from
     `defaults` (config.json key -> value). Without `layer_types`, layer i slides unless (i + 1) is a multiple
     of `sliding_every` (transformers' sliding_window_pattern: 2 for Gemma 2, 6 for Gemma 3)."""
-    activation = hf_config.get("hidden_activation") or hf_config.get("hidden_act") or GEMMA_ACTIVATION
+    # transformers reads hidden_activation; config.json files from before it was named say hidden_act.
+    named = hf_config.get("hidden_activation"), hf_config.get("hidden_act")
+    activation = next((name for name in named if name), GEMMA_ACTIVATION)
     if activation != GEMMA_ACTIVATION:
         raise LitsftError(
             f"hidden_activation={activation!r} is not supported; litsft's Gemma MLP is GeGLU ({GEMMA_ACTIVATION})"
-        )
-    if hf_config.get("use_bidirectional_attention"):
-        raise LitsftError(
-            "use_bidirectional_attention=true is not supported; litsft trains causal language models only"
         )
 
     def get(key: str) -> Any:
         return hf_config.get(key, defaults.get(key))
 
     num_layers = hf_config["num_hidden_layers"]
-    every = hf_config.get("sliding_window_pattern", sliding_every)
+    every = (
+        hf_config.get("sliding_window_pattern") or hf_config.get("_sliding_window_pattern") or sliding_every
+    )
     layer_types = hf_config.get("layer_types") or [
         "sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)
     ]
-    biases, _ = attention_biases(hf_config)
-    fields = dict(
-        **biases,
+    return dict(
+        **attention_biases(hf_config),
         **GEMMA_BLOCK,
         head_dim=get("head_dim"),
         max_position_embeddings=get("max_position_embeddings"),
@@ -88,7 +105,6 @@ def gemma_from_hf(
         sliding_window=get("sliding_window"),
         layer_types=list(layer_types),
     )
-    return fields, GEMMA_KEYS
 
 
 def gemma_to_hf(config: Any) -> dict[str, Any]:
@@ -121,7 +137,7 @@ GEMMA2_DEFAULTS = {
 """transformers' Gemma2Config defaults for the keys Gemma 2 reads."""
 
 
-def _config_from_hf(hf_config: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+def _config_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
     return gemma_from_hf(hf_config, GEMMA2_DEFAULTS, sliding_every=2)
 
 
@@ -174,6 +190,8 @@ GEMMA2 = register_family(
         model_type="gemma2",
         config_from_hf=_config_from_hf,
         hf_from_config=gemma_to_hf,
+        hf_keys_read=GEMMA_KEYS,
+        hf_keys_ignored=GEMMA_IGNORED,
         weights=GEMMA_WEIGHTS,
         named_configs=NAMED,
     )

@@ -15,7 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 from litsft.errors import LitsftError
-from litsft.model.families.gemma2 import GEMMA_BLOCK, GEMMA_WEIGHTS, gemma_from_hf, gemma_to_hf
+from litsft.model.families.gemma2 import (
+    GEMMA_BLOCK,
+    GEMMA_IGNORED,
+    GEMMA_KEYS,
+    GEMMA_WEIGHTS,
+    gemma_from_hf,
+    gemma_to_hf,
+)
 from litsft.model.families.spec import Family, published, register_family
 
 GEMMA3_DEFAULTS = {
@@ -54,9 +61,9 @@ def _rope_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
     return dict(rope_theta=float(theta), rope_local_base=float(local_theta), rope_scaling=scaling)
 
 
-def _config_from_hf(hf_config: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
-    fields, consumed = gemma_from_hf(hf_config, GEMMA3_DEFAULTS, sliding_every=6)
-    return {**fields, **_rope_from_hf(hf_config), "qk_norm": True}, consumed | {"rope_local_base_freq"}
+def _config_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
+    fields = gemma_from_hf(hf_config, GEMMA3_DEFAULTS, sliding_every=6)
+    return {**fields, **_rope_from_hf(hf_config), "qk_norm": True}
 
 
 def _hf_from_config(config: Any) -> dict[str, Any]:
@@ -103,6 +110,8 @@ GEMMA3 = register_family(
         model_type="gemma3_text",
         config_from_hf=_config_from_hf,
         hf_from_config=_hf_from_config,
+        hf_keys_read=GEMMA_KEYS | {"rope_local_base_freq"},
+        hf_keys_ignored=GEMMA_IGNORED,
         weights=GEMMA_WEIGHTS,
         named_configs=NAMED,
     )

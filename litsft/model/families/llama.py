@@ -11,13 +11,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from litsft.model.families.spec import Family, published, register_family
+from litsft.model.families.spec import (
+    DECODER_IGNORED,
+    Family,
+    IgnoredKey,
+    harmless,
+    published,
+    register_family,
+)
 
 
-def attention_biases(hf_config: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
-    """transformers' `attention_bias`: a bias on q, k, v and o alike (Llama, Mistral, Qwen3)."""
+def attention_biases(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """transformers' `attention_bias`: a bias on q, k, v and o alike (Llama, Qwen3, Gemma, OLMo 2, Granite)."""
     bias = bool(hf_config.get("attention_bias", False))
-    return {"qkv_bias": bias, "out_bias": bias}, set()
+    return {"qkv_bias": bias, "out_bias": bias}
+
+
+LLAMA_IGNORED: dict[str, IgnoredKey] = {
+    **DECODER_IGNORED,
+    "pretraining_tp": harmless(
+        "how many slices Meta's pretraining split each matmul into; transformers computes the same product whole"
+    ),
+}
 
 
 def _hf_from_config(config: Any) -> dict[str, Any]:
@@ -138,6 +153,8 @@ LLAMA = register_family(
         model_type="llama",
         config_from_hf=attention_biases,
         hf_from_config=_hf_from_config,
+        hf_keys_read=frozenset({"attention_bias"}),
+        hf_keys_ignored=LLAMA_IGNORED,
         named_configs=NAMED,
     )
 )

@@ -9,13 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from litsft.errors import LitsftError
-from litsft.model.families.llama import attention_biases
-from litsft.model.families.spec import Family, published, register_family
+from litsft.model.families.spec import DECODER_IGNORED, Family, published, register_family
 
 
-def _config_from_hf(hf_config: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
-    fields, consumed = attention_biases(hf_config)
-    return {**fields, "sliding_window": hf_config.get("sliding_window")}, consumed
+def _config_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
+    return {"sliding_window": hf_config.get("sliding_window")}
 
 
 def _hf_from_config(config: Any) -> dict[str, Any]:
@@ -49,6 +47,8 @@ MISTRAL_FAMILY = register_family(
         model_type="mistral",
         config_from_hf=_config_from_hf,
         hf_from_config=_hf_from_config,
+        hf_keys_read=frozenset({"sliding_window"}),
+        hf_keys_ignored=DECODER_IGNORED,
         named_configs=NAMED,
     )
 )

@@ -11,7 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 from litsft.model.families.llama import attention_biases
-from litsft.model.families.spec import LLAMA_WEIGHT_NAMES, Family, WeightMap, published, register_family
+from litsft.model.families.spec import (
+    DECODER_IGNORED,
+    LLAMA_WEIGHT_NAMES,
+    Family,
+    WeightMap,
+    published,
+    register_family,
+)
 
 OLMO2_WEIGHTS = WeightMap(
     {
@@ -29,9 +36,8 @@ OLMO2_BLOCK = dict(
 )
 
 
-def _config_from_hf(hf_config: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
-    biases, consumed = attention_biases(hf_config)
-    return {**biases, **OLMO2_BLOCK}, consumed
+def _config_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
+    return {**attention_biases(hf_config), **OLMO2_BLOCK}
 
 
 def _hf_from_config(config: Any) -> dict[str, Any]:
@@ -63,6 +69,8 @@ OLMO2 = register_family(
         model_type="olmo2",
         config_from_hf=_config_from_hf,
         hf_from_config=_hf_from_config,
+        hf_keys_read=frozenset({"attention_bias"}),
+        hf_keys_ignored=DECODER_IGNORED,
         weights=OLMO2_WEIGHTS,
         named_configs=NAMED,
     )

@@ -16,7 +16,17 @@ from __future__ import annotations
 from typing import Any
 
 from litsft.errors import LitsftError
-from litsft.model.families.spec import LLAMA_WEIGHT_NAMES, Family, WeightMap, published, register_family
+from litsft.model.families.spec import (
+    DECODER_IGNORED,
+    LLAMA_WEIGHT_NAMES,
+    Family,
+    IgnoredKey,
+    WeightMap,
+    harmless,
+    published,
+    register_family,
+    unsupported,
+)
 
 LONG_ROPE_TYPES = ("longrope", "su")
 _FUSED_PARTS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -46,7 +56,18 @@ def _rope_type(scaling: dict[str, Any]) -> str:
     return scaling.get("rope_type", scaling.get("type", "default"))
 
 
-def _config_from_hf(hf_config: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+PHI3_KEYS = frozenset({"sliding_window", "partial_rotary_factor", "original_max_position_embeddings"})
+"""The config.json keys `_config_from_hf` reads."""
+PHI3_IGNORED: dict[str, IgnoredKey] = {
+    **DECODER_IGNORED,
+    "embd_pdrop": harmless("transformers' Phi3 model never reads it (it has no embedding dropout)"),
+    "resid_pdrop": unsupported(
+        "dropout on each block's outputs while training; litsft drops attention only", 0.0
+    ),
+}
+
+
+def _config_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
     """Phi3's own keys: the window (on every layer, as Mistral's), partial_rotary_factor (top level, or in
     transformers >= 5's rope_parameters), and for LongRoPE the top-level original_max_position_embeddings, which
     transformers prefers to a value inside the rope dict; it is kept in `rope_scaling` with the factors."""
@@ -58,9 +79,6 @@ def _config_from_hf(hf_config: dict[str, Any]) -> tuple[dict[str, Any], set[str]
         "qkv_bias": False,
         "out_bias": False,
     }
-    consumed = {"partial_rotary_factor"}
-    if "pad_token_id" in hf_config and hf_config["pad_token_id"] is None:
-        consumed.add("pad_token_id")  # what the export writes anyway (`_hf_from_config`); any other is kept
     rope = dict(hf_config.get("rope_scaling") or rope_parameters)
     if _rope_type(rope) in LONG_ROPE_TYPES:
         rope = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
@@ -69,8 +87,7 @@ def _config_from_hf(hf_config: dict[str, Any]) -> tuple[dict[str, Any], set[str]
             "original_max_position_embeddings", hf_config.get("max_position_embeddings", 4096)
         )
         fields["rope_scaling"] = rope
-        consumed.add("original_max_position_embeddings")
-    return fields, consumed
+    return fields
 
 
 def _hf_from_config(config: Any) -> dict[str, Any]:
@@ -163,6 +180,8 @@ PHI3 = register_family(
         model_type="phi3",
         config_from_hf=_config_from_hf,
         hf_from_config=_hf_from_config,
+        hf_keys_read=PHI3_KEYS,
+        hf_keys_ignored=PHI3_IGNORED,
         weights=PHI3_WEIGHTS,
         named_configs=NAMED,
     )

@@ -9,25 +9,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from litsft.model.families.spec import Family, published, register_family
+from litsft.model.families.spec import DECODER_IGNORED, Family, published, register_family
 
-WINDOW_KEYS = {"max_window_layers", "layer_types"}
+WINDOW_KEYS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
+"""The config.json keys `sliding_layers_from_hf` reads."""
 DEFAULT_MAX_WINDOW_LAYERS = 28
 """transformers' Qwen2Config default: https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen2/configuration_qwen2.py"""
 
 
-def sliding_layers_from_hf(hf_config: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+def sliding_layers_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
     """The window and each layer's attention type as transformers' Qwen2 and Qwen3 read them: only with
     `use_sliding_window`; where `layer_types` says "sliding_attention", else from `max_window_layers` on."""
     window = hf_config.get("sliding_window") if hf_config.get("use_sliding_window", False) else None
     if window is None:
-        return {"sliding_window": None}, set()
+        return {"sliding_window": None}
     num_layers = hf_config["num_hidden_layers"]
     first = hf_config.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS)
     layer_types = hf_config.get("layer_types") or [
         "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
     ]
-    return {"sliding_window": window, "layer_types": list(layer_types)}, WINDOW_KEYS
+    return {"sliding_window": window, "layer_types": list(layer_types)}
 
 
 def sliding_layers_to_hf(config: Any) -> dict[str, Any]:
@@ -42,9 +43,8 @@ def sliding_layers_to_hf(config: Any) -> dict[str, Any]:
     return hf
 
 
-def _config_from_hf(hf_config: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
-    fields, consumed = sliding_layers_from_hf(hf_config)
-    return {**fields, "qkv_bias": True, "out_bias": False}, consumed
+def _config_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
+    return {**sliding_layers_from_hf(hf_config), "qkv_bias": True, "out_bias": False}
 
 
 # Qwen2.5: bias on q/k/v, theta 1e6; 0.5B-3B tie embeddings and have 151936 tokens, 7B+ have 152064. Base
@@ -82,6 +82,8 @@ QWEN2 = register_family(
         model_type="qwen2",
         config_from_hf=_config_from_hf,
         hf_from_config=sliding_layers_to_hf,
+        hf_keys_read=WINDOW_KEYS,
+        hf_keys_ignored=DECODER_IGNORED,
         named_configs=NAMED,
     )
 )

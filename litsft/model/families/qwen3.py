@@ -9,14 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from litsft.model.families.llama import attention_biases
-from litsft.model.families.qwen2 import sliding_layers_from_hf, sliding_layers_to_hf
-from litsft.model.families.spec import Family, published, register_family
+from litsft.model.families.qwen2 import WINDOW_KEYS, sliding_layers_from_hf, sliding_layers_to_hf
+from litsft.model.families.spec import DECODER_IGNORED, Family, published, register_family
 
 
-def _config_from_hf(hf_config: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
-    biases, _ = attention_biases(hf_config)
-    windows, consumed = sliding_layers_from_hf(hf_config)
-    return {**biases, **windows, "qk_norm": True}, consumed
+def _config_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
+    return {**attention_biases(hf_config), **sliding_layers_from_hf(hf_config), "qk_norm": True}
 
 
 def _hf_from_config(config: Any) -> dict[str, Any]:
@@ -53,6 +51,8 @@ QWEN3_FAMILY = register_family(
         model_type="qwen3",
         config_from_hf=_config_from_hf,
         hf_from_config=_hf_from_config,
+        hf_keys_read=WINDOW_KEYS | {"attention_bias"},
+        hf_keys_ignored=DECODER_IGNORED,
         named_configs=NAMED,
     )
 )

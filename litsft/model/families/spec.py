@@ -1,5 +1,6 @@
-"""What a model family is to litsft: a `Family` spec (its Hugging Face config translation, its weight-name
-map, the block variant it needs, its named configs) and the registry the rest of the code looks it up in.
+"""What a model family is to litsft: a `Family` spec (its Hugging Face config translation, with every config.json
+key it reads and every one it knowingly ignores, its weight-name map, the block variant it needs, its named
+configs) and the registry the rest of the code looks it up in.
 
 Nothing here imports torch or litsft.model.config: a family is data and small functions over plain dicts, so
 that litsft.model.config (the one `Config` dataclass) can sit on top of every family.
@@ -7,6 +8,7 @@ that litsft.model.config (the one `Config` dataclass) can sit on top of every fa
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -144,6 +146,72 @@ LLAMA_WEIGHTS = WeightMap(
 )
 
 
+SHARED_HF_KEYS = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "_name_or_path",
+        "transformers_version",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "attention_dropout",
+        "bos_token_id",
+        "eos_token_id",
+        "torch_dtype",
+        "dtype",
+    }
+)
+"""config.json keys litsft.model.config.Config.from_hf_config reads for every family (transformers_version: the
+export names no version; the rest become `Config` fields). A family declares the others it reads."""
+
+
+@dataclass(frozen=True)
+class IgnoredKey:
+    """A config.json key a family does not translate, and why that is safe."""
+
+    why: str
+    supported: tuple[Any, ...] | None = None
+    """The values under which transformers' model computes what litsft's does (transformers' default first);
+    conversion refuses a config.json with any other. None: no value changes the math."""
+
+
+def harmless(why: str) -> IgnoredKey:
+    """A key no value of which changes what the model computes."""
+    return IgnoredKey(why)
+
+
+def unsupported(why: str, *supported: Any) -> IgnoredKey:
+    """A key litsft computes with only at `supported` values: any other is refused on conversion."""
+    return IgnoredKey(why, supported)
+
+
+DECODER_IGNORED: dict[str, IgnoredKey] = {
+    "initializer_range": harmless(
+        "the spread of transformers' random init: converted weights are loaded, and litsft's pretraining draws "
+        "its own (litsft.model.network.Transformer.initial_value)"
+    ),
+    "use_cache": harmless("whether transformers' generate keeps a KV cache; litsft's generation always does"),
+    "pad_token_id": harmless(
+        "the id transformers pads batches with; litsft masks padding out of attention and the loss"
+    ),
+    "hidden_act": unsupported("litsft's MLP is SwiGLU", "silu"),
+    "mlp_bias": unsupported("litsft's MLP projections have no bias", False),
+}
+"""The keys most transformers decoder configs have and litsft does not translate; a family declares them with
+its own (`{**DECODER_IGNORED, ...}`)."""
+
+
 @dataclass(frozen=True)
 class Family:
     """Everything that differs between model families. The shared `Config` fields are read from and written
@@ -152,9 +220,13 @@ class Family:
     Attributes:
         architecture: The `architectures` entry of its config.json, e.g. "LlamaForCausalLM".
         model_type: The `model_type` of its config.json, e.g. "llama".
-        config_from_hf: config.json dict -> (the `Config` fields only this family reads, the config.json
-            keys it consumed; those not consumed and not shared are kept in `Config.hf_extra`).
+        config_from_hf: config.json dict -> the `Config` fields only this family reads.
         hf_from_config: a `Config` -> the config.json keys only this family writes.
+        hf_keys_read: The config.json keys `config_from_hf` reads (SHARED_HF_KEYS are read for every family).
+        hf_keys_ignored: The keys of its config.json (transformers' config class for the architecture) that
+            it does not read, each with why; those with `supported` values are refused at any other value.
+            tests/test_model_families.py holds read and ignored together against transformers' class: a key
+            of the class in neither fails the test. Keys in neither are kept in `Config.hf_extra`.
         weights: Its weight-name map.
         block: The block variant litsft.model.network builds for it (a key of litsft.model.network.BLOCK_VARIANTS).
         named_configs: name -> `Config` field values of each published model, with its source cited in the
@@ -163,11 +235,32 @@ class Family:
 
     architecture: str
     model_type: str
-    config_from_hf: Callable[[dict[str, Any]], tuple[dict[str, Any], set[str]]]
+    config_from_hf: Callable[[dict[str, Any]], dict[str, Any]]
     hf_from_config: Callable[[Any], dict[str, Any]]
+    hf_keys_read: frozenset[str]
+    hf_keys_ignored: Mapping[str, IgnoredKey]
     weights: WeightMap = LLAMA_WEIGHTS
     block: str = "pre_norm"
     named_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def undeclared_keys(self, hf_keys: Iterable[str]) -> list[str]:
+        """The keys of `hf_keys` that this family neither reads (nor are read for every family) nor ignores."""
+        declared = SHARED_HF_KEYS | self.hf_keys_read | set(self.hf_keys_ignored)
+        return sorted(set(hf_keys) - declared)
+
+    def refuse_unsupported(self, hf_config: Mapping[str, Any]) -> None:
+        """Refuse a config.json that sets an ignored key to a value under which transformers' model computes
+        something litsft's does not: converting it would give other logits (and write the key back)."""
+        for key, ignored in self.hf_keys_ignored.items():
+            if ignored.supported is None or key not in hf_config:
+                continue
+            value = hf_config[key]
+            if value not in ignored.supported:
+                allowed = " or ".join(json.dumps(s) for s in ignored.supported)
+                raise LitsftError(
+                    f"{key}={json.dumps(value)} in a {self.architecture} config.json is not supported "
+                    f"({ignored.why}); use a checkpoint whose config.json has {key}={allowed} or leaves it out"
+                )
 
 
 FAMILIES: dict[str, Family] = {}
