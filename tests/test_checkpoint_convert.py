@@ -148,7 +148,7 @@ def test_unsupported_architecture(tmp_path, llama_dir):
         tmp_path,
         llama_dir,
         "unsupported architecture 'GPT2LMHeadModel'; litsft supports LlamaForCausalLM, Gemma2ForCausalLM, "
-        "Gemma3ForCausalLM, MistralForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+        "Gemma3ForCausalLM, GraniteForCausalLM, MistralForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
     )
 
 
@@ -205,7 +205,7 @@ def test_missing_tensor(tmp_path, llama_dir):
         ),
         (
             "model.layers.0.mlp.experts.weight",
-            "tensor 'model.layers.0.mlp.experts.weight' has no counterpart in litsft's LlamaForCausalLM; litsft converts only checkpoints of the architectures it supports: LlamaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, MistralForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+            "tensor 'model.layers.0.mlp.experts.weight' has no counterpart in litsft's LlamaForCausalLM; litsft converts only checkpoints of the architectures it supports: LlamaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, GraniteForCausalLM, MistralForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
         ),
     ],
 )

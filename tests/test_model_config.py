@@ -82,6 +82,8 @@ PUBLISHED = {
     "OLMo-2-0425-1B": (16, 16, 16, 2048, 8192, 100352, 5e5, False),
     "OLMo-2-1124-7B": (32, 32, 32, 4096, 11008, 100352, 5e5, False),
     "OLMo-2-1124-13B": (40, 40, 40, 5120, 13824, 100352, 5e5, False),
+    "tiny-granite": (2, 4, 2, 64, 176, 512, 1e4, False),
+    "granite-3.1-2b-instruct": (40, 32, 8, 2048, 8192, 49155, 5e6, True),
 }
 
 # Gemma's own numbers, from the same config.json files (Gemma 3 4B-27B: their text_config, the keys it leaves
@@ -107,6 +109,7 @@ KNOWN_PARAMETER_COUNTS = {
     "gemma-2-2b": 2_614_341_888,
     "gemma-3-1b-it": 999_885_952,
     "OLMo-2-0425-1B": 1_484_916_736,
+    "granite-3.1-2b-instruct": 2_533_531_648,
 }
 
 
@@ -478,6 +481,6 @@ def test_unregistered_architecture_is_refused_with_the_supported_list():
         Config.from_hf_config({"architectures": ["GPTNeoXForCausalLM"], "vocab_size": 8})
     assert str(error.value) == (
         "unsupported architecture 'GPTNeoXForCausalLM'; litsft supports LlamaForCausalLM, Gemma2ForCausalLM, "
-        "Gemma3ForCausalLM, MistralForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, "
+        "Gemma3ForCausalLM, GraniteForCausalLM, MistralForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, "
         "Qwen3ForCausalLM"
     )

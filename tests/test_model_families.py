@@ -2,10 +2,11 @@
 of the config.json keys it reads and ignores, held against transformers' config class for its architecture,
 and the refusal of a value it cannot compute; then one section per family module, its tests named by the module
 (`[gemma2]`, `[qwen3]`...): it registers its family, config.jsons resolve to it, its weight map names every
-parameter of its configs. Logits against transformers: below for Gemma 2, Gemma 3 and OLMo 2; every
+parameter of its configs. Logits against transformers: below for Gemma 2, Gemma 3, OLMo 2 and Granite; every
 family's in tests/test_checkpoint_convert.py (conversion round trip) and tests/test_model_network.py (sliding
 windows)."""
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -129,14 +130,14 @@ def test_every_key_of_transformers_config_class_is_read_or_ignored_with_a_reason
 
 
 def test_the_check_reports_a_key_a_family_stops_reading(monkeypatch):
-    """Gemma 2 without `final_logit_softcapping` in its declaration (as if its config_from_hf forgot it): the
-    check names the key and the test above fails."""
-    gemma2 = FAMILIES["Gemma2ForCausalLM"]
-    forgetful = dataclasses.replace(gemma2, hf_keys_read=gemma2.hf_keys_read - {"final_logit_softcapping"})
-    monkeypatch.setitem(FAMILIES, "Gemma2ForCausalLM", forgetful)
-    assert undeclared_keys(forgetful) == ["final_logit_softcapping"]
-    with pytest.raises(AssertionError, match="final_logit_softcapping"):
-        test_every_key_of_transformers_config_class_is_read_or_ignored_with_a_reason("Gemma2ForCausalLM")
+    """Granite without `logits_scaling` in its declaration (as if its config_from_hf forgot it): the check
+    names the key and the test above fails."""
+    granite = FAMILIES["GraniteForCausalLM"]
+    forgetful = dataclasses.replace(granite, hf_keys_read=granite.hf_keys_read - {"logits_scaling"})
+    monkeypatch.setitem(FAMILIES, "GraniteForCausalLM", forgetful)
+    assert undeclared_keys(forgetful) == ["logits_scaling"]
+    with pytest.raises(AssertionError, match="logits_scaling"):
+        test_every_key_of_transformers_config_class_is_read_or_ignored_with_a_reason("GraniteForCausalLM")
 
 
 class KeysRead(dict):
@@ -240,7 +241,7 @@ def test_keys_litsft_does_not_translate_ride_along_unless_the_export_writes_them
     """A harmless ignored key (initializer_range) and a key no family knows are written back on export; a value
     the export writes anyway (use_cache true, hidden_act silu) is not kept twice."""
     config_json = {
-        **Config.from_name("tiny-llama").to_hf_config(),
+        **Config.from_name("tiny-granite").to_hf_config(),
         "initializer_range": 0.1,
         "a_key_of_a_newer_release": [1, 2],
         "use_cache": True,
@@ -294,7 +295,7 @@ def test_every_family_names_every_parameter_of_its_configs(architecture):
 LENGTH = 64  # four times the tiny models' window
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "olmo2"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "olmo2", "granite"])
 @pytest.mark.parametrize("kernel", ["segmented", "mask"])
 def test_logits_and_greedy_generation_equal_transformers(tmp_path, kind, kernel):
     """A tiny random model of the family, converted from transformers: the same logits (fp32) at 64 tokens, two
@@ -319,3 +320,38 @@ def test_logits_and_greedy_generation_equal_transformers(tmp_path, kind, kernel)
         )
     assert generate_tokens(model, prompt, max_new_tokens=new).tolist() == expected_tokens[0, 5:].tolist()
     assert model.config.sliding_window in (None, SLIDING_WINDOW)
+
+
+def test_granite_named_config_has_its_published_multipliers():
+    """granite-3.1-2b-instruct's config.json (its source is cited in litsft/model/families/granite.py): the four
+    multipliers, bos and eos, 131072 positions; attention scales by 1/64, not head_dim ** -0.5 (1/8)."""
+    config = Config.from_name("granite-3.1-2b-instruct")
+    multipliers = (
+        config.embedding_multiplier,
+        config.residual_multiplier,
+        config.attention_multiplier,
+        config.logits_scaling,
+    )
+    assert multipliers == (12.0, 0.22, 0.015625, 8.0)
+    assert (config.bos_token_id, config.eos_token_id, config.max_position_embeddings) == (0, 0, 131072)
+    assert (config.head_dim, config.attention_scale(), config.rms_norm_eps) == (64, 0.015625, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "key", ["embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"]
+)
+def test_each_granite_multiplier_changes_the_logits(tmp_path, key):
+    """Each multiplier of the tiny Granite is read and used: set back to transformers' default (1.0), the
+    transformers model and litsft's converted one change their logits together, and still agree."""
+    reference = tiny_hf_model("granite")
+    config = copy.deepcopy(reference.config)  # TINY_HF_MODELS' own stays as it is
+    setattr(config, key, 1.0)
+    hf_model = type(reference)(config).eval()
+    hf_model.load_state_dict(reference.state_dict())
+    convert_from_hf(save_tiny_hf(hf_model, tmp_path / "hf", tokenizer=False), tmp_path / "litsft")
+    model = Transformer(Config.from_checkpoint(tmp_path / "litsft")).eval()
+    model.load_state_dict(load_model_state_dict(tmp_path / "litsft"))
+    tokens = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+    expected = assert_logits_match_transformers(model, hf_model, tokens)
+    with torch.no_grad():
+        assert (expected - reference(tokens).logits).abs().max() > 1e-3

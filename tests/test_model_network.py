@@ -21,10 +21,10 @@ from litsft.model.config import Config
 from litsft.model.network import RMSNorm, Transformer
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma2"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma2", "tiny-granite"])
 def test_loss_runs_the_head_on_labelled_positions_only_and_matches_the_full_logits(name):
     """The loss skips the output head where labels are -100; value and gradients are those of the full logits,
-    soft-capped (Gemma 2) too."""
+    soft-capped (Gemma 2) or scaled (Granite) alike."""
     torch.manual_seed(0)
     model = Transformer(Config.from_name(name))
     input_ids = torch.randint(0, 512, (2, 40))

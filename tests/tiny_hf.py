@@ -13,6 +13,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -145,6 +147,20 @@ TINY_HF_MODELS: dict[str, tuple[PretrainedConfig, type[PreTrainedModel]]] = {
             tie_word_embeddings=True,
         ),
         Phi3ForCausalLM,
+    ),
+    # Granite: every multiplier away from 1, attention's from head_dim ** -0.5 (0.25), tied like the 2B model;
+    # weights drawn 10 times wider than transformers' default, so that attention's scale shows in the logits.
+    "granite": (
+        GraniteConfig(
+            **_SHAPES,
+            initializer_range=0.2,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.4,
+            logits_scaling=3.0,
+            tie_word_embeddings=True,
+        ),
+        GraniteForCausalLM,
     ),
 }
 

@@ -27,6 +27,10 @@ POSITIVE_FIELDS = (
     "softcap_attention",
     "softcap_final",
     "rope_local_base",
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_multiplier",
+    "logits_scaling",
 )
 """Scales and caps: a value that is not positive (or, where allowed, null) is refused."""
 
@@ -94,6 +98,17 @@ class Config:
     """Attention logits are capped to c * tanh(score / c) before the softmax (Gemma 2)."""
     softcap_final: float | None = None
     """Output logits are capped to c * tanh(logit / c) (Gemma 2)."""
+    # ---- Granite's multipliers (each off by default) ----
+    embedding_multiplier: float = 1.0
+    """The embeddings are multiplied by this (Granite)."""
+    residual_multiplier: float = 1.0
+    """Each block's attention and MLP outputs are multiplied by this before they join the residual stream
+    (Granite)."""
+    attention_multiplier: float | None = None
+    """What attention multiplies its scores by (Granite); None: `query_pre_attn_scalar` ** -0.5, or the
+    kernels' head_dim ** -0.5."""
+    logits_scaling: float = 1.0
+    """Output logits are divided by this, before any soft-cap (Granite; litsft.model.loss.output_logits)."""
     # ----
     hf_architecture: str = "LlamaForCausalLM"
     """The config.json architecture, which names the family (litsft.model.families) that builds and converts it."""
@@ -179,6 +194,8 @@ class Config:
 
     def attention_scale(self) -> float | None:
         """What attention multiplies its scores by; None: the kernels' default, head_dim ** -0.5."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar**-0.5
 
     def uses_local_rope(self, layer: int) -> bool:

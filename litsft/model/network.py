@@ -1,5 +1,5 @@
-"""The decoder-only transformer: Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2 and 3, OLMo 2, Phi-3 and Phi-4 in one
-flat file.
+"""The decoder-only transformer: Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2 and 3, OLMo 2, Phi-3 and Phi-4, Granite in
+one flat file.
 
 Shapes in comments: B batch, T query length, S key length, H query heads, K kv heads, D head dim,
 C hidden size, V vocab size, N tokens of a packed row.
@@ -260,6 +260,7 @@ class Block(nn.Module):
         self.mlp_norm = rms_norm(config, C) if config.pre_norms else nn.Identity()
         self.mlp = MLP(config)
         self.mlp_post_norm = rms_norm(config, C) if config.post_mlp_norm else nn.Identity()
+        self.residual_multiplier = config.residual_multiplier
 
     def forward(
         self,
@@ -269,8 +270,17 @@ class Block(nn.Module):
         attention: PreparedAttention,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), cos, sin, attention, kv_cache))
-        return x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
+        x = x + scaled(
+            self.attn_post_norm(self.attn(self.attn_norm(x), cos, sin, attention, kv_cache)),
+            self.residual_multiplier,
+        )
+        return x + scaled(self.mlp_post_norm(self.mlp(self.mlp_norm(x))), self.residual_multiplier)
+
+
+def scaled(x: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """x times a config's multiplier (Granite's), as transformers multiplies: by the Python float; x itself at
+    1.0, so the families without one run no extra kernel."""
+    return x if multiplier == 1.0 else x * multiplier
 
 
 BLOCK_VARIANTS: dict[str, type[nn.Module]] = {"pre_norm": Block}
@@ -349,12 +359,13 @@ class Transformer(nn.Module):
             chunk_size=loss_chunk_tokens(self.config.vocab_size, logits_dtype(hidden)),
             softcap=self.config.softcap_final,
             compiled=self.loss_compiled,
+            scaling=self.config.logits_scaling,
         )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output head on final hidden states (..., C) -> (..., V), soft-capped as the config says
+        """The output head on final hidden states (..., C) -> (..., V), scaled and soft-capped as the config says
         (litsft.model.loss.output_logits, which the loss applies too)."""
-        return output_logits(self.lm_head(hidden), softcap=self.config.softcap_final)
+        return output_logits(self.lm_head(hidden), self.config.logits_scaling, self.config.softcap_final)
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the output projection when the config ties them. Called again after
@@ -386,6 +397,7 @@ class Transformer(nn.Module):
         if self.config.scale_embeddings:
             # Gemma: sqrt(C) rounded to the embedding dtype first, as transformers does.
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        x = scaled(x, self.config.embedding_multiplier)  # Granite
         if torch.is_autocast_enabled(x.device.type):
             # The residual stream stays fp32 under autocast, also when a frozen embedding is stored in the
             # compute dtype (LoRA under bf16-mixed): only the matmuls run in 16 bits.

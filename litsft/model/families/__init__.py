@@ -22,6 +22,7 @@ add its tiny transformers model to tests/tiny_hf.py for the conversion and logit
 from litsft.model.families import (  # noqa: F401  (each registers its family)
     gemma2,
     gemma3,
+    granite,
     llama,
     mistral,
     olmo2,
