@@ -9,9 +9,9 @@ Adding a family:
    key of transformers' config class for the architecture, each with why; start from `spec.DECODER_IGNORED`;
    a key whose other values change the math names the values litsft supports, and conversion refuses the
    rest). Then a `WeightMap` (start from `spec.LLAMA_WEIGHT_NAMES`; fused tensors go in `fused`), the name of
-   its block variant, and its named configs, each with the URL of the config.json it was typed from.
-2. Import the module below.
-3. If it needs a new block, add it to `litsft.model.network.BLOCK_VARIANTS`; new per-layer features are `Config`
+   its block variant, and its named configs, each with the URL of the config.json it was typed from. Nothing
+   imports it by name: the package imports each of its modules, which registers the family.
+2. If it needs a new block, add it to `litsft.model.network.BLOCK_VARIANTS`; new per-layer features are `Config`
    fields, off by default.
 The engine, the recipes and storage do not change. The tests that are parametrized over every registered
 family (tests/test_model_families.py, tests/test_model_flops.py, tests/test_model_sizes.py) cover it at once:
@@ -19,17 +19,9 @@ among them, its declared keys against transformers' config class (a key it neith
 add its tiny transformers model to tests/tiny_hf.py for the conversion and logits tests.
 """
 
-from litsft.model.families import (  # noqa: F401  (each registers its family)
-    gemma2,
-    gemma3,
-    granite,
-    llama,
-    mistral,
-    olmo2,
-    phi3,
-    qwen2,
-    qwen3,
-)
+import importlib
+import pkgutil
+
 from litsft.model.families.spec import (
     FAMILIES,
     Family,
@@ -38,5 +30,12 @@ from litsft.model.families.spec import (
     family_of_hf_config,
     register_family,
 )
+
+# Every module here but spec is a family, and importing it registers it (in name order; a family that builds on
+# another imports it first).
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != "spec":
+        importlib.import_module(f"{__name__}.{_module.name}")
+
 
 __all__ = ["FAMILIES", "Family", "WeightMap", "family_of", "family_of_hf_config", "register_family"]
