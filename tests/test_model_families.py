@@ -176,8 +176,8 @@ def config_jsons_of(family: Family) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("architecture", FAMILIES, ids=lambda architecture: family_module(architecture))
 def test_a_family_reads_the_keys_it_declares_and_no_other(architecture):
-    """The declaration is the code's: `config_from_hf` looks up its declared keys (over transformers' default
-    config and the tiny models' config.jsons) and no key it does not declare (beyond the shared ones)."""
+    """The declaration is the code's: over `config_jsons_of` the family, `config_from_hf` looks up every key it
+    declares read and no other (beyond the shared ones)."""
     family = FAMILIES[architecture]
     looked_up: set[str] = set()
     for config_json in config_jsons_of(family):
@@ -185,6 +185,17 @@ def test_a_family_reads_the_keys_it_declares_and_no_other(architecture):
         family.config_from_hf(recording)
         looked_up |= recording.looked_up
     assert looked_up - SHARED_HF_KEYS == set(family.hf_keys_read)
+
+
+def test_a_family_whose_code_stops_reading_a_declared_key_fails(monkeypatch):
+    """Granite's declaration kept, but a config_from_hf that never looks at logits_scaling: the test above
+    fails, naming the key."""
+    granite = FAMILIES["GraniteForCausalLM"]
+    kept = ("attention_bias", "embedding_multiplier", "residual_multiplier", "attention_multiplier")
+    forgetful = dataclasses.replace(granite, config_from_hf=lambda hf: {key: hf.get(key) for key in kept})
+    monkeypatch.setitem(FAMILIES, "GraniteForCausalLM", forgetful)
+    with pytest.raises(AssertionError, match="logits_scaling"):
+        test_a_family_reads_the_keys_it_declares_and_no_other("GraniteForCausalLM")
 
 
 UNSUPPORTED_VALUES = {

@@ -203,7 +203,7 @@ DECODER_IGNORED: dict[str, IgnoredKey] = {
     ),
     "use_cache": harmless("whether transformers' generate keeps a KV cache; litsft's generation always does"),
     "pad_token_id": harmless(
-        "the id transformers pads batches with; litsft masks padding out of attention and the loss"
+        "the id transformers' generate pads batched prompts with; it changes no logit of a real token"
     ),
     "hidden_act": unsupported("litsft's MLP is SwiGLU", "silu"),
     "mlp_bias": unsupported("litsft's MLP projections have no bias", False),
