@@ -13,7 +13,6 @@ import difflib
 import importlib
 import importlib.util
 import os
-import re
 import sys
 import threading
 import time
@@ -126,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     except ArgumentError as err:
         from jsonargparse import capture_parser
 
-        from litsft.cli.cli_errors import explain_parse_error
+        from litsft.cli.cli_errors import argument_error_line, explain_parse_error
 
         explained = explain_parse_error(lambda: capture_parser(partial(cli, args=[])), rest)
         fail(explained or argument_error_line(str(err)))
@@ -157,45 +156,6 @@ def fail(message: str) -> NoReturn:
         time.sleep(3)
     print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
     raise SystemExit(USAGE_ERROR_EXIT_CODE)
-
-
-def argument_error_line(message: str) -> str:
-    """jsonargparse's multi-line parse error as one line naming the option, the value and the choices."""
-    lines = [line.strip().lstrip("- ").strip() for line in message.splitlines() if line.strip()]
-    key = re.match(r'Parser key "([^"]+)":?\s*(.*)', lines[0]) if lines else None
-    if key is None:
-        return " ".join(lines)
-    option, text = f"--{key.group(1)}", "\n".join([key.group(2), *lines[1:]])
-    given = re.search(r"(?:Got|Given) value: (.*)", text)
-    value = given.group(1) if given else None
-    literal = re.search(r"typing\.Literal\[(.*?)\]", text)
-    if literal and value is not None:
-        return f"{option}={value} is not one of {literal.group(1)}"
-    typed = re.search(r"Expected a <class '(int|float|bool)'>", text)
-    if typed and value is not None:
-        return f"{option}={value} is not a valid {typed.group(1)}"
-    subtypes = re.search(r"Subtypes: \[(.*?)\]", text)
-    if subtypes and value is not None:
-        choices = _subclass_names(re.findall(r"<class '([\w.]+)'>", subtypes.group(1)))
-        if choices:
-            return f"{option}={value} is not one of {', '.join(choices)}"
-    first = next((line for line in text.splitlines() if line), "invalid value")
-    return f"{option}: {first}" + (f" (got {value})" if value is not None else "")
-
-
-def _subclass_names(class_paths: list[str]) -> list[str]:
-    """Names of the concrete classes that can fill a parameter typed as one of these classes."""
-    names: list[str] = []
-    for path in class_paths:
-        module_name, _, class_name = path.rpartition(".")
-        cls = getattr(sys.modules.get(module_name), class_name, None)
-        stack = list(cls.__subclasses__()) if isinstance(cls, type) else []
-        while stack:
-            sub = stack.pop(0)
-            if not sub.__subclasses__() and sub.__name__ not in names:
-                names.append(sub.__name__)
-            stack.extend(sub.__subclasses__())
-    return names
 
 
 def run() -> None:

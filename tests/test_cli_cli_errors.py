@@ -12,7 +12,12 @@ import pytest
 from jsonargparse import CLI, capture_parser
 from litsft.recipes import finetune_full
 
-from litsft.cli.cli_errors import bare_subclass_help, explain_parse_error, list_subclasses
+from litsft.cli.cli_errors import (
+    argument_error_line,
+    bare_subclass_help,
+    explain_parse_error,
+    list_subclasses,
+)
 
 
 def make_parser():
@@ -31,10 +36,62 @@ def make_parser():
         (["--data", "JSON", "--data.mask_promt", "false"], "unknown option --data.mask_promt of --data JSON; did you mean --data.mask_prompt?"),
         (["--data", "litsft.data.JSON", "--data.zzz", "1"], "unknown option --data.zzz of --data JSON; --data.help JSON lists its options"),
         (["--data.zzz", "1"], "unknown option --data.zzz; --data.help <class> lists its options"),
+        (["--quantize", "nf4"], "unknown option --quantize; QLoRA (an NF4 base with adapters trained over it) is `litsft finetune_lora --quantize nf4`; finetune_full and pretrain train every weight, which cannot stay 4-bit"),
+        (["--lora.rank", "8"], "unknown option --lora.rank; LoRA adapters are trained by `litsft finetune_lora` (with --lora.*)"),
     ],
 )  # fmt: skip
 def test_an_unknown_option_is_named_with_what_was_meant(argv: list[str], line: str) -> None:
     assert explain_parse_error(make_parser, ["checkpoints/x", *argv]) == line
+
+
+# ---- a bad value in one line -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("message", "line"),
+    [
+        (
+            "Parser key \"fsdp.sharding_strategy\":\n  Expected a typing.Literal['FULL_SHARD', 'NO_SHARD']. "
+            "Got value: FOO",
+            "--fsdp.sharding_strategy=FOO is not one of 'FULL_SHARD', 'NO_SHARD'",
+        ),
+        (
+            'Parser key "precision":\n  Does not validate against any of the Union subtypes\n  Subtypes: '
+            "[typing.Literal['bf16-mixed', '32-true'], <class 'NoneType'>]\n  Errors:\n    - Expected a "
+            "typing.Literal['bf16-mixed', '32-true']\n    - Expected a <class 'NoneType'>\n  Given value type: "
+            "<class 'str'>\n  Given value: bf17",
+            "--precision=bf17 is not one of 'bf16-mixed', '32-true'",
+        ),
+        (
+            "Parser key \"devices\":\n  Expected a <class 'int'>. Got value: two",
+            "--devices=two is not a valid int",
+        ),
+        (
+            "Parser key \"config\": File does not exist: 'x.yaml'",
+            "--config: File does not exist: 'x.yaml'",
+        ),
+        ("unrecognized arguments: --train.max_step 3", "unrecognized arguments: --train.max_step 3"),
+    ],
+)
+def test_parser_errors_become_one_line(message: str, line: str) -> None:
+    assert argument_error_line(message) == line
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--data.prompt_style", "vicuna"], "--data.prompt_style=vicuna is not one of 'chatml', 'llama3', 'alpaca', 'plain'"),
+        (["--data.packing", "maybe"], "--data.packing=maybe is not a valid bool"),
+        (["--data.record_shape", "rows"], "--data.record_shape=rows is not one of 'auto', 'messages', 'sharegpt', 'alpaca', 'prompt_completion', 'text'"),
+        (["--precision", "bf17"], "--precision=bf17 is not one of 'bf16-mixed', 'bf16-true', '16-mixed', '32-true'"),
+    ],
+)  # fmt: skip
+def test_a_bad_value_of_a_data_option_names_that_option(argv: list[str], line: str) -> None:
+    """jsonargparse reports `--data.prompt_style vicuna` under `data`, the option holding the data module."""
+    from jsonargparse import ArgumentError
+
+    with pytest.raises(ArgumentError) as error:
+        CLI(finetune_full.setup, as_positional=True, exit_on_error=False,
+            args=["checkpoints/x", "--data", "JSON", "--data.json_path", "a.json", *argv])  # fmt: skip
+    assert argument_error_line(str(error.value)) == line
 
 
 def test_known_options_and_subclass_keys_are_not_blamed() -> None:

@@ -17,7 +17,6 @@ import launch
 import pytest
 from launch import free_port, write_records, write_tiny_checkpoint
 
-from litsft.__main__ import argument_error_line
 from litsft.checkpoint.training_checkpoint import (
     is_complete,
     latest_checkpoint,
@@ -120,37 +119,6 @@ def test_fault_hook_is_inert_unless_it_names_this_point_and_rank(monkeypatch: py
     with pytest.raises(OSError) as err:
         fault_point("save_4_writing", rank=1)
     assert err.value.errno == errno.ENOSPC
-
-
-# ---- one-line CLI errors --------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("message", "line"),
-    [
-        (
-            "Parser key \"fsdp.sharding_strategy\":\n  Expected a typing.Literal['FULL_SHARD', 'NO_SHARD']. "
-            "Got value: FOO",
-            "--fsdp.sharding_strategy=FOO is not one of 'FULL_SHARD', 'NO_SHARD'",
-        ),
-        (
-            'Parser key "precision":\n  Does not validate against any of the Union subtypes\n  Subtypes: '
-            "[typing.Literal['bf16-mixed', '32-true'], <class 'NoneType'>]\n  Errors:\n    - Expected a "
-            "typing.Literal['bf16-mixed', '32-true']\n    - Expected a <class 'NoneType'>\n  Given value type: "
-            "<class 'str'>\n  Given value: bf17",
-            "--precision=bf17 is not one of 'bf16-mixed', '32-true'",
-        ),
-        (
-            "Parser key \"devices\":\n  Expected a <class 'int'>. Got value: two",
-            "--devices=two is not a valid int",
-        ),
-        (
-            "Parser key \"config\": File does not exist: 'x.yaml'",
-            "--config: File does not exist: 'x.yaml'",
-        ),
-        ("unrecognized arguments: --train.max_step 3", "unrecognized arguments: --train.max_step 3"),
-    ],
-)
-def test_parser_errors_become_one_line(message: str, line: str) -> None:
-    assert argument_error_line(message) == line
 
 
 # ---- several nodes: the rendezvous ends ------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """What the CLI says when jsonargparse refuses a command line whose cause it reports badly: an unknown
-option or config key (named with its close matches, not as jsonargparse's `NestedArg(...)` or union
-errors), and a YAML syntax error in a --config file (named with its file and line).
+option or config key (named with its close matches, or with the command that has it, not as jsonargparse's
+`NestedArg(...)` or union errors), a YAML syntax error in a --config file (named with its file and line),
+and a bad value (named with its option, `--data.prompt_style`, not the `--data` that holds it).
 
 Only called after parsing failed, so a good command line pays nothing for it.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import re
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +52,51 @@ def explain_parse_error(make_parser: Callable[[], Any], argv: list[str]) -> str 
         ("" if source is None else f"{source}: ") + "; and ".join(found) for source, found in problems.items()
     ]
     return "; and ".join(lines) or None
+
+
+def argument_error_line(message: str) -> str:
+    """jsonargparse's multi-line parse error as one line naming the option, the value and the choices. A bad
+    value of a data module's option (`--data.prompt_style vicuna`) is reported by jsonargparse under the
+    option that holds the module (`data`), with the option's own error nested inside: name the inner one."""
+    lines = [line.strip().lstrip("- ").strip() for line in message.splitlines() if line.strip()]
+    key = re.match(r'Parser key "([^"]+)":?\s*(.*)', lines[0]) if lines else None
+    if key is None:
+        return " ".join(lines)
+    option, text = f"--{key.group(1)}", "\n".join([key.group(2), *lines[1:]])
+    nested = re.search(r"NestedArg\(key='([^']+)', val=", text)
+    inner = nested and re.search(rf'Parser key "{re.escape(nested.group(1))}":?\s*', text)
+    if inner:
+        option, text = f"{option}.{nested.group(1)}", text[inner.end() :]
+    given = re.search(r"(?:Got|Given) value: (.*)", text)
+    value = given.group(1) if given else None
+    literal = re.search(r"typing\.Literal\[(.*?)\]", text)
+    if literal and value is not None:
+        return f"{option}={value} is not one of {literal.group(1)}"
+    typed = re.search(r"Expected a <class '(int|float|bool)'>", text)
+    if typed and value is not None:
+        return f"{option}={value} is not a valid {typed.group(1)}"
+    subtypes = re.search(r"Subtypes: \[(.*?)\]", text)
+    if subtypes and value is not None:
+        choices = _subclass_names(re.findall(r"<class '([\w.]+)'>", subtypes.group(1)))
+        if choices:
+            return f"{option}={value} is not one of {', '.join(choices)}"
+    first = next((line for line in text.splitlines() if line), "invalid value")
+    return f"{option}: {first}" + (f" (got {value})" if value is not None else "")
+
+
+def _subclass_names(class_paths: list[str]) -> list[str]:
+    """Names of the concrete classes that can fill a parameter typed as one of these classes."""
+    names: list[str] = []
+    for path in class_paths:
+        module_name, _, class_name = path.rpartition(".")
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        stack = list(cls.__subclasses__()) if isinstance(cls, type) else []
+        while stack:
+            sub = stack.pop(0)
+            if not sub.__subclasses__() and sub.__name__ not in names:
+                names.append(sub.__name__)
+            stack.extend(sub.__subclasses__())
+    return names
 
 
 def bare_subclass_help(argv: list[str]) -> str | None:
@@ -120,7 +168,19 @@ class Options:
             name = key.rpartition(".")[2]
             name = OTHER_TOOLS_NAMES.get(name, name)
             matches = sorted(option for option in self.keys if option.rpartition(".")[2] == name)
+        if not matches and group in OTHER_COMMANDS_OPTIONS:
+            return f"unknown {'option' if prefix else 'key'} {prefix}{key}; {OTHER_COMMANDS_OPTIONS[group]}"
         return _unknown_line(prefix, key, matches, "")
+
+
+# Options of one training command given to another: what the user wants is the other command.
+OTHER_COMMANDS_OPTIONS = {
+    "quantize": (
+        "QLoRA (an NF4 base with adapters trained over it) is `litsft finetune_lora --quantize nf4`; "
+        "finetune_full and pretrain train every weight, which cannot stay 4-bit"
+    ),
+    "lora": "LoRA adapters are trained by `litsft finetune_lora` (with --lora.*)",
+}
 
 
 # Hugging Face TrainingArguments' names (https://huggingface.co/docs/transformers/main_classes/trainer) of
