@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -291,16 +292,21 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_real_templates_mask_exactly_the_assistant_turns(family, tmp_path):
+def with_real_template(directory: Path, template: str) -> tuple[Tokenizer, Any]:
+    """The tiny tokenizer with a real template (a file of TEMPLATES), as litsft and transformers load it."""
     from transformers import AutoTokenizer
 
-    template, conversation, tools, expected = FAMILIES[family]
-    write_tiny_tokenizer(tmp_path, chat_template="chatml")
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    write_tiny_tokenizer(directory, chat_template="chatml")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
     config["chat_template"] = (TEMPLATES / template).read_text()
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    tokenizer, hf = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return Tokenizer(directory), AutoTokenizer.from_pretrained(directory)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_real_templates_mask_exactly_the_assistant_turns(family, tmp_path):
+    template, conversation, tools, expected = FAMILIES[family]
+    tokenizer, hf = with_real_template(tmp_path, template)
 
     tokens, targets, lengths = ChatFormat(tokenizer).tokenize_many([Conversation(conversation, tools)])
     starts = np.concatenate([[0], np.cumsum(lengths)])
@@ -369,4 +375,22 @@ def test_gemma_templates_and_the_system_role(tmp_path):
     assert str(error.value) == (
         "conversation 0: the checkpoint chat template failed on this conversation: System role not supported; "
         "fix the messages, or choose another --data.prompt_style"
+    )
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "thinking", "reasoning"])
+def test_reasoning_reaches_the_template_under_each_of_its_names(field, tmp_path):
+    """transformers hands a message's `thinking` or `reasoning` to the template as `reasoning_content` too:
+    Qwen3's template must show it in <think>, not an empty block."""
+    tokenizer, hf = with_real_template(tmp_path, "qwen3.jinja")
+    conversation = [
+        {key.replace("reasoning_content", field): value for key, value in message.items()}
+        for message in THINKING_CONVERSATION
+    ]
+    tokens, targets, lengths = ChatFormat(tokenizer).tokenize_many([Conversation(conversation, TOOLS)])
+    last = slice(int(lengths[:-1].sum()), None)  # the sample of the last reply: its reasoning is shown
+    text = hf.apply_chat_template(conversation, tools=TOOLS, tokenize=False)
+    assert tokens[last].tolist() == hf.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(tokens[last][targets[last]].tolist(), skip_special_tokens=False) == (
+        "<think>\nit said sunny\n</think>\n\nSunny in Paris.<|im_end|>"
     )

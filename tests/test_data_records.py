@@ -218,7 +218,7 @@ def test_tools_tool_calls_and_reasoning_reach_the_conversation():
             {"role": "user", "content": "Use f"},
             {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "f fits"},
             {"role": "tool", "content": "2", "tool_call_id": None, "name": "f"},
-            {"role": "assistant", "content": "It is 2.", "thinking": None},
+            {"role": "assistant", "content": "It is 2.", "thinking": None, "reasoning": "f said 2"},
         ],
         "tools": json.dumps([{"type": "function", "function": {"name": "f", "parameters": None}}]),
     }
@@ -232,6 +232,7 @@ def test_tools_tool_calls_and_reasoning_reach_the_conversation():
         "reasoning_content": "f fits",
     }
     assert conversation[2] == {"role": "tool", "content": "2", "name": "f"}
+    assert conversation[3] == {"role": "assistant", "content": "It is 2.", "reasoning": "f said 2"}
 
 
 def test_plain_text_records_train_on_every_token(tmp_path, tokenizer):

@@ -25,7 +25,8 @@ from litsft.errors import LitsftError
 
 Message = dict[str, Any]
 """{"role": "system" | "user" | "assistant" | "tool", "content": str, ...}: also `tool_calls`, a reasoning field
-(`reasoning_content` / `thinking`), `name` and `tool_call_id`, handed to the template as they are."""
+(`reasoning_content` / `thinking` / `reasoning`), `name` and `tool_call_id`, handed to the template as
+transformers hands them."""
 
 TEXT_ROLE = "text"
 """The role of the one message of a plain-text record: trained on every token, without a template."""

@@ -4,8 +4,9 @@ reading .json / .jsonl files checked line by line.
 The shapes (`--data.record_shape`, default "auto": detected per record from the fields it has):
 - "messages": {"messages": [{"role": "system" | "user" | "assistant" | "tool", "content": str, ...}, ...],
   "tools": [JSON schema, ...] (optional)}, OpenAI style. Assistant messages may carry `tool_calls` and a
-  reasoning field (`reasoning_content` or `thinking`); tool messages `name` / `tool_call_id`. These are
-  handed to the chat template as transformers' `apply_chat_template` hands them.
+  reasoning field (`reasoning_content`, `thinking` or `reasoning`); tool messages `name` / `tool_call_id`.
+  These are handed to the chat template as transformers' `apply_chat_template` hands them (the reasoning
+  under each of its names).
 - "sharegpt": {"conversations": [{"from": "human" | "gpt" | "system" | "tool" | ..., "value": str}, ...]}
   (FastChat / Vicuna, Infinity-Instruct). Roles are mapped by SHAREGPT_ROLES plus `--data.role_map`, and
   the message keys by `--data.message_map` (default {"role": "from", "content": "value"}).
@@ -51,7 +52,7 @@ SHAREGPT_ROLES = {
 function-calling ShareGPT sets)."""
 SHAREGPT_MESSAGE = {"role": "from", "content": "value"}
 # Message keys kept besides role and content: what chat templates read for tool use and reasoning.
-EXTRA_MESSAGE_KEYS = ("tool_calls", "reasoning_content", "thinking", "name", "tool_call_id")
+EXTRA_MESSAGE_KEYS = ("tool_calls", "reasoning_content", "thinking", "reasoning", "name", "tool_call_id")
 
 
 @dataclass(frozen=True)

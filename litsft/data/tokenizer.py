@@ -229,6 +229,7 @@ def render_chat_template(
     transformers' `apply_chat_template(tools=...)` passes them."""
     # Like transformers: keys whose value is None are dropped, many templates print "None" otherwise.
     messages = [{key: value for key, value in message.items() if value is not None} for message in messages]
+    messages = [_with_reasoning_aliases(message) for message in messages]
     try:
         return _compile_chat_template(template).render(
             messages=messages,
@@ -241,6 +242,21 @@ def render_chat_template(
         raise LitsftError(
             f"{source} failed on this conversation: {err}; fix the messages, or {fix}"
         ) from None
+
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+"""The names a message's reasoning comes under, the one templates read (Qwen3, DeepSeek-R1) first."""
+
+
+def _with_reasoning_aliases(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with its reasoning under `reasoning_content` (what most templates read) and `thinking`
+    (what gpt-oss's reads), whichever name it came under, as transformers' apply_chat_template hands it
+    (`_alias_reasoning_fields` in transformers/utils/chat_template_utils.py): a `thinking` or `reasoning`
+    field would otherwise reach Qwen3's template as an empty <think></think>."""
+    reasoning = next((message[key] for key in REASONING_FIELDS if message.get(key) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 @functools.lru_cache(maxsize=16)
