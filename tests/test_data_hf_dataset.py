@@ -269,3 +269,76 @@ def test_validation_prompts_are_the_same_whether_read_from_tokens_or_from_record
     ]  # fmt: skip
     assert prompts[0] == prompts[1] and len(prompts[0]) == 2
     assert tokenizer.decode(prompts[0][0], skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+
+
+def test_columns_of_no_record_shape_are_named_with_field_map(tmp_path, monkeypatch):
+    """Question/answer columns, or a JSON object of splits, fit no shape: one line naming the columns and
+    --data.field_map (not "raise max_seq_length" after tokenizing nothing); mapped, the same columns load."""
+    hub_settings(monkeypatch, "http://127.0.0.1:9", tmp_path / "hf-home", offline=True)
+    qa = write_json(tmp_path / "qa.json", [{"question": "Hi", "answer": "Hello", "id": 1}])
+    splits = tmp_path / "splits.json"
+    splits.write_text('{"train": [{"instruction": "a", "output": "b"}], "test": []}')
+    for path, columns in ((qa, "'question', 'answer', 'id'"), (splits, "'train', 'test'")):
+        with pytest.raises(LitsftError) as error:
+            HFDataset(path=str(path)).sources()
+        assert str(error.value) == (
+            f"{path} split train has no column of any record shape (its columns: {columns}); a record needs "
+            "'messages', 'conversations', 'instruction' and 'output', 'prompt' and 'completion', or 'text': "
+            """name your columns' roles with --data.field_map, e.g. '{"instruction": "question", "output": "answer"}'"""
+        )
+    with pytest.raises(LitsftError, match=r"has no column of record shape text \(its columns: 'question'"):
+        HFDataset(path=str(qa), record_shape="text").sources()
+    mapped = HFDataset(path=str(qa), field_map={"instruction": "question", "output": "answer"})
+    assert list(mapped.sources()["train"][1]()) == [
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    ]
+
+
+def test_the_columns_decoded_are_the_record_shapes_fields(tmp_path, monkeypatch):
+    """records.py's SHAPE_FIELDS is the one list: a shape added there is decoded from a dataset's columns."""
+    from litsft.data import records
+
+    hub_settings(monkeypatch, "http://127.0.0.1:9", tmp_path / "hf-home", offline=True)
+    path = write_json(tmp_path / "qa.json", [{"question": "Hi", "answer": "Hello", "id": 1, "text": "t"}])
+    assert HFDataset(path=str(path))._load_split("train").column_names == ["text"]
+    shapes = {**records.SHAPE_FIELDS, "qa": records.ShapeFields(("question", "answer"))}
+    monkeypatch.setattr(records, "SHAPE_FIELDS", shapes)
+    assert HFDataset(path=str(path))._load_split("train").column_names == ["question", "answer", "text"]
+
+
+def test_a_folder_of_several_file_types_is_refused_and_data_files_picks_one(tmp_path, monkeypatch):
+    import datasets
+
+    hub_settings(monkeypatch, "http://127.0.0.1:9", tmp_path / "hf-home", offline=True)
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
+    datasets.Dataset.from_list([{"instruction": "c", "output": "d"}] * 2).to_parquet(folder / "b.parquet")
+    with pytest.raises(LitsftError) as error:
+        HFDataset(path=str(folder)).sources()
+    assert str(error.value) == (
+        f"--data.path {folder} holds files of several types (.jsonl, .parquet) and `datasets` would read only "
+        """one type of them; convert them to one type, or pick one with --data.data_files, e.g. '["**/*.parquet"]'"""
+    )
+    assert len(HFDataset(path=str(folder), data_files=["*.parquet"]).sources()["train"][1]()) == 2
+
+
+def test_a_broken_local_file_is_named_with_its_line(tmp_path, monkeypatch):
+    """`datasets` says only "An error occurred while generating the dataset"; the file (and line) is named."""
+    hub_settings(monkeypatch, "http://127.0.0.1:9", tmp_path / "hf-home", offline=True)
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text('{"text": "a"}\n{"text": "b"\n')
+    for path in (folder, folder / "train.jsonl"):
+        with pytest.raises(LitsftError) as error:
+            HFDataset(path=str(path)).sources()
+        assert str(error.value) == (
+            f"{folder / 'train.jsonl'} line 2: invalid JSON (Expecting ',' delimiter at column 13); each line "
+            "of a .jsonl file must be one complete JSON record"
+        )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "train.parquet").touch()
+    with pytest.raises(LitsftError) as error:
+        HFDataset(path=str(empty)).sources()
+    assert str(error.value) == f"{empty / 'train.parquet'} is empty (0 bytes); remove it or write it again"

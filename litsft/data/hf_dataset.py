@@ -19,24 +19,18 @@ from typing import Any
 
 from litsft.data.base import RecordDataModule, digest_of
 from litsft.data.chat import Conversation, Message
-from litsft.data.records import RecordFormat, to_conversation
+from litsft.data.records import (
+    RecordFormat,
+    check_columns,
+    read_records,
+    record_fields,
+    records_of_jsonl,
+    to_conversation,
+)
 from litsft.errors import LitsftError
 
 # The `datasets` builder that reads each local file type.
 BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "json"}
-# Fields the record shapes read (records.py); other columns are not decoded.
-RECORD_FIELDS = (
-    "messages",
-    "conversations",
-    "tools",
-    "instruction",
-    "input",
-    "output",
-    "system",
-    "prompt",
-    "completion",
-    "text",
-)
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")
 
 
@@ -103,6 +97,8 @@ class HFDataset(RecordDataModule):
                     )
                 dataset = datasets.load_dataset(builder, data_files={split: str(path)}, split=split)
             elif path.is_dir() or (_HUB_ID.fullmatch(self.path) and path.suffix not in BUILDERS):
+                if path.is_dir():
+                    _check_one_file_type(path, self.data_files)
                 dataset = datasets.load_dataset(
                     self.path, name=self.name, split=split, revision=self.revision, data_files=self.data_files
                 )
@@ -112,8 +108,12 @@ class HFDataset(RecordDataModule):
                     "(org/name); check the path"
                 )
         except Exception as err:
+            if path.exists() and not isinstance(err, LitsftError):
+                _check_local_files(path, self.data_files)  # names the file (and line) that broke the load
             raise _load_error(err, self.path, self.name, split) from None
-        wanted = set(RECORD_FIELDS) | set((self.field_map or {}).values())
+        record_format = self.record_format()
+        check_columns(dataset.column_names, f"{self.path} split {split}", record_format)
+        wanted = set(record_fields()) | set(record_format.field_map.values())
         return dataset.select_columns([column for column in dataset.column_names if column in wanted])
 
 
@@ -145,6 +145,63 @@ class DatasetConversations(Sequence):
     def where(self, index: int) -> str:
         """The dataset and row of conversation `index`, for error messages."""
         return f"{self.name} row {index}"
+
+
+def _local_files(path: Path, data_files: list[str] | None) -> list[Path]:
+    """The data files `datasets` may read from a local file or folder (all of them, or those `data_files`
+    picks), hidden files and folders aside, as `datasets` leaves them aside."""
+    if path.is_file():
+        return [path]
+    found = [file for pattern in data_files for file in path.glob(pattern)] if data_files else path.rglob("*")
+    return sorted(
+        file
+        for file in found
+        if file.is_file()
+        and file.suffix in BUILDERS
+        and not any(part.startswith((".", "_")) for part in file.relative_to(path).parts)
+    )
+
+
+def _check_one_file_type(folder: Path, data_files: list[str] | None) -> None:
+    """`datasets` reads one file type of a folder and ignores the others (a folder of .parquet and .jsonl
+    files trains on the parquet half, without a word): refuse a folder of several types."""
+    builders: dict[str, list[str]] = {}
+    for file in _local_files(folder, data_files):
+        builders.setdefault(BUILDERS[file.suffix], []).append(file.suffix)
+    if len(builders) > 1:
+        types = ", ".join(sorted({suffix for suffixes in builders.values() for suffix in suffixes}))
+        raise LitsftError(
+            f"--data.path {folder} holds files of several types ({types}) and `datasets` would read only one "
+            "type of them; convert them to one type, or pick one with --data.data_files, e.g. "
+            "'[\"**/*.parquet\"]'"
+        )
+
+
+def _check_local_files(path: Path, data_files: list[str] | None) -> None:
+    """After `datasets` failed on local files: read each file the way litsft reads it to name the one that
+    is broken, and where (`datasets` says "An error occurred while generating the dataset")."""
+    for file in _local_files(path, data_files):
+        if file.stat().st_size == 0:
+            raise LitsftError(f"{file} is empty (0 bytes); remove it or write it again")
+        if file.suffix == ".jsonl" or (file.suffix == ".json" and not _starts_a_list(file)):
+            # `datasets` reads a .json file that is not one list as JSON Lines.
+            records_of_jsonl(file, file.read_text(encoding="utf-8", errors="replace"))
+        elif file.suffix == ".json":
+            read_records(file)  # raises naming the file and line
+        elif file.suffix == ".parquet":
+            import pyarrow.parquet
+
+            try:
+                pyarrow.parquet.read_metadata(file)
+            except Exception as err:
+                raise LitsftError(
+                    f"{file} is not a readable parquet file ({_first_line(err)}); write it again"
+                ) from None
+
+
+def _starts_a_list(file: Path) -> bool:
+    with open(file, "rb") as opened:
+        return opened.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
 
 
 def _saved_to_disk(path: Path) -> bool:

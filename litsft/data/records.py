@@ -51,6 +51,35 @@ SHAREGPT_ROLES = {
 """ShareGPT `from` values and the roles they become (FastChat's conversation format, and the tool roles of
 function-calling ShareGPT sets)."""
 SHAREGPT_MESSAGE = {"role": "from", "content": "value"}
+
+
+@dataclass(frozen=True)
+class ShapeFields:
+    """The fields a record shape reads: those it needs, and those it reads when they are there."""
+
+    required: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+
+
+SHAPE_FIELDS: dict[str, ShapeFields] = {
+    "messages": ShapeFields(("messages",)),
+    "sharegpt": ShapeFields(("conversations",)),
+    "alpaca": ShapeFields(("instruction", "output"), ("input", "system")),
+    "prompt_completion": ShapeFields(("prompt", "completion")),
+    "text": ShapeFields(("text",)),
+}
+"""The fields of each record shape, in the order shapes are detected (see `shape_of_fields`); every shape
+also reads `tools` (COMMON_FIELDS). The one list of them: detection, the columns a dataset decodes
+(hf_dataset.py) and the check of a dataset's columns all read it, so a new shape is one entry here."""
+COMMON_FIELDS = ("tools",)
+
+
+def record_fields() -> list[str]:
+    """Every field some record shape reads."""
+    fields = (name for shape in SHAPE_FIELDS.values() for name in shape.required + shape.optional)
+    return list(dict.fromkeys([*fields, *COMMON_FIELDS]))
+
+
 # Message keys kept besides role and content: what chat templates read for tool use and reasoning.
 EXTRA_MESSAGE_KEYS = ("tool_calls", "reasoning_content", "thinking", "reasoning", "name", "tool_call_id")
 
@@ -103,8 +132,21 @@ class Conversations(list):
         return f"{self.path} line {self.lines[index]} (record {index + 1})"
 
 
-def read_conversations(path: Path, record_format: RecordFormat = DEFAULT_FORMAT) -> Conversations:
-    """All records of a .json (a list of records) or .jsonl (one record per line) file, as conversations."""
+def read_conversations(
+    path: Path, record_format: RecordFormat = DEFAULT_FORMAT, limit: int | None = None
+) -> Conversations:
+    """All records of a .json (a list of records) or .jsonl (one record per line) file, as conversations;
+    with `limit`, only the first `limit` of them (and only those are read past the file's first bytes)."""
+    records = read_records(path, limit)
+    conversations = [
+        to_conversation(record, f"{path} line {line}", record_format) for line, record in records
+    ]
+    return Conversations(conversations, Path(path), [line for line, _ in records])
+
+
+def read_records(path: Path, limit: int | None = None) -> list[tuple[int, Any]]:
+    """(line, record) of each record of a .json or .jsonl file (the first `limit`), every problem a
+    LitsftError naming the file and line."""
     path = Path(path)
     if not path.is_file():
         raise LitsftError(f"{path} does not exist; pass an existing .json or .jsonl file")
@@ -121,13 +163,13 @@ def read_conversations(path: Path, record_format: RecordFormat = DEFAULT_FORMAT)
     text = text.removeprefix("\ufeff")  # a byte-order mark written by some editors
     if not text.strip():
         raise LitsftError(f"{path} is empty; add at least one record")
-    records = _records_of_jsonl(path, text) if path.suffix == ".jsonl" else _records_of_json(path, text)
+    if path.suffix == ".jsonl":
+        records = records_of_jsonl(path, text, limit)
+    else:
+        records = _records_of_json(path, text, limit)
     if not records:
         raise LitsftError(f"{path} holds no records; add at least one record")
-    conversations = [
-        to_conversation(record, f"{path} line {line}", record_format) for line, record in records
-    ]
-    return Conversations(conversations, path, [line for line, _ in records])
+    return records
 
 
 def to_conversation(
@@ -164,20 +206,43 @@ _SHAPES = (
 )
 
 
+def shape_of_fields(present: set[str]) -> RecordShape | None:
+    """The shape a record with these (non-null) fields is read as: the first of SHAPE_FIELDS whose required
+    fields it has (for alpaca, either of them: a missing one is then named); None when it fits none."""
+    for shape, fields in SHAPE_FIELDS.items():
+        has = any if shape == "alpaca" else all
+        if has(name in present for name in fields.required):
+            return shape
+    return None
+
+
+def check_columns(columns: list[str], where: str, record_format: RecordFormat = DEFAULT_FORMAT) -> None:
+    """Refuse, in one line naming them, a dataset's columns when no record shape can be read from them
+    (after --data.field_map): every record would fail, or be read without the fields it was meant to give."""
+    fields = {*columns, *(name for name, source in record_format.field_map.items() if source in columns)}
+    if record_format.shape != "auto":
+        fits = set(SHAPE_FIELDS[record_format.shape].required) <= fields
+    else:
+        fits = shape_of_fields(fields) is not None
+    if not fits:
+        named = ", ".join(repr(column) for column in columns) or "none"
+        shapes = [record_format.shape] if record_format.shape != "auto" else list(SHAPE_FIELDS)
+        each = [" and ".join(map(repr, SHAPE_FIELDS[shape].required)) for shape in shapes]
+        needs = ", ".join(each[:-1]) + ", or " + each[-1] if len(each) > 1 else each[0]
+        raise LitsftError(
+            f"{where} has no column of {'any record shape' if len(shapes) > 1 else f'record shape {shapes[0]}'} "
+            f"(its columns: {named}); a record needs {needs}: name your columns' roles with --data.field_map, "
+            'e.g. \'{"instruction": "question", "output": "answer"}\''
+        )
+
+
 def _detect_shape(record: dict, where: str) -> RecordShape:
     present = {key for key, value in record.items() if value is not None}
-    if "messages" in present:
-        return "messages"
-    if "conversations" in present:
-        return "sharegpt"
-    if "instruction" in present or "output" in present:
-        return "alpaca"
-    if "prompt" in present and "completion" in present:
-        return "prompt_completion"
-    if "text" in present:
-        return "text"
-    fields = ", ".join(repr(key) for key in sorted(present)) or "none"
-    raise LitsftError(f"{where}: the record fits no record shape (its fields: {fields}); {_SHAPES}")
+    shape = shape_of_fields(present)
+    if shape is None:
+        fields = ", ".join(repr(key) for key in sorted(present)) or "none"
+        raise LitsftError(f"{where}: the record fits no record shape (its fields: {fields}); {_SHAPES}")
+    return shape
 
 
 def _alpaca(record: dict, where: str) -> list[Message]:
@@ -303,9 +368,12 @@ def _type_name(value: Any) -> str:
     )
 
 
-def _records_of_jsonl(path: Path, text: str) -> list[tuple[int, Any]]:
+def records_of_jsonl(path: Path, text: str, limit: int | None = None) -> list[tuple[int, Any]]:
+    """(line, record) of each line of JSON Lines `text` read from `path` (the first `limit`)."""
     records = []
     for number, line in enumerate(text.splitlines(), start=1):
+        if len(records) == limit:
+            break
         if not line.strip():
             continue
         try:
@@ -318,7 +386,7 @@ def _records_of_jsonl(path: Path, text: str) -> list[tuple[int, Any]]:
     return records
 
 
-def _records_of_json(path: Path, text: str) -> list[tuple[int, Any]]:
+def _records_of_json(path: Path, text: str, limit: int | None) -> list[tuple[int, Any]]:
     """The elements of a top-level JSON list, each with the line it starts on."""
     decoder = json.JSONDecoder()
 
@@ -335,6 +403,8 @@ def _records_of_json(path: Path, text: str) -> list[tuple[int, Any]]:
     records, line, counted_to = [], 1, 0
     position = _skip_space(text, position + 1)
     while position < len(text) and text[position] != "]":
+        if len(records) == limit:
+            return records
         try:
             record, end = decoder.raw_decode(text, position)
         except json.JSONDecodeError as err:
