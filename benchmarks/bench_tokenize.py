@@ -24,7 +24,7 @@ def main(num_records: int) -> None:
     conversations = [to_conversation(record) for record in generate_examples(num_records)]
     chat_format = ChatFormat(tokenizer)
     start = time.perf_counter()
-    samples = tokenize_conversations(conversations, chat_format)
+    samples, _ = tokenize_conversations(conversations, chat_format)
     seconds = time.perf_counter() - start
     print(
         f"tokenized {len(samples):,} records ({len(samples.tokens):,} tokens) in {seconds:.2f} s: "

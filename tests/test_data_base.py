@@ -133,3 +133,52 @@ def test_the_fingerprint_follows_the_records(tmp_path) -> None:
     assert JSON(json_path=path).fingerprint() == first
     records(path, 5)
     assert JSON(json_path=path).fingerprint() != first
+
+
+def test_what_tokenizing_left_out_is_said_once_per_run_and_truncation_with_its_size(
+    tmp_path, tokenizer, capsys
+) -> None:
+    """Skipped records (with the first reasons), conversations whose opening reply was left out, and samples
+    cut to max_seq_length are each one line of the run's log, on every run of the same cached data."""
+    lines = [
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+        {"messages": [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello"}]},
+        {"messages": [{"role": "user", "content": "Weather?"},
+                      {"role": "assistant", "tool_calls": [{"function": {"name": "get", "arguments": "{x"}}]}]},
+        {"instruction": "Say a long thing", "output": " ".join(["word"] * 40)},
+    ]  # fmt: skip
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    expected = [
+        f"Skipped 1 of 4 training records that cannot be trained on as they are (--data.skip_invalid false stops "
+        f"at the first instead): {path} line 3 (record 3): message 1 tool_calls[0] (get) has arguments that "
+        "are not valid JSON (Expecting property name enclosed in double quotes at column 2); fix the call or "
+        "drop the record",
+        "1 of 4 training records open with an assistant turn before any user message: it answers no prompt, "
+        "so it is left out and the rest of the conversation is trained on",
+    ]
+    for _ in range(2):  # the first run tokenizes, the second reads the cache
+        data = JSON(json_path=path, cache_dir=tmp_path / "cache", val_split_fraction=0)
+        data.connect(tokenizer, 100, seed=0)
+        data.prepare()
+        printed = capsys.readouterr().out.splitlines()
+        assert printed[:2] == expected
+        assert printed[2] == (
+            "Truncated 1 of 3 training samples to max_seq_length=100: 73 tokens cut from their ends (at most 73 "
+            "from one, 73 on average); raise --train.max_seq_length to train on them whole"
+        )
+        data.setup()
+        assert data.train_samples.lengths.tolist() == [49, 49, 101]  # the opening reply gone; 174 cut to 101
+    data = JSON(json_path=path, cache_dir=tmp_path / "strict", val_split_fraction=0, skip_invalid=False)
+    data.connect(tokenizer, 100, seed=0)
+    with pytest.raises(LitsftError, match=rf"^{path} line 3 \(record 3\): message 1 tool_calls\[0\] \(get\)"):
+        data.prepare()
+    assert not (tmp_path / "strict").exists() or not any((tmp_path / "strict").rglob("meta.json"))
+    path.write_text(json.dumps(lines[2]))
+    data = JSON(json_path=path, cache_dir=tmp_path / "cache", val_split_fraction=0)
+    data.connect(tokenizer, 100, seed=0)
+    with pytest.raises(
+        LitsftError, match=r"^every train record was skipped as untrainable; the first: .* line 1"
+    ):
+        data.prepare()

@@ -96,14 +96,6 @@ def test_prompt_style_overrides_the_checkpoint_template(template_tokenizer):
     assert chat_format.render(messages) == "Say hi\nhi<|end_of_text|>\n"
 
 
-def test_reply_opening_a_conversation(tmp_path):
-    write_tiny_tokenizer(tmp_path, chat_template="chatml")
-    tokenizer = Tokenizer(tmp_path)
-    messages = [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "hi"}]
-    tokens, targets = ChatFormat(tokenizer, prompt_style="chatml").tokenize(messages)
-    assert "".join(pieces(tokenizer, tokens[targets])) == "Hello<|im_end|>"
-
-
 def test_unknown_prompt_style(template_tokenizer):
     with pytest.raises(LitsftError) as error:
         ChatFormat(template_tokenizer[1], prompt_style="vicuna")
@@ -173,7 +165,7 @@ def test_a_template_that_drops_past_reasoning_is_trained_turn_by_turn(tmp_path):
     whole = chat_format.render(REASONING_CONVERSATION)
     assert "add them" not in whole and "It is 5." in whole  # the template rewrote the first reply
 
-    tokens, targets, lengths = chat_format.tokenize_many([REASONING_CONVERSATION])
+    tokens, targets, lengths, _ = chat_format.tokenize_many([REASONING_CONVERSATION])
     assert len(lengths) == 2  # one sample per reply
     first, second = np.split(np.arange(len(tokens)), [lengths[0]])
     # Each sample is the conversation up to its reply, as the template renders it when that reply is newest.
@@ -308,7 +300,7 @@ def test_real_templates_mask_exactly_the_assistant_turns(family, tmp_path):
     template, conversation, tools, expected = FAMILIES[family]
     tokenizer, hf = with_real_template(tmp_path, template)
 
-    tokens, targets, lengths = ChatFormat(tokenizer).tokenize_many([Conversation(conversation, tools)])
+    tokens, targets, lengths, _ = ChatFormat(tokenizer).tokenize_many([Conversation(conversation, tools)])
     starts = np.concatenate([[0], np.cumsum(lengths)])
     assert len(lengths) == len(expected)
     for (upto, masked), start, end in zip(expected, starts[:-1], starts[1:]):
@@ -320,31 +312,10 @@ def test_real_templates_mask_exactly_the_assistant_turns(family, tmp_path):
         )
 
 
-# Gemma has no system role. Gemma 2's template refuses a system message
-# (https://huggingface.co/google/gemma-2-9b-it/blob/main/tokenizer_config.json); Gemma 3's puts it at the head
-# of the first user turn (https://huggingface.co/google/gemma-3-1b-it/blob/main/tokenizer_config.json). The
-# texts below are those templates as public projects quote them, not checked against the Hub files themselves.
-GEMMA2_TEMPLATE = (
-    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
-    "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
-)
-GEMMA3_TEMPLATE = (
-    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n"
-    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}\n{%- set loop_messages = messages[1:] -%}\n"
-    '{%- else -%}\n{%- set first_user_prefix = "" -%}\n{%- set loop_messages = messages -%}\n{%- endif -%}\n'
-    "{%- for message in loop_messages -%}\n{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
-    '{{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}\n'
-    "{%- endif -%}\n{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}"
-    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}\n"
-    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}\n"
-    "{%- if message['content'] is string -%}{{ message['content'] | trim }}{%- endif -%}\n"
-    "{{ '<end_of_turn>\\n' }}\n{%- endfor -%}\n"
-    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
-)
+# Gemma has no system role: Gemma 2's template refuses a system message, Gemma 3's puts it at the head of the
+# first user turn (tests/fixtures/chat_templates/SOURCES.md).
+GEMMA2_TEMPLATE = (TEMPLATES / "gemma-2.jinja").read_text()
+GEMMA3_TEMPLATE = (TEMPLATES / "gemma-3.jinja").read_text()
 
 
 def test_gemma_templates_and_the_system_role(tmp_path):
@@ -387,10 +358,106 @@ def test_reasoning_reaches_the_template_under_each_of_its_names(field, tmp_path)
         {key.replace("reasoning_content", field): value for key, value in message.items()}
         for message in THINKING_CONVERSATION
     ]
-    tokens, targets, lengths = ChatFormat(tokenizer).tokenize_many([Conversation(conversation, TOOLS)])
+    tokens, targets, lengths, _ = ChatFormat(tokenizer).tokenize_many([Conversation(conversation, TOOLS)])
     last = slice(int(lengths[:-1].sum()), None)  # the sample of the last reply: its reasoning is shown
     text = hf.apply_chat_template(conversation, tools=TOOLS, tokenize=False)
     assert tokens[last].tolist() == hf.encode(text, add_special_tokens=False)
     assert tokenizer.decode(tokens[last][targets[last]].tolist(), skip_special_tokens=False) == (
         "<think>\nit said sunny\n</think>\n\nSunny in Paris.<|im_end|>"
     )
+
+
+# ---- records no template can train as they are -----------------------------------------------------------
+EVERY_TEMPLATE = sorted(path.name for path in TEMPLATES.glob("*.jinja"))
+# FastChat's ShareGPT data has conversations that open with the assistant's greeting.
+OPENS_WITH_A_REPLY = [
+    {"role": "assistant", "content": "Hi! How can I help?"},
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "It is 5."},
+    {"role": "user", "content": "And the red cat?"},
+    {"role": "assistant", "content": "The cat sings today!"},
+]
+# What each template writes around a reply: after its header, and its end-of-turn token.
+REPLY_MARKUP = {
+    "gemma-2.jinja": ("", "<end_of_turn>"),
+    "gemma-3.jinja": ("", "<end_of_turn>"),
+    "llama-3.1.jinja": ("", "<|eot_id|>"),
+    "mistral-v0.3.jinja": (" ", EOS),
+    "qwen2.5.jinja": ("", "<|im_end|>"),
+    "qwen3.jinja": ("<think>\n\n</think>\n\n", "<|im_end|>"),  # an empty reasoning block opens a reply
+    "smollm2.jinja": ("", "<|im_end|>"),
+}
+
+
+def assert_samples_are_transformers_renders(tokenizer, hf, tokenized, conversation, tools=None) -> str:
+    """Each sample is transformers' render of `conversation` up to a reply (the whole of it for a template
+    that renders incrementally); returns the text of the loss targets of all samples."""
+    tokens, targets, lengths, _ = tokenized
+    replies = [i + 1 for i, message in enumerate(conversation) if message["role"] == "assistant"]
+    ends = replies if len(lengths) > 1 else [len(conversation)]
+    assert len(lengths) == len(ends)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    for upto, start, end in zip(ends, starts[:-1], starts[1:]):
+        text = hf.apply_chat_template(conversation[:upto], tools=tools, tokenize=False)
+        assert tokens[start:end].tolist() == hf.encode(text, add_special_tokens=False)
+    return tokenizer.decode(tokens[targets].tolist(), skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("template", EVERY_TEMPLATE)
+def test_a_reply_before_any_user_message_is_left_out_the_same_way_by_every_template(template, tmp_path):
+    """Qwen2.5 and Llama 3.1 would train on their default system prompt and the assistant header before such a
+    reply (66 and 74 tokens); Gemma and Mistral refuse the record. Every template trains the conversation from
+    its first user message on, as transformers renders that, with the loss on the replies and end-of-turn
+    tokens only."""
+    assert set(EVERY_TEMPLATE) == set(REPLY_MARKUP)
+    tokenizer, hf = with_real_template(tmp_path, template)
+    tokenized = ChatFormat(tokenizer).tokenize_many([OPENS_WITH_A_REPLY])
+    masked = assert_samples_are_transformers_renders(tokenizer, hf, tokenized, OPENS_WITH_A_REPLY[1:])
+    before, end_of_turn = REPLY_MARKUP[template]
+    replies = ["It is 5.", "The cat sings today!"]
+    # Qwen3 trains turn by turn, each reply the newest of its sample, with the empty reasoning block.
+    assert masked == "".join(f"{before}{reply}{end_of_turn}" for reply in replies)
+    assert tokenized.report.opening_replies_dropped == 1 and not tokenized.report.skipped
+    # A system message before the opening reply stays (Gemma 2 refuses it, which the next test covers).
+    if template != "gemma-2.jinja":
+        with_system = [{"role": "system", "content": "Be brief."}, *OPENS_WITH_A_REPLY]
+        tokenized = ChatFormat(tokenizer).tokenize_many([with_system])
+        assert_samples_are_transformers_renders(tokenizer, hf, tokenized, with_system[:1] + with_system[2:])
+
+
+@pytest.mark.parametrize("template", EVERY_TEMPLATE)
+def test_records_a_template_refuses_or_with_malformed_tool_calls_are_skipped_and_counted(template, tmp_path):
+    """Each record is decided on its own: one the template refuses (Gemma 2: a system message; Gemma and
+    Mistral: roles that do not alternate), or with a tool call without a name or with arguments that are not
+    JSON, is skipped with its reason; the others train as transformers renders them. Without skip_invalid the
+    first one stops tokenizing, naming it."""
+    tokenizer, hf = with_real_template(tmp_path, template)
+    good = CONVERSATION[1:3]
+    two_users = [CONVERSATION[1], CONVERSATION[3], CONVERSATION[2]]
+    nameless = {"function": {"name": "", "arguments": {"city": "Paris"}}}
+    not_json = {"function": {"name": "get_weather", "arguments": '{"city": Paris}'}}
+    tool_calls = [
+        [CONVERSATION[1], {"role": "assistant", "tool_calls": [call]}] for call in (nameless, not_json)
+    ]
+    conversations = [good, CONVERSATION, two_users, *tool_calls, good]
+    tokenized = ChatFormat(tokenizer, skip_invalid=True).tokenize_many(conversations)
+    skipped = dict(tokenized.report.skipped)
+    refused = {"gemma-2.jinja": {1, 2}, "gemma-3.jinja": {2}, "mistral-v0.3.jinja": {2}}.get(template, set())
+    assert set(skipped) == refused | {3, 4}
+    assert skipped[3] == "message 1 tool_calls[0] has no function name; fix the call or drop the record"
+    assert skipped[4] == (
+        "message 1 tool_calls[0] (get_weather) has arguments that are not valid JSON (Expecting value at "
+        "column 10); fix the call or drop the record"
+    )
+    if template == "gemma-2.jinja":
+        assert skipped[1].endswith("failed on this conversation: System role not supported; fix the messages, or "
+                                   "choose another --data.prompt_style")  # fmt: skip
+    for index in refused - {1}:
+        assert "roles must alternate user/assistant/user/assistant/..." in skipped[index]
+    trained = [conversation for index, conversation in enumerate(conversations) if index not in skipped]
+    one_by_one = [ChatFormat(tokenizer).tokenize_many([conversation]) for conversation in trained]
+    assert tokenized.tokens.tolist() == [token for part in one_by_one for token in part.tokens.tolist()]
+    for conversation, part in zip(trained, one_by_one):
+        assert_samples_are_transformers_renders(tokenizer, hf, part, conversation)
+    with pytest.raises(LitsftError, match=r"^conversation 1: message 1 tool_calls\[0\] has no function name"):
+        ChatFormat(tokenizer).tokenize_many(conversations[:1] + conversations[3:])

@@ -94,6 +94,8 @@ def test_truncation_keeps_the_mask_and_drops_samples_without_targets(tmp_path, t
         val_split_fraction=0,
     )
     assert capsys.readouterr().out == (
+        "Truncated 2 of 3 training samples to max_seq_length=48: 317 tokens cut from their ends (at most 239 "
+        "from one, 158 on average); raise --train.max_seq_length to train on them whole\n"
         "Dropped 1 of 3 training samples: no assistant token is left within max_seq_length=48; "
         "raise max_seq_length or shorten the prompts\n"
     )
@@ -170,7 +172,12 @@ def test_a_record_the_template_cannot_mask_is_named_by_file_and_line(tmp_path, s
         path.write_text(json.dumps(records, indent=2))
     line = 3 if suffix == ".jsonl" else 10
     with pytest.raises(LitsftError) as error:
-        prepared(Tokenizer(tmp_path / "tokenizer"), json_path=path, cache_dir=tmp_path / "cache")
+        prepared(
+            Tokenizer(tmp_path / "tokenizer"),
+            json_path=path,
+            cache_dir=tmp_path / "cache",
+            skip_invalid=False,
+        )
     assert str(error.value) == (
         f"{path} line {line} (record 3): the checkpoint chat template does not show assistant message 1 "
         "verbatim, so its tokens cannot be found for the loss mask; choose a --data.prompt_style such as chatml"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import litsft.data.samples as samples_module
-from litsft.data.chat import ConversationError
+from litsft.data.chat import ConversationError, Tokenized, TokenizeReport
 from litsft.data.samples import Samples, tokenize_conversations, write_atomically
 from litsft.errors import LitsftError
 
@@ -83,16 +83,19 @@ class CountingFormat:
                 raise ConversationError(index, "no assistant reply")
             tokens += [conversation[0], conversation[0]]
             lengths.append(2)
-        return (np.array(tokens, dtype=np.int32), np.array([False, True] * len(lengths)), np.array(lengths))
+        targets = np.array([False, True] * len(lengths))
+        report = TokenizeReport(conversations=len(conversations))
+        return Tokenized(np.array(tokens, dtype=np.int32), targets, np.array(lengths), report)
 
 
 def test_chunks_are_joined_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(samples_module, "CHUNK_SIZE", 2)
-    samples = tokenize_conversations([[n] for n in range(5)], CountingFormat())
+    samples, report = tokenize_conversations([[n] for n in range(5)], CountingFormat())
+    assert report.conversations == 5 and not report.skipped
     assert samples.tokens.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
     assert samples.offsets.tolist() == [0, 2, 4, 6, 8, 10]
     assert samples.targets.tolist() == [False, True] * 5
-    empty = tokenize_conversations([], CountingFormat())
+    empty, _ = tokenize_conversations([], CountingFormat())
     assert len(empty) == 0 and empty.offsets.tolist() == [0]
 
 

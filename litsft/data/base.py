@@ -24,13 +24,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from litsft.data.chat import ChatFormat, Message, PromptStyle
+from litsft.data.chat import ChatFormat, Message, PromptStyle, TokenizeReport
 from litsft.data.records import RecordFormat, RecordShape
 from litsft.data.samples import Samples, tokenize_conversations, write_atomically
 from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError, check_number
 
-CACHE_FORMAT_VERSION = 2
+CACHE_FORMAT_VERSION = 3
 """Part of every cache key: bump it when the cached layout or the tokenization rules change."""
 
 
@@ -121,6 +121,9 @@ class SFTDataModule(DataOptions, DataModule):
     """Format conversations with a named style; None uses the checkpoint's chat template (alpaca if it has none)."""
     val_split_fraction: float = 0.05
     """Share of the records held out for validation when there is no separate validation file."""
+    skip_invalid: bool = True
+    """Skip the records that cannot be trained on as they are (the chat template refuses them, a tool call
+    is malformed), counted and the first reasons printed; false stops at the first such record instead."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -141,7 +144,7 @@ class SFTDataModule(DataOptions, DataModule):
 
     def connect(self, tokenizer: Tokenizer, max_seq_length: int, seed: int) -> None:
         super().connect(tokenizer, max_seq_length, seed)
-        self.chat_format = ChatFormat(tokenizer, self.prompt_style, self.mask_prompt)
+        self.chat_format = ChatFormat(tokenizer, self.prompt_style, self.mask_prompt, self.skip_invalid)
         self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
 
     def render_prompt(self, messages: list[Message]) -> str:
@@ -184,10 +187,13 @@ class SFTDataModule(DataOptions, DataModule):
         # Read (and so check) every file before tokenizing or writing anything.
         conversations = {split: read() for split, (_, read) in missing.items()}
         for split, (identity, _) in missing.items():
-            samples = tokenize_conversations(conversations[split], self.chat_format)
-            write_atomically(
-                self._cached(identity), samples.save, {"source": identity, "samples": len(samples)}
-            )
+            samples, report = tokenize_conversations(conversations[split], self.chat_format)
+            if report.conversations and len(report.skipped) == report.conversations:
+                raise LitsftError(
+                    f"every {split} record was skipped as untrainable; the first: {report.skipped[0][1]}"
+                )
+            meta = {"source": identity, "samples": len(samples), "left_out": left_out_summary(report)}
+            write_atomically(self._cached(identity), samples.save, meta)
         self._load(warn=True)
 
     def setup(self) -> None:
@@ -252,6 +258,7 @@ class SFTDataModule(DataOptions, DataModule):
             "tokenizer": self.tokenizer_fingerprint,
             "template": self.chat_format.template,
             "mask_prompt": self.mask_prompt,
+            "skip_invalid": self.skip_invalid,
         }
         return self.cache_root / "sft" / digest_of(key)[:24]
 
@@ -267,12 +274,21 @@ class SFTDataModule(DataOptions, DataModule):
             # A rank that cannot see rank 0's cache (a node-local disk) tokenizes for itself.
             if (entry / "meta.json").is_file():
                 splits[split] = Samples.load(entry)
+                left_out = json.loads((entry / "meta.json").read_text()).get("left_out")
+                if warn and left_out:
+                    # Notices for the run's log, once (prepare runs on rank 0 only), on every run of the data.
+                    for line in left_out_notices(left_out, split):
+                        print(line, flush=True)
             else:
-                splits[split] = tokenize_conversations(read(), self.chat_format)
+                splits[split], _ = tokenize_conversations(read(), self.chat_format)
         train, val = splits["train"], splits.get("val")
         if val is None and self.val_split_fraction > 0 and len(train) > 1:
             held_out = self._held_out(len(train))
             val, train = train.subset(held_out), train.subset(np.setdiff1d(np.arange(len(train)), held_out))
+        if warn:
+            notice = truncation_notice(train.lengths, self.max_seq_length)
+            if notice is not None:
+                print(notice, flush=True)
         train, dropped = train.truncate(self.max_seq_length + 1)
         if val is not None:
             val, _ = val.truncate(self.max_seq_length + 1)
@@ -317,6 +333,53 @@ class RecordDataModule(SFTDataModule):
             role_map=dict(self.role_map or {}),
             message_map=dict(self.message_map or {}),
         )
+
+
+SHOWN_REASONS = 3
+"""How many reasons for skipped records the notice quotes."""
+
+
+def left_out_summary(report: TokenizeReport) -> dict[str, Any]:
+    """What tokenizing a split left out, as its cache entry keeps it (so that every run of it says so)."""
+    return {
+        "records": report.conversations,
+        "skipped": len(report.skipped),
+        "reasons": [problem for _, problem in report.skipped[:SHOWN_REASONS]],
+        "opening_replies_dropped": report.opening_replies_dropped,
+    }
+
+
+def left_out_notices(left_out: dict[str, Any], split: str) -> list[str]:
+    """The lines that tell the run's log what tokenizing a split left out (see left_out_summary)."""
+    records = f"of {left_out['records']} {'training' if split == 'train' else split} records"
+    lines = []
+    if left_out["skipped"]:
+        more = left_out["skipped"] - len(left_out["reasons"])
+        lines.append(
+            f"Skipped {left_out['skipped']} {records} that cannot be trained on as they are "
+            f"(--data.skip_invalid false stops at the first instead): {'; '.join(left_out['reasons'])}"
+            + (f"; and {more} more" if more else "")
+        )
+    if left_out["opening_replies_dropped"]:
+        lines.append(
+            f"{left_out['opening_replies_dropped']} {records} open with an assistant turn before any user "
+            "message: it answers no prompt, so it is left out and the rest of the conversation is trained on"
+        )
+    return lines
+
+
+def truncation_notice(lengths: np.ndarray, max_seq_length: int) -> str | None:
+    """One line saying how many samples are longer than a row and how many tokens they lose; None if none."""
+    # A sample of max_seq_length + 1 tokens fills a row: inputs are its first max_seq_length, labels its last.
+    cut = lengths - (max_seq_length + 1)
+    cut = cut[cut > 0]
+    if not len(cut):
+        return None
+    return (
+        f"Truncated {len(cut)} of {len(lengths)} training samples to max_seq_length={max_seq_length}: "
+        f"{int(cut.sum())} tokens cut from their ends (at most {int(cut.max())} from one, "
+        f"{float(cut.mean()):.0f} on average); raise --train.max_seq_length to train on them whole"
+    )
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:

@@ -7,6 +7,14 @@ This works for any template that renders a conversation incrementally (ChatML, L
 the named styles below) without knowing its markup. Tokenizing the whole text once, and mapping tokens
 to spans by character offsets, gives the same tokens as tokenizing the text at generation time.
 
+Decided per record, the same way whatever the template: replies before the conversation's first user
+message answer no prompt and are dropped (as FastChat's training drops a first turn that is not the
+human's: https://github.com/lm-sys/FastChat/blob/main/fastchat/train/train.py), so that no template
+trains on its default system prompt and header before them or refuses the record for them; a record whose
+tool calls are malformed (no function name, arguments that are not a JSON object), or that the template
+refuses, or whose replies cannot be found in the render, is skipped and counted with its reason
+(`skip_invalid`), or stops tokenizing with that reason.
+
 A template that rewrites earlier turns (Qwen3 drops the reasoning of replies before the last user
 message) renders a reply differently once later turns follow it. Such a conversation is trained turn by
 turn: one sample per assistant reply, the conversation up to that reply as the template renders it when
@@ -15,8 +23,10 @@ the reply is the newest, which is what the model sees when it writes that reply.
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -100,6 +110,38 @@ Sample = tuple[str, list[tuple[int, int]]]
 """A text to train on and the character spans [start, end) of it that carry loss."""
 
 
+@dataclass
+class TokenizeReport:
+    """What tokenizing conversations left out, for the run's log: the conversations skipped, each with its
+    index and reason, and how many lost the replies that opened them (before any user message)."""
+
+    conversations: int = 0
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    opening_replies_dropped: int = 0
+
+    def shifted(self, offset: int) -> TokenizeReport:
+        """This report of conversations that start at index `offset` of a longer list."""
+        skipped = [(index + offset, problem) for index, problem in self.skipped]
+        return TokenizeReport(self.conversations, skipped, self.opening_replies_dropped)
+
+    @staticmethod
+    def joined(reports: list[TokenizeReport]) -> TokenizeReport:
+        return TokenizeReport(
+            sum(report.conversations for report in reports),
+            [skipped for report in reports for skipped in report.skipped],
+            sum(report.opening_replies_dropped for report in reports),
+        )
+
+
+class Tokenized(NamedTuple):
+    """Samples back to back: their tokens, loss targets, one length per sample, and what was left out."""
+
+    tokens: np.ndarray
+    targets: np.ndarray
+    lengths: np.ndarray
+    report: TokenizeReport
+
+
 class ChatFormat:
     """How conversations become text and training tokens for one tokenizer.
 
@@ -108,10 +150,16 @@ class ChatFormat:
         prompt_style: A named style from PROMPT_STYLES, or None for the checkpoint's own chat template
             (falling back to "alpaca" when the checkpoint has none).
         mask_prompt: Only assistant tokens carry loss; False trains on every token.
+        skip_invalid: A conversation that cannot be trained on (see the module docstring) is skipped and
+            counted in the TokenizeReport; False raises ConversationError for it.
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_style: str | None = None, mask_prompt: bool = True
+        self,
+        tokenizer: Tokenizer,
+        prompt_style: str | None = None,
+        mask_prompt: bool = True,
+        skip_invalid: bool = False,
     ) -> None:
         if prompt_style is not None and prompt_style not in PROMPT_STYLES:
             raise LitsftError(
@@ -120,6 +168,7 @@ class ChatFormat:
             )
         self.tokenizer = tokenizer
         self.mask_prompt = mask_prompt
+        self.skip_invalid = skip_invalid
         if prompt_style is None and tokenizer.chat_template is not None:
             self.name = "checkpoint"
             self.template = tokenizer.chat_template
@@ -162,20 +211,26 @@ class ChatFormat:
         """Token ids (int32) of the whole conversation, and a bool array: True where the token is a
         loss target (assistant reply and its end-of-turn token; every token with mask_prompt=False).
         A conversation trained turn by turn gives its samples back to back (`tokenize_many` tells them apart)."""
-        tokens, targets, _ = self.tokenize_many([messages])
+        tokens, targets, _, _ = self.tokenize_many([messages])
         return tokens, targets
 
-    def tokenize_many(self, conversations: list[list[Message]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The samples of many conversations: (tokens, targets, lengths), concatenated, one length per
-        sample (one sample per conversation, or one per reply for a conversation trained turn by turn).
-        Tokenizes in one batch call, and finds the target tokens of all samples with one search.
-        Raises ConversationError naming the conversation that cannot be rendered or masked."""
+    def tokenize_many(self, conversations: list[list[Message]]) -> Tokenized:
+        """The samples of many conversations: tokens, targets and lengths, concatenated, one length per
+        sample (one sample per conversation, or one per reply for a conversation trained turn by turn), and
+        the report of what was left out. Tokenizes in one batch call, and finds the target tokens of all
+        samples with one search. A conversation that cannot be trained on is skipped (`skip_invalid`), else
+        raises ConversationError naming it."""
         texts, spans = [], []
+        report = TokenizeReport(conversations=len(conversations))
         for index, messages in enumerate(conversations):
             try:
                 samples = self.samples(messages)
             except LitsftError as err:
-                raise ConversationError(index, str(err)) from None
+                if not self.skip_invalid:
+                    raise ConversationError(index, str(err)) from None
+                report.skipped.append((index, str(err)))
+                continue
+            report.opening_replies_dropped += _opens_with_a_reply(messages)
             texts.extend(text for text, _ in samples)
             spans.extend(text_spans for _, text_spans in samples)
         encoded = _encode_batch_with_offsets(self.tokenizer, texts)
@@ -210,7 +265,7 @@ class ChatFormat:
                 tokens = np.insert(tokens, firsts[missing], self.tokenizer.bos_id)
                 targets = np.insert(targets, firsts[missing], False)
                 lengths = lengths + missing
-        return tokens, targets, lengths
+        return Tokenized(tokens, targets, lengths, report)
 
     def _with_bos(self, ids: list[int]) -> list[int]:
         # A template that wants bos writes it (Llama 3); add it only when encoding wants it and it is missing.
@@ -226,6 +281,8 @@ class ChatFormat:
             text = messages[0]["content"] + self._eos_text()
             return [(text, [(0, len(text))])]
         tools = tools_of(messages)
+        messages = _without_opening_replies(messages)
+        check_trainable(messages)
         text = self.render(messages, tools=tools)
         if not self.mask_prompt:
             return [(text, [(0, len(text))])]
@@ -242,7 +299,7 @@ class ChatFormat:
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt = self._render_or_empty(messages[:i], tools)
+            prompt = self.render(messages[:i], add_generation_prompt=True, tools=tools)
             turn = text if i + 1 == len(messages) else self.render(messages[: i + 1], tools=tools)
             if not (text.startswith(prompt) and text.startswith(turn) and len(prompt) <= len(turn)):
                 return None
@@ -258,19 +315,12 @@ class ChatFormat:
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt = self._render_or_empty(messages[:i], tools)
+            prompt = self.render(messages[:i], add_generation_prompt=True, tools=tools)
             turn = self.render(messages[: i + 1], tools=tools)
             if not turn.startswith(prompt):
                 return None
             samples.append((turn, [_reply_span(prompt, turn)]))
         return samples
-
-    def _render_or_empty(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> str:
-        # Some templates index messages[0], so a reply that opens the conversation has an empty prompt.
-        try:
-            return self.render(messages, add_generation_prompt=True, tools=tools)
-        except LitsftError:
-            return ""
 
     def _searched_spans(self, messages: list[Message], text: str) -> list[tuple[int, int]]:
         """For templates whose renders are not even prefixes turn by turn (one that marks the last message
@@ -296,6 +346,59 @@ class ChatFormat:
             spans.append((start, end))
             cursor = end
         return spans
+
+
+def _first_user_message(messages: list[Message]) -> int:
+    return next((i for i, message in enumerate(messages) if message["role"] == "user"), len(messages))
+
+
+def _opens_with_a_reply(messages: list[Message]) -> bool:
+    """Whether messages other than system ones (a reply, its tool results) come before the first user one."""
+    return any(message["role"] != "system" for message in messages[: _first_user_message(messages)])
+
+
+def _without_opening_replies(messages: list[Message]) -> list[Message]:
+    """The conversation from its first user message on, its system messages kept."""
+    if not _opens_with_a_reply(messages):
+        return messages
+    first_user = _first_user_message(messages)
+    return [message for message in messages[:first_user] if message["role"] == "system"] + list(
+        messages[first_user:]
+    )
+
+
+def check_trainable(messages: list[Message]) -> None:
+    """Raise LitsftError naming what makes a conversation untrainable before any template sees it: no
+    reply after a user message, or a malformed tool call."""
+    if not any(message["role"] == "assistant" for message in messages):
+        raise LitsftError("no assistant reply follows a user message; add one or drop the record")
+    for i, message in enumerate(messages):
+        for j, call in enumerate(message.get("tool_calls") or []):
+            problem = _tool_call_problem(call)
+            if problem is not None:
+                raise LitsftError(f"message {i} tool_calls[{j}] {problem}; fix the call or drop the record")
+
+
+def _tool_call_problem(call: Any) -> str | None:
+    """What is wrong with one tool call ({"function": {"name", "arguments"}} as OpenAI writes it, or the
+    function itself), None when nothing is: templates print the name and the arguments as JSON."""
+    if not isinstance(call, dict):
+        return f"is {type(call).__name__}, not an object"
+    function = call.get("function", call)
+    if not isinstance(function, dict):
+        return "has a 'function' that is not an object"
+    name = function.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return "has no function name"
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as err:
+            return f"({name}) has arguments that are not valid JSON ({err.msg} at column {err.colno})"
+    if not isinstance(arguments, dict):
+        return f"({name}) has arguments that are not a JSON object"
+    return None
 
 
 def _reply_span(prompt: str, turn: str) -> tuple[int, int]:

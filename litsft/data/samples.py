@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from litsft.data.chat import ChatFormat, ConversationError, Message
+from litsft.data.chat import ChatFormat, ConversationError, Message, Tokenized, TokenizeReport
 from litsft.errors import LitsftError
 from litsft.runtime.files import publish_atomically, write_json
 
@@ -83,20 +83,28 @@ class Samples:
         return cls(*arrays)
 
 
-def tokenize_conversations(conversations: Sequence[list[Message]], chat_format: ChatFormat) -> Samples:
-    """Render and tokenize every conversation (no truncation), in worker processes for large sets. A
-    conversation that cannot be masked is named by its record (`Conversations.where`, file and line).
+def tokenize_conversations(
+    conversations: Sequence[list[Message]], chat_format: ChatFormat
+) -> tuple[Samples, TokenizeReport]:
+    """Render and tokenize every conversation (no truncation), in worker processes for large sets, and
+    report what was left out. A conversation that cannot be trained on is named by its record
+    (`Conversations.where`, file and line): in the report's skipped list (the problem prefixed with it),
+    or in the LitsftError that stops tokenizing when the chat format does not skip.
 
     `conversations` is any sequence that slices: a list, or a lazy view over a dataset's rows (see
     hf_dataset.py), of which only one chunk of CHUNK_SIZE conversations per process is held at a time."""
+    where = getattr(conversations, "where", lambda index: f"record {index + 1}")
     try:
-        return _tokenize_all(conversations, chat_format)
+        samples, report = _tokenize_all(conversations, chat_format)
     except ConversationError as err:
-        where = getattr(conversations, "where", lambda index: f"record {index + 1}")(err.index)
-        raise LitsftError(f"{where}: {err.problem}") from None
+        raise LitsftError(f"{where(err.index)}: {err.problem}") from None
+    report.skipped = [(index, f"{where(index)}: {problem}") for index, problem in report.skipped]
+    return samples, report
 
 
-def _tokenize_all(conversations: Sequence[list[Message]], chat_format: ChatFormat) -> Samples:
+def _tokenize_all(
+    conversations: Sequence[list[Message]], chat_format: ChatFormat
+) -> tuple[Samples, TokenizeReport]:
     num_chunks = -(-len(conversations) // CHUNK_SIZE)
     processes = min(num_chunks, os.cpu_count() or 1, MAX_PROCESSES)
     # Forking while other threads run (the training launcher's, the out_dir lock's heartbeat, gloo's) can
@@ -115,16 +123,18 @@ def _tokenize_all(conversations: Sequence[list[Message]], chat_format: ChatForma
     else:
         parts = [_tokenize_chunk_of(conversations, index, chat_format) for index in range(num_chunks)]
     if not parts:
-        return Samples(np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(1, dtype=np.int64))
+        empty = Samples(np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(1, dtype=np.int64))
+        return empty, TokenizeReport()
     # A conversation trained turn by turn gives several samples: count samples, not conversations.
-    lengths = np.concatenate([lengths for _, _, lengths in parts])
+    lengths = np.concatenate([part.lengths for part in parts])
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    return Samples(
-        np.concatenate([tokens for tokens, _, _ in parts]),
-        np.concatenate([targets for _, targets, _ in parts]),
+    samples = Samples(
+        np.concatenate([part.tokens for part in parts]),
+        np.concatenate([part.targets for part in parts]),
         offsets,
     )
+    return samples, TokenizeReport.joined([part.report for part in parts])
 
 
 CHUNK_SIZE = 10_000
@@ -132,18 +142,21 @@ MAX_PROCESSES = 16
 _WORK: tuple[Sequence[list[Message]], ChatFormat] | None = None
 
 
-def _tokenize_chunk(index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _tokenize_chunk(index: int) -> Tokenized:
     conversations, chat_format = _WORK
     return _tokenize_chunk_of(conversations, index, chat_format)
 
 
 def _tokenize_chunk_of(
     conversations: Sequence[list[Message]], index: int, chat_format: ChatFormat
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> Tokenized:
+    # Indices within the chunk are made indices into all conversations.
+    start = index * CHUNK_SIZE
     try:
-        return chat_format.tokenize_many(conversations[index * CHUNK_SIZE : (index + 1) * CHUNK_SIZE])
-    except ConversationError as err:  # its index within the chunk, made an index into all conversations
-        raise ConversationError(index * CHUNK_SIZE + err.index, err.problem) from None
+        part = chat_format.tokenize_many(conversations[start : start + CHUNK_SIZE])
+    except ConversationError as err:
+        raise ConversationError(start + err.index, err.problem) from None
+    return part._replace(report=part.report.shifted(start))
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
