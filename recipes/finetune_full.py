@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from litsft.checkpoint.model_source import resolve_checkpoint
+from litsft.checkpoint.model_source import local_model_dir, resolve_checkpoint
 from litsft.cli.launcher import launch
+from litsft.cli.validation import check_data
 from litsft.data import DataModule
 from litsft.model.config import Config
 from litsft.training.args import (
@@ -62,6 +63,7 @@ def setup(
         log: Metric loggers.
     """
     arguments = dict(locals())
+    check_data(data, local_model_dir(checkpoint_dir))  # before the model is converted or downloaded
     checkpoint_dir = resolve_checkpoint(checkpoint_dir)
     config = Config.from_checkpoint(checkpoint_dir)
     run = RunConfig.from_arguments(arguments, config, tokenizer_dir=checkpoint_dir)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 from litsft.cli.launcher import launch
+from litsft.cli.validation import check_data
 from litsft.data import DataModule
 from litsft.errors import LitsftError
 from litsft.model.config import CONFIG_FILENAME, Config
@@ -73,6 +74,7 @@ def setup(
                 f"pretraining {model_name} needs a tokenizer: pass --tokenizer_dir <dir with tokenizer.json>"
             )
         tokenizer_dir = Path(model_name)
+    check_data(data, tokenizer_dir)
     run = RunConfig.from_arguments(arguments, config, tokenizer_dir=tokenizer_dir)
     launch("pretrain", lambda: pretraining(config, tokenizer_dir, seed), run)
 

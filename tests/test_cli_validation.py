@@ -3,6 +3,7 @@ and touching nothing on disk."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -132,3 +133,72 @@ def test_what_the_machine_cannot_give_is_refused(
 ) -> None:
     with pytest.raises(LitsftError, match=message):
         check_machine(replace(run, **change), gpus)
+
+
+# ---- the data, before the model is converted -----------------------------------------------------------
+def _bad_data(root: Path) -> dict[str, tuple[list[str], str]]:
+    """Data a run would fail on, as --data options, each with the start of the line that refuses it."""
+    (root / "qa.jsonl").write_text('{"question": "Hi", "answer": "Hello"}\n')
+    (root / "shapeless.jsonl").write_text('{"instruction": "a", "output": "b"}\n{"query": "q"}\n')
+    call = {"function": {"name": "get", "arguments": "{not json"}}
+    tool_call = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [call]}]}
+    (root / "calls.jsonl").write_text("\n".join(json.dumps(tool_call) for _ in range(40)))
+    return {
+        "columns of no shape": (
+            ["--data", "HFDataset", "--data.path", str(root / "qa.jsonl")],
+            f"{root / 'qa.jsonl'} split train has no column of any record shape (its columns: 'question', 'answer')",
+        ),
+        "no such split": (
+            [
+                "--data",
+                "HFDataset",
+                "--data.path",
+                str(root),
+                "--data.data_files",
+                '["qa.jsonl"]',
+                "--data.split",
+                "test",
+            ],
+            f"{root} has no split 'test': Unknown split \"test\". Should be one of ['train'].; pass --data.split",
+        ),  # fmt: skip
+        "a record of no shape": (
+            ["--data", "JSON", "--data.json_path", str(root / "shapeless.jsonl")],
+            f"{root / 'shapeless.jsonl'} line 2: the record fits no record shape (its fields: 'query')",
+        ),
+        "no record the template can train on": (
+            ["--data", "JSON", "--data.json_path", str(root / "calls.jsonl")],
+            "none of the first 32 training records can be trained on with the checkpoint chat template; the "
+            f"first: {root / 'calls.jsonl'} line 1 (record 1): message 1 tool_calls[0] (get) has arguments",
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["columns of no shape", "no such split", "a record of no shape", "no record the template can train on"],
+)
+def test_bad_data_is_refused_before_the_model_is_converted(case: str, tmp_path: Path, capsys) -> None:
+    """A Hugging Face model folder is converted on first use (seconds to minutes for a real model): data that
+    training would fail on is refused first, in one line, with nothing converted and no out_dir written."""
+    from launch import litsft_in_process
+    from tiny_hf import save_tiny_hf, tiny_hf_model
+
+    hf_dir = save_tiny_hf(tiny_hf_model("llama"), tmp_path / "hf" / "tiny")
+    options, line = _bad_data(tmp_path)[case]
+    args = [
+        "finetune_full",
+        str(hf_dir),
+        "--out_dir",
+        str(tmp_path / "out"),
+        *options,
+        "--accelerator",
+        "cpu",
+    ]
+    result = litsft_in_process(args, tmp_path, capsys, check=False)
+    assert result.returncode == 2
+    # `datasets` draws a progress bar on stderr as it reads the files; then the one line.
+    *progress, last = result.stderr.rstrip("\n").split("\n")
+    assert last.startswith(f"error: {line}"), result.stderr
+    assert all(bar.startswith("\rGenerating train split") for bar in progress), result.stderr
+    assert not (tmp_path / "cache" / "converted").exists()  # launch.test_env's LITSFT_CACHE_DIR
+    assert not (tmp_path / "out").exists()

@@ -64,6 +64,19 @@ def resolve_checkpoint(model: str | Path, quiet: bool = False) -> Path:
     return checkpoint
 
 
+def local_model_dir(model: str | Path) -> Path | None:
+    """The folder on disk that `resolve_checkpoint(model)` would read or convert (so its tokenizer can be
+    read before anything is converted or downloaded); None for a hub id not downloaded yet."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    from litsft.checkpoint.hub import default_checkpoint_dir, is_converted, is_repo_id
+
+    if is_repo_id(str(model)) and is_converted(default_checkpoint_dir(str(model))):
+        return default_checkpoint_dir(str(model))
+    return None
+
+
 def hf_conversion_cache_dir(hf_dir: Path) -> Path:
     """Where the litsft conversion of a Hugging Face directory is cached: named after the directory and a
     fingerprint of its path and its files' names, sizes and modification times, so an edited or replaced

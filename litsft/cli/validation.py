@@ -1,8 +1,9 @@
 """Checks run before any process is spawned: each failure is one LitsftError naming the value and the fix,
 and nothing in out_dir or the inputs is touched before they pass.
 
-`check_run` reads only the arguments and files, without torch, so a bad command line is refused before
-torch or Lightning is imported; `check_machine` asks torch about the GPUs.
+`check_data` opens the data before a recipe converts or downloads its model; `check_run` reads only the
+arguments and files, without torch, so a bad command line is refused before torch or Lightning is imported;
+`check_machine` asks torch about the GPUs.
 """
 
 from __future__ import annotations
@@ -10,13 +11,19 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from litsft.checkpoint.checkpoint_dirs import FINAL_DIR, STEP_PREFIX, read_trainer_state, resume_checkpoint
 from litsft.errors import LitsftError, check_number
 from litsft.runtime.processes import check_world_size, is_first_process
 from litsft.training.args import FSDPConfig, RunConfig, describe
 from litsft.training.devices import check_devices
+
+if TYPE_CHECKING:
+    from litsft.data.base import DataModule
+
+
+NO_DATA = "no data given; pass e.g. --data JSON --data.json_path train.json, or --data Demo"
 
 
 def check_run(run: RunConfig, recipe_name: str) -> None:
@@ -30,9 +37,18 @@ def check_run(run: RunConfig, recipe_name: str) -> None:
             f"{max_length}; use at most {max_length}"
         )
     if run.data is None:
-        raise LitsftError("no data given; pass e.g. --data JSON --data.json_path train.json, or --data Demo")
+        raise LitsftError(NO_DATA)
     check_tokenizer(run.tokenizer_dir, run.config.vocab_size)
     check_out_dir(run, recipe_name)
+
+
+def check_data(data: DataModule | None, tokenizer_dir: Path | None) -> None:
+    """The data opened and its first records read (and rendered with the model's chat template when its
+    tokenizer is on disk already): what recipes check first, before a model is converted or downloaded and
+    before any process starts, so that a bad dataset is refused in seconds."""
+    if data is None:
+        raise LitsftError(NO_DATA)
+    data.check(tokenizer_dir)
 
 
 def check_machine(run: RunConfig, gpus: int) -> None:

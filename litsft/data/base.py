@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,6 +32,8 @@ from litsft.errors import LitsftError, check_number
 
 CACHE_FORMAT_VERSION = 3
 """Part of every cache key: bump it when the cached layout or the tokenization rules change."""
+CHECKED_RECORDS = 32
+"""How many records of each split `check` reads and renders before launch."""
 
 
 class Loader(Protocol):
@@ -84,6 +86,12 @@ class DataModule:
         refused; None when it cannot be known. Must not need `connect`: it is checked before launch."""
         return None
 
+    def check(self, tokenizer_dir: Path | None) -> None:
+        """Open the data and check what can be checked before the model is converted or downloaded and
+        before any process starts (a bad dataset then fails in seconds, not after them): raise LitsftError
+        for what training would fail on. `tokenizer_dir` is the model's tokenizer when it is on disk already.
+        Must not need `connect`."""
+
     @property
     def cache_root(self) -> Path:
         if self.cache_dir is not None:
@@ -130,10 +138,34 @@ class SFTDataModule(DataOptions, DataModule):
         check_number("--data.val_split_fraction", self.val_split_fraction, at_least=0, below=1,
                      fix="use e.g. 0.05, or 0 for no validation")  # fmt: skip
 
-    def sources(self) -> dict[str, tuple[str, Callable[[], list[list[Message]]]]]:
+    def sources(self) -> dict[str, tuple[str, Callable[..., Sequence[list[Message]]]]]:
         """{"train": (identity, read), "val": ...}: a string that changes when the records change, and a
-        function reading them. Without "val", val_split_fraction of the training records is held out."""
+        function reading them, `read(limit=None)` (with a limit, only the first `limit` records). Without
+        "val", val_split_fraction of the training records is held out."""
         raise NotImplementedError
+
+    def check(self, tokenizer_dir: Path | None) -> None:
+        """Each split opened (files, columns, the split itself), its first CHECKED_RECORDS records read as
+        conversations (each record's shape detected), and, with the tokenizer, rendered with the chat
+        template training uses: refused when none of them could be trained on, or the first that cannot
+        when records are not skipped."""
+        chat_format = None
+        if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
+            tokenizer = Tokenizer(tokenizer_dir)
+            chat_format = ChatFormat(tokenizer, self.prompt_style, self.mask_prompt, skip_invalid=True)
+        for split, (_, read) in self.sources().items():
+            first = read(limit=CHECKED_RECORDS)
+            if chat_format is None:
+                continue
+            _, report = tokenize_conversations(first, chat_format)
+            if report.skipped and not self.skip_invalid:
+                raise LitsftError(f"{report.skipped[0][1]} (--data.skip_invalid true skips such records)")
+            if report.skipped and len(report.skipped) == report.conversations:
+                raise LitsftError(
+                    f"none of the first {report.conversations} {'training' if split == 'train' else split} "
+                    "records can be trained on with the "
+                    f"{chat_format.name} chat template; the first: {report.skipped[0][1]}"
+                )
 
     def fingerprint(self) -> str | None:
         # The sources' identities change with the records (a file's contents, a generator's options).

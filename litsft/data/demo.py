@@ -204,7 +204,7 @@ class Demo(SFTDataModule):
         check_number("--data.num_val", self.num_val, at_least=0, fix="0 for no validation")
         check_number("--data.num_eval", self.num_eval, at_least=0)
 
-    def sources(self) -> dict[str, tuple[str, Callable[[], list[list[Message]]]]]:
+    def sources(self) -> dict[str, tuple[str, Callable[..., list[list[Message]]]]]:
         identity = (
             f"demo:v{GENERATOR_VERSION}:{self.num_train}:{self.num_val}:{self.num_eval}:{self.generator_seed}:"
             f"{','.join(self.tasks)}"
@@ -213,11 +213,11 @@ class Demo(SFTDataModule):
             split: (f"{identity}:{split}", partial(self._conversations, split)) for split in ("train", "val")
         }
 
-    def _conversations(self, split: str) -> list[list[Message]]:
+    def _conversations(self, split: str, limit: int | None = None) -> list[list[Message]]:
         records = demo_splits(self.num_train, self.num_val, self.num_eval, self.generator_seed, self.tasks)[
             split
         ]
-        return [to_conversation(record) for record in records]
+        return [to_conversation(record) for record in records[:limit]]
 
     def eval_prompts(self) -> list[tuple[list[Message], str]]:
         """Held-out (messages without the reply, expected reply) pairs. Render with

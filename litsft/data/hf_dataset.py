@@ -52,7 +52,7 @@ class HFDataset(RecordDataModule):
     data_files: list[str] | None = None
     """Only these files (glob patterns) of the dataset, e.g. ["0625/*.parquet"]."""
 
-    def sources(self) -> dict[str, tuple[str, Callable[[], Sequence[list[Message]]]]]:
+    def sources(self) -> dict[str, tuple[str, Callable[..., Sequence[list[Message]]]]]:
         if "_sources" not in self.__dict__:  # loading is not free, even from the cache: once per instance
             if self.val_split and Path(self.path).is_file():
                 raise LitsftError(
@@ -120,11 +120,14 @@ class HFDataset(RecordDataModule):
 class DatasetConversations(Sequence):
     """A dataset's rows as conversations, converted a slice at a time (what tokenizing asks for)."""
 
-    def __init__(self, dataset: Any, name: str, record_format: RecordFormat) -> None:
+    def __init__(
+        self, dataset: Any, name: str, record_format: RecordFormat, limit: int | None = None
+    ) -> None:
         self.dataset, self.name, self.record_format = dataset, name, record_format
+        self.length = dataset.num_rows if limit is None else min(limit, dataset.num_rows)
 
     def __len__(self) -> int:
-        return self.dataset.num_rows
+        return self.length
 
     def __getitem__(self, index: int | slice) -> Any:
         if isinstance(index, int):

@@ -26,7 +26,7 @@ class JSON(RecordDataModule):
     """A .json or .jsonl file (val_split_fraction of it is held out for validation), or a directory
     with train.json(l) and, optionally, val.json(l)."""
 
-    def sources(self) -> dict[str, tuple[str, Callable[[], list[list[Message]]]]]:
+    def sources(self) -> dict[str, tuple[str, Callable[..., list[list[Message]]]]]:
         path = Path(self.json_path)
         if path.is_dir():
             files = {split: self._find(path, split) for split in ("train", "val")}
