@@ -1,6 +1,7 @@
 """The data module interface the training engine calls, and its implementation for SFT records.
 
-The engine calls, in this order:
+A recipe calls `data.check(tokenizer_dir)` first, before the model is converted and before any process
+starts (the data opened and its first records read and rendered). The engine then calls, in this order:
     data.connect(tokenizer, max_seq_length, seed)      # every rank
     data.prepare()                                     # global rank 0 only, then a barrier
     data.setup()                                       # every rank

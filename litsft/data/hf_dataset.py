@@ -6,6 +6,10 @@ its own memory-mapped cache (HF_HOME/datasets). Rank 0 tokenizes from there into
 ranks find the same dataset in the `datasets` cache and the tokens in litsft's. Rows are converted to
 conversations one chunk at a time (`DatasetConversations`), so a large set never holds every row's Python
 objects at once. `datasets` is imported only when data is loaded: it is slow to import.
+
+Only the columns some record shape reads are decoded (records.py's SHAPE_FIELDS, through --data.field_map);
+a split without any of them is refused naming its columns. A local folder of several file types is refused
+(`datasets` reads one type of them), and a local file `datasets` fails on is named, with its line.
 """
 
 from __future__ import annotations

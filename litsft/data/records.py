@@ -14,8 +14,9 @@ The shapes (`--data.record_shape`, default "auto": detected per record from the 
 - "prompt_completion": {"prompt", "completion"}, each a string or a list of messages (TRL's shape).
 - "text": {"text": str}: plain text, trained on every token without a template (pretraining data).
 
-`--data.field_map` renames a dataset's fields to these names, e.g. {"instruction": "question", "output":
-"answer"}. Every problem is a LitsftError naming where the record is (file and line, or dataset and row),
+The fields each shape reads are listed once, in SHAPE_FIELDS (detection, the columns a dataset decodes and
+`check_columns` read it). `--data.field_map` renames a dataset's fields to these names, e.g.
+{"instruction": "question", "output": "answer"}. Every problem is a LitsftError naming where the record is (file and line, or dataset and row),
 raised before anything is written.
 """
 
