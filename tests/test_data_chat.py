@@ -439,7 +439,10 @@ def test_records_a_template_refuses_or_with_malformed_tool_calls_are_skipped_and
     tool_calls = [
         [CONVERSATION[1], {"role": "assistant", "tool_calls": [call]}] for call in (nameless, not_json)
     ]
-    conversations = [good, CONVERSATION, two_users, *tool_calls, good]
+    # Arguments as OpenAI writes them, a JSON string: valid, so rendered as transformers renders them.
+    as_string = {"id": "call00001", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    string_call = [CONVERSATION[1], {"role": "assistant", "content": "", "tool_calls": [as_string]}]
+    conversations = [good, CONVERSATION, two_users, *tool_calls, good, string_call]
     tokenized = ChatFormat(tokenizer, skip_invalid=True).tokenize_many(conversations)
     skipped = dict(tokenized.report.skipped)
     refused = {"gemma-2.jinja": {1, 2}, "gemma-3.jinja": {2}, "mistral-v0.3.jinja": {2}}.get(template, set())
