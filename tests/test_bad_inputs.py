@@ -334,6 +334,8 @@ CASES: dict[str, Case] = {
             *train(ws, t / "out", base=str(_dog_template(copy_of(ws, t, "base")))),
             "--data.json_path",
             _records_with_a_cat(t),
+            "--data.skip_invalid",
+            "false",
         ],
         "data.jsonl line 3 (record 3): the checkpoint chat template does not show assistant message 1 verbatim",
         NO_ENV,
