@@ -282,7 +282,7 @@ class ChatFormat:
             return [(text, [(0, len(text))])]
         tools = tools_of(messages)
         messages = _without_opening_replies(messages)
-        check_trainable(messages)
+        _check_trainable(messages)
         text = self.render(messages, tools=tools)
         if not self.mask_prompt:
             return [(text, [(0, len(text))])]
@@ -367,7 +367,7 @@ def _without_opening_replies(messages: list[Message]) -> list[Message]:
     )
 
 
-def check_trainable(messages: list[Message]) -> None:
+def _check_trainable(messages: list[Message]) -> None:
     """Raise LitsftError naming what makes a conversation untrainable before any template sees it: no
     reply after a user message, or a malformed tool call."""
     if not any(message["role"] == "assistant" for message in messages):
