@@ -16,6 +16,7 @@ from litsft.checkpoint.model_folder import load_model_state_dict, read_manifest
 from litsft.checkpoint.weight_files import iter_tensors
 from litsft.errors import LitsftError
 from litsft.model.config import Config
+from litsft.model.families import FAMILIES
 from litsft.model.families.spec import LLAMA_WEIGHTS
 from litsft.model.network import Transformer
 
@@ -30,6 +31,12 @@ def _hf_tensors(directory) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def llama_dir(tmp_path):
     return save_tiny_hf(tiny_hf_model("llama"), tmp_path / "hf")
+
+
+def test_every_registered_family_has_a_tiny_transformers_model():
+    """The round trip below runs every kind of tests/tiny_hf.py: together they cover every registered family."""
+    covered = {model_class.__name__ for _, model_class in TINY_HF_MODELS.values()}
+    assert covered == set(FAMILIES), f"add tiny transformers models for {sorted(set(FAMILIES) - covered)}"
 
 
 @pytest.mark.parametrize("kind", list(TINY_HF_MODELS))
@@ -205,7 +212,8 @@ def test_missing_tensor(tmp_path, llama_dir):
         ),
         (
             "model.layers.0.mlp.experts.weight",
-            "tensor 'model.layers.0.mlp.experts.weight' has no counterpart in litsft's LlamaForCausalLM; litsft converts only checkpoints of the architectures it supports: LlamaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, GraniteForCausalLM, MistralForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+            "tensor 'model.layers.0.mlp.experts.weight' has no counterpart in litsft's LlamaForCausalLM; litsft converts only checkpoints of the architectures it supports: "
+            + ", ".join(FAMILIES),
         ),
     ],
 )

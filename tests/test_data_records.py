@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import json
+from typing import get_args
 
 import pytest
 from tiny_tokenizer import write_tiny_tokenizer
 
 from litsft.data import JSON
-from litsft.data.records import RecordFormat, read_conversations, to_conversation
+from litsft.data.chat import TEXT_ROLE
+from litsft.data.records import RecordFormat, RecordShape, read_conversations, to_conversation
 from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError
 
@@ -175,13 +177,22 @@ SAME_RECORD_IN_EVERY_SHAPE = {
     "alpaca": {"instruction": "Hi", "output": "Hello", "system": "Be nice."},
     "prompt_completion": {"prompt": SYSTEM_USER_ASSISTANT[:2], "completion": "Hello"},
 }
+PLAIN_TEXT_SHAPES = {"text": {"text": "Hello"}}
+"""Shapes read as text to train on as is, not as a conversation: the record and the text it holds."""
+RECORD_SHAPES = [shape for shape in get_args(RecordShape) if shape != "auto"]
 
 
-@pytest.mark.parametrize("shape", sorted(SAME_RECORD_IN_EVERY_SHAPE))
+@pytest.mark.parametrize("shape", RECORD_SHAPES)
 def test_every_shape_is_detected_or_named(shape):
-    record = SAME_RECORD_IN_EVERY_SHAPE[shape]
-    assert to_conversation(record) == SYSTEM_USER_ASSISTANT
-    assert to_conversation(record, record_format=RecordFormat(shape=shape)) == SYSTEM_USER_ASSISTANT
+    """Every shape `--data.record_shape` accepts, read from a record of it, detected and named."""
+    assert shape in {**SAME_RECORD_IN_EVERY_SHAPE, **PLAIN_TEXT_SHAPES}, f"add a record of shape {shape!r}"
+    if shape in PLAIN_TEXT_SHAPES:
+        record = PLAIN_TEXT_SHAPES[shape]
+        expected = [{"role": TEXT_ROLE, "content": record["text"]}]
+    else:
+        record, expected = SAME_RECORD_IN_EVERY_SHAPE[shape], SYSTEM_USER_ASSISTANT
+    assert to_conversation(record) == expected
+    assert to_conversation(record, record_format=RecordFormat(shape=shape)) == expected
 
 
 def test_fields_roles_and_message_keys_are_mapped():

@@ -27,6 +27,7 @@ from crash_harness import (
     write_data_inputs,
 )
 from launch import free_port, litsft_in_process, max_difference, write_records, write_tiny_checkpoint
+from tiny_datasets import registered_data_modules
 
 from litsft.checkpoint.training_checkpoint import is_complete, latest_checkpoint, training_rows
 from litsft.runtime.faults import FAULT_ENV
@@ -75,7 +76,7 @@ def data_inputs(workspace: Path) -> Path:
     return root
 
 
-@pytest.mark.parametrize("module", list(DATA_MODULES))
+@pytest.mark.parametrize("module", registered_data_modules())
 def test_every_data_module_resumes_mid_epoch_as_if_never_stopped(
     data_inputs: Path, module: str, capsys: pytest.CaptureFixture
 ) -> None:
@@ -83,6 +84,9 @@ def test_every_data_module_resumes_mid_epoch_as_if_never_stopped(
     what a kill after step 3 leaves (step-2 the newest checkpoint, step 3 in metrics.csv): the relaunch checks
     that the checkpoint fits the data (before anything starts), resumes at step 2 mid-epoch, and ends where the
     uninterrupted run ends. The kills themselves are the 2-process tests above; these runs are in-process."""
+    assert module in DATA_MODULES, (
+        f"add --data {module}'s recipe and options to DATA_MODULES in crash_harness.py"
+    )
     recipe, data = data_options(module, data_inputs)
     # One module trains its bf16 weights with compensated AdamW, whose compensation must resume too.
     precision = "bf16-true" if module == "Demo" else "32-true"

@@ -72,3 +72,16 @@ def write_infinity_instruct(directory: Path, rows: list[dict], shards: int = 2) 
 def write_json(path: Path, records: list[dict]) -> Path:
     path.write_text(json.dumps(records, ensure_ascii=False, indent=1))
     return path
+
+
+def registered_data_modules() -> list[str]:
+    """The names `--data` takes: every class litsft.data exports that is a DataModule nothing else extends
+    (DataModule and SFTDataModule are the interfaces the others build on)."""
+    import litsft.data
+
+    classes = [getattr(litsft.data, name) for name in litsft.data.__all__]
+    return sorted(
+        cls.__name__
+        for cls in classes
+        if isinstance(cls, type) and issubclass(cls, litsft.data.DataModule) and not cls.__subclasses__()
+    )
