@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 
 import pytest
+import torch
 from launch import litsft, litsft_in_process, max_difference
 from tiny_tokenizer import write_tiny_tokenizer
 
+from litsft.checkpoint.model_folder import load_model_state_dict
 from litsft.data import write_demo_corpus
+from litsft.model.config import Config
+from litsft.model.network import Transformer
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +35,51 @@ def pretrain_args(root: Path, out: str, steps: int, lr: float, *extra: str) -> l
     ]  # fmt: skip
 
 
+INIT_STD = 0.02
+"""`Transformer.initial_value`'s default: normal(0, 0.02), the residual-stream projections divided by sqrt(2 L)."""
+
+
+def assert_drawn_from_the_init(final_dir: Path) -> None:
+    """Each weight matrix looks drawn from the documented init: its mean within 5 standard errors of 0 and its
+    standard deviation within 5 standard errors of the expected one (a sample std's relative standard error is
+    1/sqrt(2 n): 1.6% for tiny-llama's smallest matrices, 2,048 entries, whose draws measured at most 4.6% off);
+    norm scales exactly 1, biases exactly 0. An all-zero init, or a std off by a factor of 2, fails."""
+    config = Config.from_checkpoint(final_dir)
+    for name, weight in load_model_state_dict(final_dir).items():
+        weight = weight.double()
+        if name.endswith("norm.weight"):
+            assert torch.equal(weight, torch.ones_like(weight)), name
+            continue
+        if name.endswith(".bias"):
+            assert not weight.any(), name
+            continue
+        std = (
+            INIT_STD / math.sqrt(2 * config.num_layers)
+            if name.endswith(("o_proj.weight", "down_proj.weight"))
+            else INIT_STD
+        )
+        assert abs(weight.mean().item()) < 5 * std / math.sqrt(weight.numel()), (name, weight.mean().item())
+        relative_error = 1 / math.sqrt(2 * weight.numel())
+        assert abs(weight.std().item() / std - 1) < 5 * relative_error, (name, weight.std().item(), std)
+
+
 def test_fresh_weights_do_not_depend_on_the_number_of_ranks(workspace: Path, capsys) -> None:
+    """One rank and two draw the same weights, and they are the init's draws (an all-zero init, below, is the
+    same on any number of ranks too, and fails)."""
     # lr 0 is refused, so the step is made too small to move any weight: an AdamW update is at most about
     # lr in size, and 1e-30 is far below half the spacing of fp32 numbers near any initial weight.
     litsft_in_process(pretrain_args(workspace, "init-1", 1, 1e-30), workspace, capsys)  # one rank: in-process
     litsft(pretrain_args(workspace, "init-2", 1, 1e-30, "--devices", "2"), workspace)
     assert max_difference(workspace / "init-1" / "final", workspace / "init-2" / "final") == 0.0
+    assert_drawn_from_the_init(workspace / "init-2" / "final")
+
+
+def test_the_init_check_fails_an_all_zero_init(workspace: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(Transformer, "initial_value", lambda self, name, shape, generator: torch.zeros(shape))
+    litsft_in_process(pretrain_args(workspace, "init-zero", 1, 1e-30), workspace, capsys)
+    assert not any(w.any() for w in load_model_state_dict(workspace / "init-zero" / "final").values())
+    with pytest.raises(AssertionError, match=r"weight', 0\.0, 0\.02"):
+        assert_drawn_from_the_init(workspace / "init-zero" / "final")
 
 
 def test_pretraining_on_text_files_lowers_the_loss(workspace: Path) -> None:
