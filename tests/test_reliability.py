@@ -57,13 +57,34 @@ def test_lock_of_a_dead_pid_is_taken_over(tmp_path: Path) -> None:
     assert not (tmp_path / LOCK_NAME).exists()
 
 
-def test_lock_of_a_reused_pid_is_taken_over(tmp_path: Path) -> None:
-    """The pid is alive but started after the lock was written: another process, the holder is gone."""
-    write_lock(
-        tmp_path, host=socket.gethostname(), pid=os.getpid(), start_time=process_start_time(os.getpid()) - 1
-    )
-    with RunLock(tmp_path):
-        pass
+def test_lock_of_a_reused_pid_is_taken_over(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A live process holds the pid the lock names, but it started after the lock was written: another
+    process, the holder is gone. The lock is taken over and names the new holder; the same lock naming that
+    process's own start time is refused."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = process_start_time(other.pid)
+        assert started is not None
+        write_lock(tmp_path, host=socket.gethostname(), pid=other.pid, start_time=started)
+        with pytest.raises(LitsftError, match=rf"in use by a running litsft run \(host .*, pid {other.pid},"):
+            RunLock(tmp_path).acquire()
+
+        write_lock(tmp_path, host=socket.gethostname(), pid=other.pid, start_time=started - 1)
+        with RunLock(tmp_path):
+            holder = read_holder(tmp_path / LOCK_NAME)
+            assert (holder["host"], holder["pid"], holder["start_time"]) == (
+                socket.gethostname(),
+                os.getpid(),
+                process_start_time(os.getpid()),
+            )
+        assert capsys.readouterr().out == (
+            f"Taking over {tmp_path / LOCK_NAME} from a run that is gone "
+            f"(host {socket.gethostname()}, pid {other.pid}, started 2026-01-01 00:00:00)\n"
+        )
+        assert other.poll() is None, "the process that reused the pid is left alone"
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_lock_from_another_host_is_stale_only_when_its_heartbeat_stopped(tmp_path: Path) -> None:
