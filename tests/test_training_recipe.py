@@ -1,41 +1,27 @@
-"""litsft/training/recipe.py: what a recipe tells the engine, its defaults, the values the three shipped recipes give,
-each recipe's model trainable where its `trainable` says, and the module imported without torch (recipe
-modules import it to declare their command line)."""
+"""litsft/training/recipe.py: what a run does with what a recipe tells the engine (built on the meta device, filled,
+saved, checkpointed with or without its frozen weights, its FLOPs counted as it trains), the values the three
+shipped recipes give, each recipe's model trainable where its `trainable` says, and the module imported without
+torch (recipe modules import it to declare their command line)."""
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from launch import write_tiny_checkpoint
+from crash_harness import train_args
+from launch import litsft_in_process, write_records, write_tiny_checkpoint
 from litsft.recipes.finetune_full import full_finetuning
 from litsft.recipes.finetune_lora import lora_finetuning
 from litsft.recipes.pretrain import pretraining
 
 from litsft.checkpoint.model_folder import load_model_state_dict
+from litsft.checkpoint.training_checkpoint import training_rows
 from litsft.model.config import Config
 from litsft.model.lora_config import LoRAConfig
 from litsft.training.recipe import Recipe
-
-
-def test_fields_and_defaults() -> None:
-    def nothing(*args: object) -> None:
-        return None
-
-    recipe = Recipe("mine", build_model=nothing, initialize=nothing, save_final=nothing)
-    assert [field.name for field in dataclasses.fields(Recipe)] == [
-        "name",
-        "build_model",
-        "initialize",
-        "save_final",
-        "checkpoint_frozen",
-        "trainable",
-    ]
-    assert (recipe.checkpoint_frozen, recipe.trainable) == (True, "all")
 
 
 def test_importing_it_imports_neither_torch_nor_lightning() -> None:
@@ -74,6 +60,71 @@ def test_pretraining_draws_the_same_fresh_weights_for_the_same_seed(checkpoint_d
     assert all(param.requires_grad for param in first.parameters())
     assert all(torch.equal(a, b) for a, b in zip(first.parameters(), again.parameters()))
     assert not torch.equal(first.embed.weight, other.embed.weight)
+
+
+def recorded_recipe(checkpoint_dir: Path, config: Config, calls: list, **options: object) -> Recipe:
+    """finetune_full's recipe given as only its name and three callables (plus `options`), its embedding
+    frozen, each call recorded with the device its model's parameters were on."""
+    real = full_finetuning(checkpoint_dir, config)
+
+    def build_model(config: Config) -> torch.nn.Module:
+        model = real.build_model(config)
+        calls.append(("build_model", model.embed.weight.device.type))
+        model.embed.weight.requires_grad_(False)
+        return model
+
+    def initialize(model: torch.nn.Module) -> None:
+        calls.append(("initialize", model.embed.weight.device.type))
+        real.initialize(model)
+
+    def save_final(model: torch.nn.Module, final_dir: Path) -> None:
+        calls.append(("save_final", final_dir.name))
+        real.save_final(model, final_dir)
+
+    return Recipe("finetune_full", build_model, initialize, save_final, **options)
+
+
+@pytest.mark.parametrize("checkpoint_frozen", [None, False])
+def test_a_run_builds_fills_saves_and_checkpoints_as_its_recipe_says(
+    checkpoint_dir: Path, tmp_path: Path, capsys, monkeypatch, checkpoint_frozen: bool | None
+) -> None:
+    """A one-process run of a recipe given only its callables: its model is built once on the meta device,
+    filled once materialized, saved once by its save_final into a staging directory published as final/, and
+    it counts the FLOPs of training every weight. Its step checkpoints hold every parameter, the frozen
+    embedding included, unless it says checkpoint_frozen=False (LoRA's frozen base is loaded again instead)."""
+    import litsft.recipes.finetune_full as finetune_full_module
+
+    from litsft.training.metrics import MetricsLogger
+
+    calls: list = []
+    options = {} if checkpoint_frozen is None else {"checkpoint_frozen": checkpoint_frozen}
+    monkeypatch.setattr(
+        finetune_full_module,
+        "full_finetuning",
+        lambda checkpoint_dir, config: recorded_recipe(checkpoint_dir, config, calls, **options),
+    )
+    set_model = MetricsLogger.set_model
+
+    def record_trainable(self, *args, trainable="all", **kwargs):
+        calls.append(("trainable", trainable))
+        return set_model(self, *args, trainable=trainable, **kwargs)
+
+    monkeypatch.setattr(MetricsLogger, "set_model", record_trainable)
+    out_dir = tmp_path / "out"
+    args = train_args(checkpoint_dir, write_records(tmp_path / "data.json"), out_dir, "--devices", "1",
+                      "--train.max_steps", "2")  # fmt: skip
+    litsft_in_process(args, tmp_path, capsys)
+
+    assert calls[:3] == [("build_model", "meta"), ("initialize", "cpu"), ("trainable", "all")]
+    (saved_by, staging_name), *after = calls[3:]
+    assert (saved_by, after) == ("save_final", [])
+    assert staging_name != "final" and (out_dir / "final").is_dir()  # written aside, then published
+    saved = training_rows(out_dir / "step-00000002", "model/").names()
+    stored = set(load_model_state_dict(checkpoint_dir))
+    if checkpoint_frozen is False:
+        assert saved == stored - {"embed.weight"}
+    else:
+        assert saved == stored
 
 
 def test_lora_finetuning_trains_only_the_adapters_and_checkpoints_only_them(checkpoint_dir: Path) -> None:
