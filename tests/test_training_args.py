@@ -14,12 +14,14 @@ from litsft.training.args import (
     MAX_DEFAULT_SEQ_LENGTH,
     EvalConfig,
     FSDPConfig,
+    LogConfig,
     OptimizerConfig,
     RunConfig,
     TrainConfig,
     accumulation_steps,
     compile_enabled,
     describe,
+    profiled_steps,
     with_defaults,
 )
 
@@ -52,6 +54,19 @@ def test_defaults() -> None:
         (lambda: OptimizerConfig(betas=(0.9, 1.0)), r"--optimizer.betas=1.0"),
         (lambda: OptimizerConfig(warmup_fraction=1.5), r"--optimizer.warmup_fraction=1.5"),
         (lambda: OptimizerConfig(eps=0.0), r"--optimizer.eps=0.0"),
+        (
+            lambda: LogConfig(profile_steps="5:3"),
+            r"^--log.profile_steps='5:3': 5:3 names no step; .* start <= end$",
+        ),
+        (
+            lambda: LogConfig(profile_steps="0"),
+            r"^--log.profile_steps='0': 0 names no step; steps count from 1",
+        ),
+        (
+            lambda: LogConfig(profile_steps="three"),
+            r"^--log.profile_steps='three' is not a list of steps; write e",
+        ),
+        (lambda: LogConfig(profile_steps="3,"), r"^--log.profile_steps='3,' is not a list of steps"),
     ],
 )
 def test_each_option_group_refuses_bad_values_with_the_option_named(make, message: str) -> None:
@@ -102,3 +117,11 @@ def test_describe_gives_plain_json_values() -> None:
     described = describe({"train": TrainConfig(epochs=2), "out_dir": Path("out"), "betas": (0.9, 0.95)})
     assert described["train"]["class"] == "TrainConfig" and described["train"]["epochs"] == 2
     assert (described["out_dir"], described["betas"]) == ("out", [0.9, 0.95])
+
+
+def test_profile_steps_name_steps_and_ranges_with_both_ends_included() -> None:
+    assert profiled_steps(None) == frozenset()
+    assert profiled_steps("3") == {3}
+    assert profiled_steps("3, 7") == {3, 7}
+    assert profiled_steps("3:5,9") == {3, 4, 5, 9}
+    assert LogConfig(profile_steps=3).profile_steps == "3"  # a number from YAML

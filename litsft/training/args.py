@@ -102,6 +102,39 @@ class LogConfig:
     timings: bool = False
     """Print the wall time of each phase of the run at its end (start-up, checks, imports, data, model, training,
     final validation and save), with the process's peak resident memory as each phase ended."""
+    profile_steps: str | int | None = None
+    """Optimizer steps to profile, e.g. 3, 3,7 or 3:5 (steps 3, 4 and 5; in YAML quote it, "3:5", which YAML
+    would read as the number 185): each rank writes a torch.profiler Chrome trace of each such step into
+    out_dir/profile/ (open it in https://ui.perfetto.dev), and on CUDA a memory snapshot of it
+    (https://pytorch.org/memory_viz). Profiled steps run slower: their throughput is not the run's."""
+
+    def __post_init__(self) -> None:
+        if self.profile_steps is not None:
+            # `3` on the command line or in YAML arrives as a number.
+            self.profile_steps = str(self.profile_steps)
+            profiled_steps(self.profile_steps)
+
+
+def profiled_steps(spec: str | None) -> frozenset[int]:
+    """The steps `--log.profile_steps` names: step numbers separated by commas, each one a step or a range
+    start:end with both ends included."""
+    steps: set[int] = set()
+    if spec is None:
+        return frozenset()
+    for part in spec.replace(" ", "").split(","):
+        start, colon, end = part.partition(":")
+        if not (start.isdigit() and (end.isdigit() if colon else True)):
+            raise LitsftError(
+                f"--log.profile_steps={spec!r} is not a list of steps; write e.g. 3, 3,7 or 3:5 (steps 3 to 5)"
+            )
+        first, last = int(start), int(end) if colon else int(start)
+        if first < 1 or last < first:
+            raise LitsftError(
+                f"--log.profile_steps={spec!r}: {part} names no step; steps count from 1 and a range "
+                "start:end needs start <= end"
+            )
+        steps.update(range(first, last + 1))
+    return frozenset(steps)
 
 
 @dataclass

@@ -3,7 +3,8 @@
 A recipe describes only what differs (`litsft.training.recipe.Recipe`: how to build the model, how to fill its
 weights, what to save at the end). The loop says what happens each step; the components say how: `litsft.training.step` (one
 optimizer step), `litsft.training.evaluation` (validation), `litsft.training.checkpointer` (the train state, saved and
-restored), `litsft.training.metrics` (logging), `litsft.training.parallel` (sharding), `litsft.runtime.preemption` (signals).
+restored), `litsft.training.metrics` (logging), `litsft.training.parallel` (sharding), `litsft.runtime.preemption` (signals),
+`litsft.training.profiling` (the steps `--log.profile_steps` names).
 Processes, the out_dir lock and exit codes are `litsft.cli.launcher`'s.
 """
 
@@ -30,11 +31,19 @@ from litsft.runtime.faults import fault_point
 from litsft.runtime.files import publish_atomically
 from litsft.runtime.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 from litsft.runtime.timings import run_timer
-from litsft.training.args import RunConfig, TrainConfig, accumulation_steps, compile_enabled, describe
+from litsft.training.args import (
+    RunConfig,
+    TrainConfig,
+    accumulation_steps,
+    compile_enabled,
+    describe,
+    profiled_steps,
+)
 from litsft.training.checkpointer import Checkpointer, TrainState
 from litsft.training.evaluation import validate
 from litsft.training.optimizer import build_optimizer, learning_rate
 from litsft.training.parallel import parallelize
+from litsft.training.profiling import PROFILE_DIR, StepProfiler
 from litsft.training.recipe import Recipe
 from litsft.training.step import diverged, loss_scaler, next_micro_batches, raise_if_diverged, train_step
 
@@ -120,26 +129,35 @@ def train_loop(
     preemption = PreemptionFlag.install()
     accumulation = accumulation_steps(run.train, fabric.world_size)
     total_steps = total_optimizer_steps(run.train, state.train_loader, fabric.world_size)
+    profiler = StepProfiler(
+        profiled_steps(run.log.profile_steps),
+        run.out_dir / PROFILE_DIR,
+        fabric.global_rank,
+        fabric.device,
+        report=fabric.print,
+    )
+    first_step = state.step + 1
     batches = iter(state.train_loader)
     while state.step < total_steps:
-        micro_batches, state.epoch, batches = next_micro_batches(
-            batches, state.train_loader, state.epoch, accumulation
-        )
-        if micro_batches is None:
-            raise LitsftError(
-                "the training data cannot fill one optimizer step; lower --train.global_batch_size"
+        with profiler.step(state.step + 1):  # from fetching the step's batches to the optimizer's update
+            micro_batches, state.epoch, batches = next_micro_batches(
+                batches, state.train_loader, state.epoch, accumulation
             )
-        lr = learning_rate(run.optimizer, state.step, total_steps)
-        for group in state.optimizer.param_groups:
-            group["lr"] = lr
-        loss, grad_norm, target_tokens, input_tokens = train_step(
-            fabric,
-            state.model,
-            state.optimizer,
-            micro_batches,
-            run.train.max_norm,
-            run.fsdp.sharding_strategy,
-        )
+            if micro_batches is None:
+                raise LitsftError(
+                    "the training data cannot fill one optimizer step; lower --train.global_batch_size"
+                )
+            lr = learning_rate(run.optimizer, state.step, total_steps)
+            for group in state.optimizer.param_groups:
+                group["lr"] = lr
+            loss, grad_norm, target_tokens, input_tokens = train_step(
+                fabric,
+                state.model,
+                state.optimizer,
+                micro_batches,
+                run.train.max_norm,
+                run.fsdp.sharding_strategy,
+            )
         state.step += 1
         step = state.step
         state.skipped_steps += diverged(fabric, loss, grad_norm)
@@ -172,6 +190,7 @@ def train_loop(
             fault_point("stop_checkpoint_published", fabric.global_rank)
             fabric.print(f"Stopped by a signal after step {step}; relaunch the same command to resume.")
             raise SystemExit(PREEMPTED_EXIT_CODE)
+    profiler.report_unprofiled(first_step, total_steps)
 
 
 # ---- setup ----------------------------------------------------------------------------------------------
