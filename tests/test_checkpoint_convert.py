@@ -154,8 +154,7 @@ def test_unsupported_architecture(tmp_path, llama_dir):
     _expect_error_and_nothing_written(
         tmp_path,
         llama_dir,
-        "unsupported architecture 'GPT2LMHeadModel'; litsft supports LlamaForCausalLM, Gemma2ForCausalLM, "
-        "Gemma3ForCausalLM, GraniteForCausalLM, MistralForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+        f"unsupported architecture 'GPT2LMHeadModel'; litsft supports {', '.join(FAMILIES)}",
     )
 
 
