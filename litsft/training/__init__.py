@@ -1,1 +1,1 @@
-"""The training loop and its components: run settings, devices, FSDP2 sharding, the step, optimizer, evaluation, metrics and loggers, the train-state checkpointer, the memory planner, and the engine that calls them."""
+"""The training loop and its components: run settings, devices, FSDP2 sharding, the step, optimizer, evaluation, metrics and loggers, step profiling, the train-state checkpointer, the memory planner, and the engine that calls them."""
