@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
+from typing import get_args
 
 import pytest
 from jsonargparse import CLI, capture_parser
@@ -19,11 +20,19 @@ from litsft.cli.cli_errors import (
     explain_parse_error,
     list_subclasses,
 )
+from litsft.data.chat import PromptStyle
+from litsft.data.records import RecordShape
+from litsft.training.args import Precision
 
 
 def make_parser():
     """The parser `litsft finetune_full` parses with."""
     return capture_parser(partial(CLI, finetune_full.setup, as_positional=True, exit_on_error=False, args=[]))
+
+
+def choices(literal: object) -> str:
+    """The values of a Literal as the parse error lists them: 'a', 'b', ..."""
+    return ", ".join(repr(value) for value in get_args(literal))
 
 
 @pytest.mark.parametrize(
@@ -79,10 +88,10 @@ def test_parser_errors_become_one_line(message: str, line: str) -> None:
 @pytest.mark.parametrize(
     ("argv", "line"),
     [
-        (["--data.prompt_style", "vicuna"], "--data.prompt_style=vicuna is not one of 'chatml', 'llama3', 'alpaca', 'plain'"),
+        (["--data.prompt_style", "vicuna"], f"--data.prompt_style=vicuna is not one of {choices(PromptStyle)}"),
         (["--data.packing", "maybe"], "--data.packing=maybe is not a valid bool"),
-        (["--data.record_shape", "rows"], "--data.record_shape=rows is not one of 'auto', 'messages', 'sharegpt', 'alpaca', 'prompt_completion', 'text'"),
-        (["--precision", "bf17"], "--precision=bf17 is not one of 'bf16-mixed', 'bf16-true', '16-mixed', '32-true'"),
+        (["--data.record_shape", "rows"], f"--data.record_shape=rows is not one of {choices(RecordShape)}"),
+        (["--precision", "bf17"], f"--precision=bf17 is not one of {choices(Precision)}"),
     ],
 )  # fmt: skip
 def test_a_bad_value_of_a_data_option_names_that_option(argv: list[str], line: str) -> None:

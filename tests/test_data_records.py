@@ -11,7 +11,7 @@ from tiny_tokenizer import write_tiny_tokenizer
 
 from litsft.data import JSON
 from litsft.data.chat import TEXT_ROLE
-from litsft.data.records import RecordFormat, RecordShape, read_conversations, to_conversation
+from litsft.data.records import SHAPE_FIELDS, RecordFormat, RecordShape, read_conversations, to_conversation
 from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError
 
@@ -180,6 +180,10 @@ SAME_RECORD_IN_EVERY_SHAPE = {
 PLAIN_TEXT_SHAPES = {"text": {"text": "Hello"}}
 """Shapes read as text to train on as is, not as a conversation: the record and the text it holds."""
 RECORD_SHAPES = [shape for shape in get_args(RecordShape) if shape != "auto"]
+
+
+def test_the_shapes_the_option_takes_are_the_shapes_with_fields() -> None:
+    assert set(RECORD_SHAPES) == set(SHAPE_FIELDS)  # --data.record_shape takes every shape records.py reads
 
 
 @pytest.mark.parametrize("shape", RECORD_SHAPES)
