@@ -1,7 +1,7 @@
 """litsft/training/profiling.py: the chosen steps profiled and no other, the trace a valid Chrome trace naming the
 step's operators inside its `litsft step N` range, written also when the step fails; a real run with
-`--log.profile_steps` writing them and training exactly as without; the CUDA memory snapshot where there is a
-GPU."""
+`--log.profile_steps` writing them and training exactly as without, and on two processes one per rank; the CUDA
+memory snapshot where there is a GPU."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from crash_harness import train_args
-from launch import litsft_in_process, max_difference, write_records, write_tiny_checkpoint
+from launch import litsft, litsft_in_process, max_difference, write_records, write_tiny_checkpoint
 
 from litsft.training.profiling import PROFILE_DIR, StepProfiler, memory_snapshot_path, trace_path
 
@@ -110,6 +110,28 @@ def test_a_run_writes_the_traces_of_the_steps_named_and_trains_as_without(tmp_pa
 
     run("plain")
     assert max_difference(tmp_path / "profiled" / "final", tmp_path / "plain" / "final") == 0.0
+
+
+def test_on_two_processes_each_rank_writes_its_trace_with_fsdps_collectives(tmp_path: Path) -> None:
+    """FULL_SHARD over gloo: rank 0 and rank 1 each write step 2's trace, and each step range holds FSDP's
+    all-gather of every block and its reduce-scatter after the backward."""
+    base, data = write_tiny_checkpoint(tmp_path / "base"), write_records(tmp_path / "data.json")
+    litsft(
+        train_args(base, data, tmp_path / "out", "--train.max_steps", "2", "--log.profile_steps", "2"),
+        tmp_path,
+    )
+    profile_dir = tmp_path / "out" / PROFILE_DIR
+    assert sorted(p.name for p in profile_dir.iterdir()) == [
+        "step-00000002-rank-0.json",
+        "step-00000002-rank-1.json",
+    ]
+    for rank in (0, 1):
+        inside = events_inside(trace_events(trace_path(profile_dir, 2, rank)), "litsft step 2")
+        assert {
+            "FSDP::all_gather (blocks.0)",
+            "FSDP::all_gather (blocks.1)",
+            "FSDP::post_backward_reduce",
+        } <= inside
 
 
 @pytest.mark.skipif(
