@@ -20,8 +20,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 PROFILE_DIR = "profile"
 MEMORY_HISTORY_ENTRIES = 100_000
-"""Allocation events the CUDA memory history keeps (the newest); a step of a large model makes tens of
-thousands."""
+"""Allocation events the CUDA memory history keeps, the newest (the value PyTorch's guide records with:
+https://pytorch.org/docs/stable/torch_cuda_memory.html); older ones are dropped from the snapshot."""
 
 
 def trace_path(profile_dir: Path, step: int, rank: int) -> Path:
