@@ -1,1 +1,1 @@
-"""Process and run control below everything else: ranks and rendezvous, the run lock, preemption signals, fault points, phase timings and durable file writes. No torch."""
+"""Process and run control below everything else: ranks and rendezvous, the run lock, preemption signals, fault points, phase timings and durable file writes. Only `rendezvous` imports torch (torch.distributed) at the top; `preemption` imports it when ranks must agree on a signal."""
