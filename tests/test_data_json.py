@@ -56,7 +56,15 @@ def test_file_is_split_cached_and_batched(tmp_path, tokenizer):
     assert np.array_equal(again.train_samples.tokens, data.train_samples.tokens)
 
     batch = next(iter(data.train_dataloader(0, 1, 2, 4)))
-    assert set(batch) == {"input_ids", "labels", "position_ids", "document_ids", "cu_seqlens", "max_seqlen"}
+    assert set(batch) == {
+        "input_ids",
+        "labels",
+        "position_ids",
+        "document_ids",
+        "cu_seqlens",
+        "max_seqlen",
+        "row_lengths",
+    }
     rows = ("input_ids", "labels", "position_ids", "document_ids")
     assert all(batch[name].dtype == torch.long and batch[name].shape == (2, 64) for name in rows)
     val_rows = [row for rows in data.val_dataloader(0, 1, 2).micro_batches() for row in rows]

@@ -81,6 +81,20 @@ def test_padding_is_not_counted_as_input_tokens() -> None:
     assert (int(target_tokens), int(input_tokens)) == (10, 32 - 6)
 
 
+def test_unpacked_rows_count_their_real_tokens_not_their_padding() -> None:
+    """An unpacked micro-batch is padded to its longest sample: samples of 9 and 30 tokens give 8 + 29 input
+    tokens, not 2 x 29 (the padding a tokens/s figure must not count)."""
+    from test_data_loader import random_samples
+
+    from litsft.data.loader import collate
+
+    fabric, model, optimizer = setup()
+    batch = collate(random_samples([9, 30]), [[0], [1]], seq_length=None, pad_id=0)
+    assert batch["input_ids"].shape == (2, 29)
+    _, _, _, input_tokens = train_step(fabric, model, optimizer, [batch], max_norm=1.0)
+    assert int(input_tokens) == 8 + 29
+
+
 def test_the_reported_norm_is_the_one_before_clipping() -> None:
     fabric, model, optimizer = setup(lr=1e-3)
     batch = micro_batch(2, 16, targets=16, seed=4)

@@ -9,8 +9,9 @@ starts (the data opened and its first records read and rendered). The engine the
     val_loader = data.val_dataloader(rank, world_size, micro_batch_size)   # None: no validation data
 
 Batches are dicts of CPU tensors: `input_ids` (B, T), `labels` (B, T) already shifted (`labels[:, t]`
-follows `input_ids[:, :t + 1]`, -100 where there is no loss), `position_ids` (B, T), and for packed
-batches `document_ids` (B, T) (-1 on padding).
+follows `input_ids[:, :t + 1]`, -100 where there is no loss), `position_ids` (B, T), `row_lengths` (B,)
+(the real tokens at the start of each row, right padding after them), and for packed batches
+`document_ids` (B, T) (-1 on padding).
 """
 
 from __future__ import annotations

@@ -97,6 +97,10 @@ def collate(
         batch's real tokens, rows joined in order (`cu_seqlens`, int32 (D + 1,), and `max_seqlen`, the
         longest document): the attention kernels read them from here, so the training step never waits
         for the device to find them. Row-end padding is in no document: it is dropped before the model.
+        None: rows as long as the longest, right-padded.
+
+    Every batch has `row_lengths` (B,): the real tokens at the start of each row, the rest being padding
+    (what tokens/s counts, and where each sample's LoRA dropout masks go).
     """
     offsets, tokens, targets = samples.offsets, samples.tokens, samples.targets
     used = [sum(int(offsets[i + 1] - offsets[i]) - 1 for i in row) for row in rows]
@@ -125,6 +129,7 @@ def collate(
         "input_ids": torch.from_numpy(input_ids),
         "labels": torch.from_numpy(labels),
         "position_ids": torch.from_numpy(position_ids),
+        "row_lengths": torch.tensor(used, dtype=torch.int64).reshape(len(rows)),
     }
     if seq_length is not None:
         batch["document_ids"] = torch.from_numpy(document_ids)

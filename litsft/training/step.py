@@ -151,11 +151,13 @@ def copy_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _input_token_count(batch: dict[str, torch.Tensor]) -> int:
-    """The input tokens of a host micro-batch that are not padding."""
+    """The input tokens of a host micro-batch that are not padding: the collate's `row_lengths` (unpacked rows
+    are right-padded to the longest), else the tokens in a document, else every token (a loader whose rows
+    are never padded, such as the pretraining streams)."""
+    if "row_lengths" in batch:
+        return int(batch["row_lengths"].sum())
     if "document_ids" in batch:
         return int((batch["document_ids"] >= 0).sum())
-    if "attention_mask" in batch:
-        return int(batch["attention_mask"].sum())
     return batch["input_ids"].numel()
 
 
