@@ -204,6 +204,20 @@ def test_a_soft_capped_model_runs_a_kernel_that_can_cap(chosen, flex, expected, 
     assert (capped.attention_kernel, plain.attention_kernel) == (expected, chosen)
 
 
+@pytest.mark.parametrize("chosen", ["varlen", "flex", "mask", "segmented"])
+def test_the_start_up_line_names_the_soft_capped_path_that_runs(chosen, monkeypatch):
+    """Gemma 2 on a CPU runs the mask kernel's soft-capped path, which writes the scores out; its description
+    is that path, not the SDPA call an uncapped model runs under the same kernel name."""
+    monkeypatch.setattr(
+        KernelSupport, "installed", classmethod(lambda cls: KernelSupport(frozenset(), True, (9, 0)))
+    )
+    model = Transformer(Config.from_name("tiny-gemma2"))
+    model.attention_kernel = chosen
+    described = attention.describe_kernel(model.attention_kernel, softcapped=True)
+    assert "soft-cap" in described and "scaled_dot_product_attention" not in described
+    assert attention.describe_kernel("mask") == attention.KERNEL_DESCRIPTIONS["mask"]
+
+
 def test_the_model_chooses_a_kernel_at_its_first_forward_when_none_was_set():
     model = Transformer(Config.from_name("tiny-llama"))
     assert model.attention_kernel is None

@@ -41,6 +41,18 @@ KERNEL_DESCRIPTIONS: dict[str, str] = {
     "mask": "scaled_dot_product_attention with a boolean document mask",
     "segmented": "per-document SDPA, one document at a time (CPU)",
 }
+SOFTCAPPED_KERNEL_DESCRIPTIONS: dict[str, str] = {
+    "flex": "flex_attention with a document block mask, the soft-cap in its score_mod",
+    "mask": "soft-capped attention written out (scores, tanh cap, document mask, softmax)",
+}
+"""What runs for a model whose attention logits are soft-capped (Gemma 2): SDPA cannot cap them, so the mask
+kernel writes the scores out (`softcapped_attention`); `kernel_for_softcap` never leaves another kernel set."""
+
+
+def describe_kernel(kernel: Kernel, softcapped: bool = False) -> str:
+    """The attention that runs for `kernel`, in words, for the start-up line: for a soft-capped model (Gemma 2)
+    the capped path it takes, not the SDPA call it replaces."""
+    return SOFTCAPPED_KERNEL_DESCRIPTIONS[kernel] if softcapped else KERNEL_DESCRIPTIONS[kernel]
 
 
 # ---- document boundaries ------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from torch import nn
 from litsft.checkpoint import training_checkpoint as checkpoint
 from litsft.checkpoint.checkpoint_dirs import FINAL_DIR, resume_checkpoint
 from litsft.errors import LitsftError
-from litsft.model.attention import KERNEL_DESCRIPTIONS, choose_kernel
+from litsft.model.attention import choose_kernel, describe_kernel
 from litsft.model.config import Config
 from litsft.model.quantization import is_nf4, stored_bytes
 from litsft.model.sizes import num_parameters
@@ -226,7 +226,10 @@ def setup_model(fabric: Fabric, recipe: Recipe, run: RunConfig) -> nn.Module:
         windowed=config.sliding_window is not None,
         dropout=config.attention_dropout,
     )
-    fabric.print(f"Attention: {model.attention_kernel}, {KERNEL_DESCRIPTIONS[model.attention_kernel]}")
+    softcapped = config.softcap_attention is not None
+    fabric.print(
+        f"Attention: {model.attention_kernel}, {describe_kernel(model.attention_kernel, softcapped)}"
+    )
     compile_blocks = compile_enabled(run.train.compile, fabric.device.type)
     if fabric.world_size == 1:  # with more processes, Fabric's setup_module calls parallelize
         parallelize(model, None, run.fsdp, run.precision, compile_blocks)
