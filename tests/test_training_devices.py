@@ -71,3 +71,24 @@ def test_a_recipe_asked_for_more_gpus_than_present_stops_before_anything(tmp_pat
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(expected), result.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("major", "expected"), [(7, False), (8, True)])
+def test_a_gpu_whose_bf16_is_emulated_has_no_bf16(major, expected, monkeypatch):
+    """A V100 (compute capability 7.0) can hold bf16 tensors, so torch.cuda.is_bf16_supported() says yes, but
+    it computes them without tensor cores: recipes then default to 32-true and refuse bf16 precisions."""
+    import types
+
+    import torch
+
+    from litsft.training.devices import default_precision, gpu_has_bf16
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(major=major)
+    )
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)
+    assert torch.cuda.is_bf16_supported()  # emulation counts as support there
+    assert gpu_has_bf16() is expected
+    assert default_precision("cuda") == ("bf16-mixed" if expected else "32-true")

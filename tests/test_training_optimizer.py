@@ -83,6 +83,32 @@ def test_the_schedule_never_leaves_the_range_between_min_lr_and_lr() -> None:
     assert rates[:WARMUP] == sorted(rates[:WARMUP])  # rises monotonically
 
 
+def test_warmup_starts_at_lr_over_w_where_transformers_starts_at_zero_and_the_help_says_so(capsys) -> None:
+    """litsft's step k (from 1) runs at lr * k / W; transformers' cosine schedule, stepped after each optimizer
+    step as its Trainer does, runs step k at lr * (k - 1) / W. `--optimizer.warmup_steps`'s help says which."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    from litsft.__main__ import main
+
+    parameter = nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([parameter], lr=LR)
+    schedule = get_cosine_schedule_with_warmup(optimizer, WARMUP, TOTAL)
+    theirs = []
+    for _ in range(WARMUP + 1):
+        theirs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    ours = [
+        learning_rate(OptimizerConfig(lr=LR, warmup_steps=WARMUP), step, TOTAL) for step in range(WARMUP + 1)
+    ]
+    assert theirs[0] == 0 and ours[0] == pytest.approx(LR / WARMUP)
+    assert ours[:WARMUP] == pytest.approx(theirs[1 : WARMUP + 1])  # one step ahead, the same ramp
+    with pytest.raises(SystemExit):
+        main(["finetune_full", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "the first step already trains at lr/W" in help_text and "start at 0 instead" in help_text
+
+
 def test_warmup_as_a_fraction_of_all_steps_and_no_warmup() -> None:
     assert warmup_steps(OptimizerConfig(warmup_fraction=0.03), 1000) == 30
     assert warmup_steps(OptimizerConfig(warmup_fraction=0.5, warmup_steps=7), 1000) == 7  # steps win

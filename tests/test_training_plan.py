@@ -421,3 +421,25 @@ def test_plan_says_accumulated_gradients_stay_sharded(capsys):
     ) in capsys.readouterr().out.splitlines()
     plan("Llama-3.1-8B", devices=8, train=TrainConfig(global_batch_size=16, micro_batch_size=2))
     assert "gradient accumulation" not in capsys.readouterr().out  # one micro-batch a step
+
+
+@pytest.mark.parametrize(
+    ("gpu", "precision", "expected"),
+    [
+        (("Tesla V100-SXM2-16GB", False), "16-mixed", "GPU (Tesla V100-SXM2-16GB) has no bf16: 16-mixed"),
+        (("Tesla V100-SXM2-16GB", False), None, "has no bf16, so training refuses --precision bf16-mixed"),
+        (("NVIDIA A100-SXM4-80GB", True), "16-mixed", None),
+        (None, "bf16-mixed", None),
+    ],
+)
+def test_a_plan_made_on_a_gpu_without_bf16_says_so(gpu, precision, expected, capsys, monkeypatch):
+    """On a V100-class card (no bf16 units) the plan says the card has no bf16, whatever precision it plans."""
+    import litsft.training.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "local_gpu", lambda: gpu)
+    main(["plan", "Llama-3.2-1B", *(["--precision", precision] if precision else [])])
+    out = capsys.readouterr().out
+    if expected is None:
+        assert "no bf16" not in out
+    else:
+        assert expected in out

@@ -17,7 +17,7 @@ from litsft.checkpoint.checkpoint_dirs import FINAL_DIR, STEP_PREFIX, read_train
 from litsft.errors import LitsftError, check_number
 from litsft.runtime.processes import check_world_size, is_first_process
 from litsft.training.args import FSDPConfig, RunConfig, describe
-from litsft.training.devices import check_devices
+from litsft.training.devices import check_devices, gpu_has_bf16
 
 if TYPE_CHECKING:
     from litsft.data.base import DataModule
@@ -97,7 +97,7 @@ def check_precision(precision: str, accelerator: str) -> None:
         return
     import torch
 
-    if precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
+    if precision.startswith("bf16") and not gpu_has_bf16():
         raise LitsftError(
             f"--precision {precision}: this GPU ({torch.cuda.get_device_name()}) has no bfloat16 support; "
             "use 16-mixed or 32-true"

@@ -154,7 +154,9 @@ class OptimizerConfig:
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Shape of the decay after warmup."""
     warmup_steps: int | None = None
-    """Linear warmup length in optimizer steps."""
+    """Linear warmup length W in optimizer steps: step k (from 1) runs at lr * k / W, so the first step already
+    trains at lr/W and step W at lr. transformers' schedules (get_cosine_schedule_with_warmup and the others)
+    start at 0 instead: their step k runs at lr * (k - 1) / W, one step behind."""
     warmup_fraction: float = 0.0
     """Warmup as a fraction of all optimizer steps; used when warmup_steps is not given."""
 

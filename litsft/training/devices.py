@@ -23,13 +23,21 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def default_precision(accelerator: Device) -> Precision:
-    """bf16-mixed where the GPU supports it, else full precision."""
-    if accelerator == "cuda":
-        import torch
+def gpu_has_bf16() -> bool:
+    """Whether this machine's GPU computes in bfloat16 (compute capability 8.0, Ampere, or newer).
 
-        if torch.cuda.is_bf16_supported():
-            return "bf16-mixed"
+    Not `torch.cuda.is_bf16_supported()` as called bare: it also says yes for a V100 or T4, where bf16 tensors
+    exist but are emulated (its `including_emulation=True` default), so mixed precision would run without
+    tensor cores."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def default_precision(accelerator: Device) -> Precision:
+    """bf16-mixed where the GPU has bf16, else full precision."""
+    if accelerator == "cuda" and gpu_has_bf16():
+        return "bf16-mixed"
     return "32-true"
 
 

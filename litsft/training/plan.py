@@ -70,6 +70,7 @@ from litsft.training.args import (
     TrainConfig,
     accumulation_steps,
 )
+from litsft.training.devices import gpu_has_bf16
 
 # (bytes of a stored parameter, bytes of a parameter as the matmuls see it). Gradients take the stored dtype: FSDP2 reduces gradients in fp32 (reduce_dtype) into the fp32 shards.
 PARAMETER_BYTES: dict[str, tuple[int, int]] = {
@@ -427,6 +428,9 @@ def plan(
         method = f"Q{method}, base in {quantize.upper()}"
     layout = f"{fsdp.sharding_strategy}, shard group {shard}" if world_size > 1 else "one process, no FSDP"
     print(f"{config.name} ({format_count(num_parameters(config))} parameters), {method}, {precision}")
+    note = precision_note(precision, local_gpu(), world_size)
+    if note:
+        print(note)
     print(f"{devices} device(s) x {num_nodes} node(s): {layout}")
     checkpointing = "with" if fsdp.activation_checkpointing else "without"
     print(
@@ -435,6 +439,31 @@ def plan(
     if accumulation > 1 and world_size > 1:
         print(accumulation_summary(estimate, fsdp.sharding_strategy, accumulation))
     print_estimate(estimate, memory, device_memory)
+
+
+def local_gpu() -> tuple[str, bool] | None:
+    """(name, whether it computes in bf16) of this machine's GPU, the card a plan made here is most likely for;
+    None without one."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(), gpu_has_bf16()
+
+
+def precision_note(precision: Precision, gpu: tuple[str, bool] | None, world_size: int) -> str | None:
+    """A line on what the GPU here (`local_gpu`) does with `precision` when it has no bf16 (V100, T4): training
+    refuses bf16 there, and 16-mixed is its mixed precision, on one GPU only (`check_fsdp_options`)."""
+    if gpu is None or gpu[1]:
+        return None
+    name = gpu[0]
+    if precision.startswith("bf16"):
+        return (
+            f"note: this machine's GPU ({name}) has no bf16, so training refuses --precision {precision} on it; "
+            "plan --precision 16-mixed (one GPU) or 32-true for it"
+        )
+    if precision == "16-mixed":
+        several = " (training refuses it on several GPUs: FSDP2 here takes no fp16)" if world_size > 1 else ""
+        return f"note: this machine's GPU ({name}) has no bf16: 16-mixed (fp16 with loss scaling) is its mixed precision{several}"
+    return None
 
 
 def print_estimate(estimate: MemoryEstimate, memory: int | None, device_memory: str | None) -> None:
