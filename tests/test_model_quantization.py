@@ -187,3 +187,34 @@ def test_adapters_trained_on_nf4_merge_into_the_dequantized_base(base_dir, tmp_p
         merged.load_state_dict({k: v.float() for k, v in merged_state.items()})
         with torch.no_grad():
             torch.testing.assert_close(merged.eval()(TOKENS), expected, atol=tolerance, rtol=0)
+
+
+def test_the_peft_export_of_qlora_adapters_says_it_differs_by_nf4_rounding_and_the_merged_one_is_exact(
+    base_dir, tmp_path, capsys
+):
+    """PEFT names the unquantized base: the adapters on it are not the trained model (they were trained on the
+    NF4 weights), the merged export is. The export says so, and the two differences are measured here."""
+    from litsft.checkpoint.convert import convert_to_hf
+
+    lora = LoRAConfig(rank=4, alpha=8, targets=["q", "v", "down"])
+    model = qlora_model(base_dir, lora)
+    train(model)
+    save_lora_folder(lora_state_dict(model), lora, base_dir, tmp_path / "lora", base_quantization="nf4")
+    convert_to_hf(tmp_path / "lora", tmp_path / "peft", lora_format="peft")
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"note: {tmp_path / 'peft'} names the unquantized base" in out
+    assert "differ from the trained model's by NF4's rounding" in out
+    assert f"litsft convert_to_hf {tmp_path / 'lora'} --lora_format merged" in out
+    # What the PEFT adapter gives: the same adapters on the unquantized base.
+    on_unquantized = apply_lora(Transformer(Config.from_checkpoint(base_dir)), lora)
+    load_model_weights(on_unquantized, base_dir, stored_name=base_weight_name)
+    on_unquantized.load_state_dict(lora_state_dict(model), strict=False)
+    merge_lora(tmp_path / "lora", tmp_path / "merged", dtype="float32")
+    merged = Transformer(Config.from_checkpoint(tmp_path / "merged"))
+    merged.load_state_dict(load_model_state_dict(tmp_path / "merged"))
+    with torch.no_grad():
+        trained = model.eval()(TOKENS)
+        assert (on_unquantized.eval()(TOKENS) - trained).abs().max() > 1e-2  # NF4's rounding shows
+        torch.testing.assert_close(merged.eval()(TOKENS), trained, atol=1e-5, rtol=0)
+    convert_to_hf(tmp_path / "lora", tmp_path / "merged-hf")  # merged: no such note
+    assert "note:" not in capsys.readouterr().out

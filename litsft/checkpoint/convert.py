@@ -348,6 +348,19 @@ def export_peft_adapter(lora_checkpoint_dir: Path, out_dir: Path, base_model_nam
         modules = sorted({name.split(".")[-3] for name in adapters if name.endswith(".lora_A.weight")})
         write_json(tmp_dir / PEFT_CONFIG_NAME, _peft_config(folder, base_name, modules, fused))
         copy_tokenizer_files(Path(lora_checkpoint_dir), tmp_dir)
+    if folder.base_quantization is not None:
+        print(quantized_base_notice(lora_checkpoint_dir, out_dir, base_name, folder.base_quantization))
+
+
+def quantized_base_notice(lora_checkpoint_dir: Path, out_dir: Path, base_name: str, quantization: str) -> str:
+    """What a PEFT export of QLoRA adapters is: PEFT names an unquantized base, and the adapters were trained
+    on its quantized weights, so the two together are not exactly the trained model; the merged export is."""
+    return (
+        f"note: {out_dir} names the unquantized base {base_name}, but these adapters were trained on its "
+        f"{quantization.upper()} weights: loaded there, the model's logits differ from the trained model's by "
+        f"{quantization.upper()}'s rounding. For the trained model exactly, export it merged (the adapters folded "
+        f"into the dequantized weights): litsft convert_to_hf {lora_checkpoint_dir} --lora_format merged"
+    )
 
 
 def _peft_config(
