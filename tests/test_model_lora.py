@@ -11,7 +11,6 @@ from litsft.checkpoint.model_folder import load_model_state_dict, save_model_fol
 from litsft.errors import LitsftError
 from litsft.model.config import Config
 from litsft.model.lora import (
-    AdapterDropout,
     LoRAConfig,
     LoRALinear,
     NarrowInputLinear,
@@ -285,23 +284,6 @@ def test_narrow_input_linear_has_the_gradients_of_a_linear_layer():
     expected = torch.autograd.grad(F.linear(h32, w32), (h32, w32), grad)
     torch.testing.assert_close(h32.grad, expected[0])
     torch.testing.assert_close(w32.grad, expected[1])
-
-
-def test_adapter_dropout_drops_p_of_the_inputs_and_keeps_the_mean():
-    dropout = AdapterDropout(0.05).train()
-    x = torch.ones(1000, 1000, requires_grad=True)
-    torch.manual_seed(3)
-    y = dropout(x)
-    kept = y != 0
-    # 1e6 draws: the dropped share's standard deviation is 2.2e-4.
-    assert abs((~kept).float().mean().item() - 0.05) < 1.5e-3
-    assert torch.allclose(y[kept], torch.tensor(1 / 0.95))  # scaled so that E[y] = x
-    y.sum().backward()
-    assert torch.equal(x.grad, y.detach())  # the gradient flows through the kept inputs only, scaled alike
-    torch.manual_seed(3)
-    assert torch.equal(dropout(x), y)  # the default generator decides: seeding reproduces the mask
-    assert not torch.equal(dropout(x), y)
-    assert torch.equal(dropout.eval()(x), x)
 
 
 # ---- a lean base under mixed precision ------------------------------------------------------------------

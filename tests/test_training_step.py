@@ -300,9 +300,7 @@ def test_steps_that_log_nothing_make_the_host_wait_for_nothing(tmp_path, monkeyp
     )
     monkeypatch.setattr(torch.cuda, "synchronize", count("synchronize", torch.cuda.synchronize))
     monkeypatch.setattr(litsft.training.step, "model_inputs", host_side(litsft.training.step.model_inputs))
-    monkeypatch.setattr(
-        litsft.training.step, "_input_token_count", host_side(litsft.training.step._input_token_count)
-    )
+    monkeypatch.setattr(litsft.training.step, "row_lengths", host_side(litsft.training.step.row_lengths))
     train_step = count("--- step ---", litsft.training.engine.train_step)
 
     def step_checked_by_cuda(*args, **kwargs):

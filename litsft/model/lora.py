@@ -1,7 +1,8 @@
 """LoRA: low-rank adapters on a frozen Transformer, and the math that folds them into base weights.
 
-A projection `W` becomes `W x + B A dropout(x) * scaling`, with A (rank, in) and B (out, rank); B starts
-at zero, so a fresh adapter leaves the model's outputs unchanged. Three variants, as PEFT defines them
+A projection `W` becomes `W x + B A dropout(x) * scaling`, with A (rank, in) and B (out, rank), dropout's
+masks drawn per sample (`litsft.model.sample_dropout`); B starts at zero, so a fresh adapter leaves the
+model's outputs unchanged. Three variants, as PEFT defines them
 (https://github.com/huggingface/peft/blob/main/src/peft/tuners/lora/layer.py):
 
 | variant | scaling             | output                                                              |
@@ -44,6 +45,7 @@ from litsft.errors import LitsftError
 from litsft.model.config import Config
 from litsft.model.lora_config import LORA_TARGETS, LoRAConfig
 from litsft.model.network import Transformer
+from litsft.model.sample_dropout import SampleDropout
 
 # Target -> the attribute name of the nn.Linear it adapts (the same name Hugging Face and PEFT use).
 MODULE_OF_TARGET: dict[str, str] = {t: t if t == "lm_head" else f"{t}_proj" for t in LORA_TARGETS}
@@ -93,25 +95,6 @@ class NarrowInputLinear(torch.autograd.Function):
         return grad_h, grad_weight
 
 
-class AdapterDropout(nn.Dropout):
-    """nn.Dropout with a cheaper keep-mask on the CPU.
-
-    torch's CPU dropout draws a Bernoulli sample per element (bernoulli_ was 15% of a LoRA step on this
-    project's CPU benchmark). Here each random 64-bit draw gives two 31-bit integers, each compared with
-    p * 2^31: the same dropout, with p exact to 2^-31, at about 3/4 of the cost. On a GPU torch's own kernel
-    is used. The draws come from torch's default generator, so seeding and resuming work as before.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0 or x.device.type != "cpu":
-            return super().forward(x)
-        bits = torch.empty((x.numel() + 1) // 2, dtype=torch.int64).random_()  # uniform in [0, 2^63)
-        halves = bits.view(torch.int32)[: x.numel()].view(x.shape).bitwise_and_(0x7FFFFFFF)  # 31 uniform bits
-        threshold = round(self.p * 2**31)
-        keep_scale = (halves >= threshold).to(x.dtype).mul_(2**31 / (2**31 - threshold))
-        return x * keep_scale
-
-
 class LoRALinear(nn.Module):
     """A frozen `nn.Linear` plus a trainable low-rank update: base(x) + B(A(dropout(x))) * scaling, or its
     DoRA form (module docstring) when built with `dora=True`."""
@@ -127,7 +110,7 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Linear(base.in_features, rank, bias=False, **factory)
         self.lora_B = LoRAUp(rank, base.out_features, bias=False, **factory)
         self.lora_magnitude_vector = DoRAMagnitude(base.out_features, **factory) if dora else None
-        self.dropout = AdapterDropout(dropout) if dropout > 0 else nn.Identity()
+        self.dropout = SampleDropout(dropout) if dropout > 0 else nn.Identity()
         self.scaling = alpha / rank if scaling is None else scaling
         if base.weight.device.type != "meta":
             self.reset_lora_parameters()

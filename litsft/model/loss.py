@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from litsft.model.sample_dropout import head_rows
+
 LOSS_CHUNK_BYTES = 2**30
 """What one chunk of logits may take (`loss_chunk_tokens`): the head's logits in the compute dtype and their
 fp32 companions (`FP32_BYTES_PER_LOGIT`)."""
@@ -74,8 +76,11 @@ def _chunk_cross_entropy(
     scaling: float,
     softcap: float | None,
     logits_cross_entropy: Callable[..., torch.Tensor],
+    token_index: torch.Tensor | None,
 ) -> torch.Tensor:
-    return logits_cross_entropy(head(hidden), labels, scaling, softcap)
+    with head_rows(token_index):  # an adapted head's dropout draws each row's mask from its token's sample
+        logits = head(hidden)
+    return logits_cross_entropy(logits, labels, scaling, softcap)
 
 
 def chunked_cross_entropy(
@@ -86,9 +91,12 @@ def chunked_cross_entropy(
     softcap: float | None = None,
     compiled: bool = False,
     scaling: float = 1.0,
+    token_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Summed cross-entropy of head(hidden (N, C)) against labels (N,), `chunk_size` tokens at a time (the
     model passes `loss_chunk_tokens`), of the logits `output_logits` makes with `scaling` and `softcap`.
+    `token_index` (N,): which of the model's input tokens the rows of `hidden` are (None: all of them, in
+    order), for LoRA's per-sample dropout on the head (`litsft.model.sample_dropout`).
 
     Each chunk's logits are recomputed in the backward pass instead of kept, so the full (N, V) fp32
     logits (2 GiB for one 4k sequence with a 128k vocabulary) never exist. `compiled` runs each chunk's
@@ -97,7 +105,9 @@ def chunked_cross_entropy(
     """
     logits_cross_entropy = _compiled_logits_cross_entropy() if compiled else _logits_cross_entropy
     if hidden.shape[0] <= chunk_size:
-        return _chunk_cross_entropy(hidden, head, labels, scaling, softcap, logits_cross_entropy)
+        return _chunk_cross_entropy(hidden, head, labels, scaling, softcap, logits_cross_entropy, token_index)
+    if token_index is None:
+        token_index = torch.arange(hidden.shape[0], device=hidden.device)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_size):
         end = start + chunk_size
@@ -109,6 +119,7 @@ def chunked_cross_entropy(
             scaling,
             softcap,
             logits_cross_entropy,
+            token_index[start:end],
             use_reentrant=False,
         )
     return total

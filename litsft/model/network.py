@@ -348,10 +348,11 @@ class Transformer(nn.Module):
         hidden, labels = hidden.flatten(0, 1), labels.flatten()
         if loss_positions is None:
             loss_positions = loss_positions_of(labels)  # waits for a GPU: callers pass them
+        token_index = None
         if loss_positions.numel() < labels.numel():
             # The output head runs on the tokens that carry a loss only: with the prompt masked, that skips
             # most of its work (and a 128k-vocabulary head is a fifth of a 1B model's).
-            hidden, labels = hidden[loss_positions], labels[loss_positions]
+            hidden, labels, token_index = hidden[loss_positions], labels[loss_positions], loss_positions
         return chunked_cross_entropy(
             hidden,
             self.lm_head,
@@ -360,6 +361,7 @@ class Transformer(nn.Module):
             softcap=self.config.softcap_final,
             compiled=self.loss_compiled,
             scaling=self.config.logits_scaling,
+            token_index=token_index,
         )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -157,6 +157,8 @@ def train_loop(
                 micro_batches,
                 run.train.max_norm,
                 run.fsdp.sharding_strategy,
+                seed=run.seed,
+                step=state.step + 1,
             )
         state.step += 1
         step = state.step

@@ -15,6 +15,7 @@ from torch import nn
 from litsft.errors import LitsftError
 from litsft.model.attention import Documents
 from litsft.model.batch import model_inputs
+from litsft.model.sample_dropout import DropoutSamples, dropout_samples, samples_in_micro_batch
 from litsft.training.args import ShardingStrategy
 from litsft.training.parallel import synchronize_gradients
 
@@ -42,19 +43,23 @@ def train_step(
     micro_batches: list[dict[str, torch.Tensor]],
     max_norm: float | None,
     sharding_strategy: ShardingStrategy = "FULL_SHARD",
+    seed: int = 0,
+    step: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One optimizer step over the micro-batches of this rank. Returns (mean loss, grad norm, target tokens,
     non-padding input tokens), all global and still on the device: nothing here makes the host wait for it.
     `sharding_strategy` decides how the micro-batches' gradients are reduced (`synchronize_gradients`);
-    without FSDP (one process) it changes nothing."""
+    without FSDP (one process) it changes nothing. LoRA's dropout masks come from (`seed`, `step`, each
+    sample's position in the global batch): `dropout_samples_of`."""
     device = fabric.device
     inputs = [to_device(mb, device) for mb in micro_batches]
+    samples = dropout_samples_of(micro_batches, inputs, fabric.global_rank, seed, step)
     # Counted on the host, where the batches are, and copied like them: a tensor made from host values
     # directly on a GPU (torch.tensor(..., device=...)) is a copy the host waits for.
     counts = torch.tensor(
         [
             sum(batch["loss_positions"].numel() for batch in inputs),
-            sum(_input_token_count(mb) for mb in micro_batches),
+            sum(sum(row_lengths(mb)) for mb in micro_batches),
         ]
     )
     counts = sum_over_ranks(fabric, copy_to_device(counts, device))
@@ -66,8 +71,9 @@ def train_step(
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(inputs):
         synchronize_gradients(model, sharding_strategy, last_micro_batch=i == len(inputs) - 1)
-        loss = model(**batch)
-        fabric.backward(loss * scale)
+        with dropout_samples(model, samples[i]):  # the backward pass recomputes checkpointed masks
+            loss = model(**batch)
+            fabric.backward(loss * scale)
         loss_sum += loss.detach()
     # Fabric's wrapper hands step() to the optimizer it wraps, which is where the scaler and AdamW look.
     inner_optimizer = getattr(optimizer, "optimizer", optimizer)
@@ -150,15 +156,39 @@ def copy_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
-def _input_token_count(batch: dict[str, torch.Tensor]) -> int:
-    """The input tokens of a host micro-batch that are not padding: the collate's `row_lengths` (unpacked rows
-    are right-padded to the longest), else the tokens in a document, else every token (a loader whose rows
-    are never padded, such as the pretraining streams)."""
+def row_lengths(batch: dict[str, torch.Tensor]) -> list[int]:
+    """The real (not padding) tokens of each row of a host micro-batch: the collate's `row_lengths` (unpacked
+    rows are right-padded to the longest), else the tokens in a document, else whole rows (a loader whose
+    rows are never padded, such as the pretraining streams)."""
     if "row_lengths" in batch:
-        return int(batch["row_lengths"].sum())
+        return batch["row_lengths"].tolist()
     if "document_ids" in batch:
-        return int((batch["document_ids"] >= 0).sum())
-    return batch["input_ids"].numel()
+        return (batch["document_ids"] >= 0).sum(dim=1).tolist()
+    rows, width = batch["input_ids"].shape
+    return [width] * rows
+
+
+def dropout_samples_of(
+    micro_batches: list[dict[str, torch.Tensor]],
+    inputs: list[dict[str, Any]],
+    rank: int,
+    seed: int,
+    step: int,
+) -> list[DropoutSamples]:
+    """Where each sample of each micro-batch is in the model's input, and its key: (seed, step, its position
+    in the global batch). The position is the one the loader dealt it from (`litsft.data.loader`: rank r
+    takes the r-th equal share of the global batch, as consecutive micro-batches), so that any split of the
+    global batch into ranks, micro-batches and accumulation steps gives each sample the same masks."""
+    share = sum(len(batch["input_ids"]) for batch in micro_batches)
+    position = rank * share
+    samples = []
+    for batch, model_input in zip(micro_batches, inputs):
+        rows, width = model_input["input_ids"].shape
+        lengths = row_lengths(batch)
+        joined = rows != len(lengths)  # packed rows joined into one row of their real tokens (model_inputs)
+        samples.append(samples_in_micro_batch(lengths, width, joined, position, seed, step))
+        position += len(lengths)
+    return samples
 
 
 def clip_gradients(model: nn.Module, max_norm: float | None) -> torch.Tensor:
