@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,19 +26,18 @@ from litsft.model.network import Transformer
 
 
 def lora_args(
-    checkpoint: Path, data: Path, out_dir: Path, micro: int, steps: int, *extra: str, dropout: float = 0.1
+    checkpoint: Path,
+    data: Path,
+    out_dir: Path,
+    micro: int,
+    steps: int,
+    *extra: str,
+    dropout: float | None = None,
 ) -> list[str]:
+    """finetune_lora's arguments; `dropout` None leaves --lora.dropout at its default (0.05)."""
     args = finetune_args(checkpoint, data, out_dir, micro, steps, *extra)
-    return [
-        "finetune_lora",
-        *args[1:],
-        "--lora.rank",
-        "4",
-        "--lora.alpha",
-        "8",
-        "--lora.dropout",
-        str(dropout),
-    ]
+    dropout_args = [] if dropout is None else ["--lora.dropout", str(dropout)]
+    return ["finetune_lora", *args[1:], "--lora.rank", "4", "--lora.alpha", "8", *dropout_args]
 
 
 def digest(directory: Path) -> dict[str, str]:
@@ -118,21 +119,19 @@ def test_lora_on_two_processes_equals_one_and_exports_to_transformers(
     workspace: Path, kind: str, base_name: str, extra: tuple[str, ...], capsys: pytest.CaptureFixture
 ) -> None:
     """One process == two FULL_SHARD processes (== two HYBRID_SHARD nodes, for the NF4 base, whose shards
-    must be the rows of the unsharded quantization); the merged export gives the trained model's logits.
+    must be the rows of the unsharded quantization), with the default LoRA dropout (0.05): each sample's
+    masks do not depend on the rank it lands on. The merged export gives the trained model's logits.
     The single-process run and the export run in this process, the distributed runs as users launch them."""
     base, data = workspace / base_name, workspace / "data.json"
     single = workspace / f"single-{kind}"
-    # No dropout here: its masks depend on how rows are split over ranks.
-    litsft_in_process(lora_args(base, data, single, 4, 4, *extra, dropout=0.0), workspace, capsys)
+    litsft_in_process(lora_args(base, data, single, 4, 4, *extra), workspace, capsys)
+    assert json.loads((single / "final" / "lora_config.json").read_text())["dropout"] == 0.05
     runs = {"2 processes FULL_SHARD": workspace / f"double-{kind}"}
-    litsft(
-        lora_args(base, data, runs["2 processes FULL_SHARD"], 2, 4, "--devices", "2", *extra, dropout=0.0),
-        workspace,
-    )
+    litsft(lora_args(base, data, runs["2 processes FULL_SHARD"], 2, 4, "--devices", "2", *extra), workspace)
     if "qlora" in kind:
         out = runs["2 nodes x 1 device HYBRID_SHARD"] = workspace / f"two-nodes-{kind}"
         hybrid = ("--num_nodes", "2", "--fsdp.sharding_strategy", "HYBRID_SHARD", *extra)
-        litsft_two_nodes(lora_args(base, data, out, 2, 4, *hybrid, dropout=0.0), workspace)
+        litsft_two_nodes(lora_args(base, data, out, 2, 4, *hybrid), workspace)
     a = load_file(single / "final" / "adapter.safetensors")
     for name, out in runs.items():
         b = load_file(out / "final" / "adapter.safetensors")
@@ -150,3 +149,27 @@ def test_lora_on_two_processes_equals_one_and_exports_to_transformers(
     with torch.no_grad():
         assert (hf(tokens).logits - model(tokens)).abs().max().item() < 1e-4
     assert isinstance(model, Transformer)
+
+
+def test_elastic_resume_with_dropout_equals_the_uninterrupted_run(
+    workspace: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Two FULL_SHARD processes checkpoint at step 2 of 4; relaunched on one process (micro 2 x accumulation
+    2 instead of 2 ranks x micro 2) it finishes with the adapters of the uninterrupted two-process run, with
+    the default dropout on: the masks of steps 3 and 4 do not depend on how many processes draw them."""
+    base, data = workspace / "base", workspace / "data.json"
+    uninterrupted, resumed = workspace / "elastic-uninterrupted", workspace / "elastic-resumed"
+    litsft(
+        lora_args(base, data, uninterrupted, 2, 4, "--devices", "2", "--train.save_interval", "2"), workspace
+    )
+    shutil.copytree(uninterrupted, resumed)
+    shutil.rmtree(resumed / "step-00000004")
+    shutil.rmtree(resumed / "final")
+    result = litsft_in_process(
+        lora_args(base, data, resumed, 2, 4, "--train.save_interval", "2"), workspace, capsys
+    )
+    assert "Resumed from" in result.stdout + result.stderr
+    a = load_file(uninterrupted / "final" / "adapter.safetensors")
+    b = load_file(resumed / "final" / "adapter.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert any(k.endswith("lora_B.weight") and a[k].abs().sum() > 0 for k in a), "adapters were trained"

@@ -30,7 +30,9 @@ class LoRAConfig:
     alpha: float = 16
     """The adapter's output is scaled by alpha / rank."""
     dropout: float = 0.05
-    """Dropout on the adapter's input during training."""
+    """Dropout on the adapter's input during training. Each sample's masks come from the seed, the step and
+    its place in the global batch, so one process and N give the same result, and so does a resume on
+    another number of processes."""
     targets: list[LoRATarget] | Literal["all-linear"] = "all-linear"
     """Projections to adapt: a list of q, k, v, o, gate, up, down, lm_head, or all-linear (every attention
     and MLP projection, not lm_head). Adapting the MLP too is what lets LoRA approach full fine-tuning
