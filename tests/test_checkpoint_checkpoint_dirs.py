@@ -13,10 +13,12 @@ import pytest
 from litsft.checkpoint.checkpoint_dirs import (
     TRAINER_STATE,
     checkpoint_name,
+    find_damage,
     is_complete,
     latest_checkpoint,
     read_trainer_state,
     resume_checkpoint,
+    set_aside_damaged_checkpoints,
 )
 from litsft.errors import LitsftError
 
@@ -112,3 +114,64 @@ def test_the_trainer_state_of_a_complete_checkpoint_only(tmp_path: Path) -> None
     (checkpoint / "a").unlink()
     with pytest.raises(LitsftError, match=r"is not a complete litsft training checkpoint .*--resume auto$"):
         read_trainer_state(checkpoint)
+
+
+FILES = {"rank-00000.pt": b"rng", "rank-00001.pt": b"rng", "shards/rank-00000.safetensors": b"0123456789"}
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        (lambda c: (c / "shards" / "rank-00000.safetensors").write_bytes(b"0123"),
+         "shards/rank-00000.safetensors is truncated (4 of 10 bytes)"),
+        (lambda c: (c / "shards" / "rank-00000.safetensors").write_bytes(b"0123456789ab"),
+         "shards/rank-00000.safetensors is longer than written (12 of 10 bytes)"),
+        (lambda c: (c / "rank-00001.pt").unlink(), "rank-00001.pt is missing"),
+        (lambda c: (c / "shards" / "rank-00002.safetensors").write_bytes(b"x"),
+         "shards/rank-00002.safetensors is not a file it was written with"),
+        (lambda c: (c / TRAINER_STATE).write_text("{broken"),
+         "trainer_state.json is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+        (lambda c: (c / TRAINER_STATE).write_text("[]"), "trainer_state.json has no list of the checkpoint's files"),
+        (lambda c: (c / TRAINER_STATE).unlink(), "trainer_state.json is missing"),
+    ],
+)  # fmt: skip
+def test_find_damage_says_how_a_checkpoint_differs_from_what_was_written(
+    tmp_path: Path, damage, expected
+) -> None:
+    checkpoint = write_checkpoint(tmp_path / checkpoint_name(4), FILES)
+    assert find_damage(checkpoint) is None
+    damage(checkpoint)
+    assert find_damage(checkpoint) == expected
+    assert not is_complete(checkpoint)
+
+
+def test_damaged_checkpoints_are_moved_aside_whole_and_the_newest_intact_one_is_resumed(
+    tmp_path: Path,
+) -> None:
+    out_dir = tmp_path / "out"
+    for step in (2, 4, 6):
+        write_checkpoint(out_dir / checkpoint_name(step), FILES)
+    (out_dir / checkpoint_name(6) / "rank-00001.pt").unlink()
+    (out_dir / checkpoint_name(4) / "shards" / "rank-00000.safetensors").write_bytes(b"01")
+    notices = set_aside_damaged_checkpoints(out_dir)
+    aside = sorted(p.name for p in out_dir.iterdir() if ".damaged-" in p.name)
+    assert [name.split(".damaged-")[0] for name in aside] == [checkpoint_name(4), checkpoint_name(6)]
+    assert notices == [
+        f"checkpoint {out_dir / checkpoint_name(4)} is damaged: shards/rank-00000.safetensors is truncated "
+        f"(2 of 10 bytes); moved it aside to {aside[0]}",
+        f"checkpoint {out_dir / checkpoint_name(6)} is damaged: rank-00001.pt is missing; moved it aside to {aside[1]}",
+    ]
+    # Nothing is lost: the damaged directory is there whole, under its new name.
+    assert (out_dir / aside[0] / "shards" / "rank-00000.safetensors").read_bytes() == b"01"
+    assert sorted(p.name for p in (out_dir / aside[1]).iterdir()) == [
+        "rank-00000.pt",
+        "shards",
+        TRAINER_STATE,
+    ]
+    assert latest_checkpoint(out_dir) == resume_checkpoint("auto", out_dir) == out_dir / checkpoint_name(2)
+    # Step 6 can be saved again under its own name, and damaged twice: each copy keeps its own.
+    write_checkpoint(out_dir / checkpoint_name(6), FILES)
+    (out_dir / checkpoint_name(6) / "rank-00000.pt").unlink()
+    assert len(set_aside_damaged_checkpoints(out_dir)) == 1
+    assert len([p for p in out_dir.iterdir() if p.name.startswith(checkpoint_name(6))]) == 2
+    assert set_aside_damaged_checkpoints(out_dir) == []

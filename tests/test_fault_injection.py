@@ -209,6 +209,52 @@ def test_a_second_ctrl_c_once_the_checkpoint_is_written_loses_nothing_and_exits_
     assert (out_dir / "loss.png").is_file()
 
 
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    ("kind", "damage", "expected"),
+    [
+        ("truncated-shard", lambda c: truncate(c / "shards" / "rank-00001.safetensors"),
+         "shards/rank-00001.safetensors is truncated ({half:,} of {size:,} bytes)"),
+        ("missing-rank-file", lambda c: (c / "rank-00001.pt").unlink(), "rank-00001.pt is missing"),
+        ("extra-file", lambda c: shutil.copy(c / "shards" / "rank-00001.safetensors", c / "shards" / "rank-00002.safetensors"),
+         "shards/rank-00002.safetensors is not a file it was written with"),
+    ],
+)  # fmt: skip
+def test_a_damaged_newest_checkpoint_is_named_moved_aside_and_the_run_goes_on_from_the_one_before(
+    workspace: Path, kind: str, damage: Callable[[Path], None], expected: str
+) -> None:
+    """The newest checkpoint (step 8 of 8) damaged after it was published: the relaunch says which checkpoint
+    and how, moves it aside whole, resumes from step 6, saves step 8 again under its own name and finishes
+    with the uninterrupted run's weights."""
+    name = f"damaged-{kind}"
+    out_dir = workspace / name
+    shutil.copytree(workspace / "reference", out_dir)
+    shutil.rmtree(out_dir / "final")
+    newest = out_dir / "step-00000008"
+    size = (newest / "shards" / "rank-00001.safetensors").stat().st_size
+    damage(newest)
+    evidence = {str(p.relative_to(newest)): p.read_bytes() for p in newest.rglob("*") if p.is_file()}
+
+    rerun = run_litsft(args_for(workspace, name), workspace)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    output = rerun.stdout + rerun.stderr
+    aside = [p for p in out_dir.iterdir() if p.name.startswith("step-00000008.damaged-")]
+    assert len(aside) == 1, sorted(p.name for p in out_dir.iterdir())
+    how = expected.format(half=size // 2, size=size)
+    assert (
+        f"checkpoint {newest} is damaged: {how}; moved it aside to {aside[0].name}; resuming from step-00000006"
+    ) in output
+    assert f"Resumed from {out_dir / 'step-00000006'}" in output
+    assert {
+        str(p.relative_to(aside[0])): p.read_bytes() for p in aside[0].rglob("*") if p.is_file()
+    } == evidence
+    assert is_complete(newest)  # saved again, no collision with the damaged one
+    assert_same_as_reference(workspace, name)
+
+
 def test_full_disk_during_save_keeps_previous_checkpoint_and_names_the_cause(workspace: Path) -> None:
     out_dir = workspace / "disk-full"
     args = args_for(workspace, "disk-full")

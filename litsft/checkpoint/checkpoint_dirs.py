@@ -1,5 +1,6 @@
-"""The step checkpoints in an out_dir, as directories: their names, whether one is complete, which one a
-run resumes from, and the trainer_state.json each carries.
+"""The step checkpoints in an out_dir, as directories: their names, whether one is complete (and how one is
+damaged: `find_damage`), damaged ones moved aside, which one a run resumes from, and the trainer_state.json
+each carries.
 
 Plain files, no torch: the checks before launch (litsft.cli.validation) read them before torch or Lightning
 is imported. Writing and loading checkpoints is litsft.checkpoint.training_checkpoint's.
@@ -7,6 +8,9 @@ is imported. Writing and loading checkpoints is litsft.checkpoint.training_check
 
 from __future__ import annotations
 
+import json
+import os
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -28,34 +32,88 @@ def checkpoint_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:08d}"
 
 
-def is_complete(checkpoint_dir: Path) -> bool:
+DAMAGED_INFIX = ".damaged-"
+"""A damaged checkpoint is moved aside to `step-XXXXXXXX.damaged-<UTC time>/`, kept as evidence."""
+
+
+def find_damage(checkpoint_dir: Path) -> str | None:
+    """How a published checkpoint directory differs from what was written into it, in a few words (None: it
+    is intact). `trainer_state.json`, written last, lists every other file with its size: a listed file
+    missing or of another size, or a file it does not list, is damage."""
     state_path = checkpoint_dir / TRAINER_STATE
     if not state_path.is_file():
-        return False
+        return f"{TRAINER_STATE} is missing"
     try:
-        state = read_json(state_path)
-        files, sizes = state["files"], state.get("file_sizes", {})
-        # A damaged trainer_state.json (a list where a dict belongs, a number for a name) is incomplete too.
-        return all(
-            (checkpoint_dir / name).is_file()
-            and (name not in sizes or (checkpoint_dir / name).stat().st_size == sizes[name])
-            for name in files
+        state = json.loads(state_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return f"{TRAINER_STATE} is not valid JSON ({err})"
+    # A damaged trainer_state.json (a list where a dict belongs, a number for a name) is damage too.
+    files, sizes = (
+        (state.get("files"), state.get("file_sizes", {})) if isinstance(state, dict) else (None, None)
+    )
+    if (
+        not isinstance(files, list)
+        or not all(isinstance(n, str) for n in files)
+        or not isinstance(sizes, dict)
+    ):
+        return f"{TRAINER_STATE} has no list of the checkpoint's files"
+    for name in files:
+        path = checkpoint_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size, written = path.stat().st_size, sizes.get(name)
+        if written is not None and size != written:
+            how = "truncated" if size < written else "longer than written"
+            return f"{name} is {how} ({size:,} of {written:,} bytes)"
+    present = {str(p.relative_to(checkpoint_dir)) for p in checkpoint_dir.rglob("*") if p.is_file()}
+    extra = sorted(present - set(files) - {TRAINER_STATE})
+    if extra:
+        return f"{extra[0]} is not a file it was written with" + (
+            f" (nor are {len(extra) - 1} more)" if len(extra) > 1 else ""
         )
-    except (LitsftError, KeyError, TypeError):
-        return False
+    return None
+
+
+def is_complete(checkpoint_dir: Path) -> bool:
+    return find_damage(checkpoint_dir) is None
+
+
+def step_checkpoints(out_dir: Path) -> list[Path]:
+    """The `step-XXXXXXXX` directories in out_dir, oldest first, complete or not."""
+    if not out_dir.is_dir():
+        return []
+    return sorted(
+        p for p in out_dir.glob(f"{STEP_PREFIX}*") if p.is_dir() and p.name[len(STEP_PREFIX) :].isdigit()
+    )
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
     """The newest complete `step-*` checkpoint in out_dir; partial or damaged ones are never picked."""
-    if not out_dir.is_dir():
-        return None
-    candidates = sorted(
-        p for p in out_dir.glob(f"{STEP_PREFIX}*") if p.is_dir() and p.name[len(STEP_PREFIX) :].isdigit()
-    )
-    for candidate in reversed(candidates):
+    for candidate in reversed(step_checkpoints(out_dir)):
         if is_complete(candidate):
             return candidate
     return None
+
+
+def set_aside_damaged_checkpoints(out_dir: Path) -> list[str]:
+    """Move every damaged `step-XXXXXXXX` checkpoint of out_dir aside (renamed, never deleted: it is evidence
+    of what went wrong) and return one line per checkpoint saying how it was damaged and where it went. A run
+    then resumes from the newest intact checkpoint and saves that step again under its own name. Call it
+    on one process, before any process looks for the checkpoint to resume from."""
+    notices = []
+    for checkpoint in step_checkpoints(out_dir):
+        damage = find_damage(checkpoint)
+        if damage is None:
+            continue
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        aside = checkpoint.with_name(f"{checkpoint.name}{DAMAGED_INFIX}{stamp}")
+        for attempt in range(2, 100):
+            if not aside.exists():
+                break
+            aside = checkpoint.with_name(f"{checkpoint.name}{DAMAGED_INFIX}{stamp}-{attempt}")
+        os.replace(checkpoint, aside)
+        notices.append(f"checkpoint {checkpoint} is damaged: {damage}; moved it aside to {aside.name}")
+    return notices
 
 
 def resume_checkpoint(resume: bool | str | Path, out_dir: Path) -> Path | None:
@@ -74,9 +132,10 @@ def resume_checkpoint(resume: bool | str | Path, out_dir: Path) -> Path | None:
 
 
 def read_trainer_state(checkpoint_dir: Path) -> dict[str, Any]:
-    if not is_complete(checkpoint_dir):
+    damage = find_damage(checkpoint_dir)
+    if damage is not None:
         raise LitsftError(
-            f"{checkpoint_dir} is not a complete litsft training checkpoint "
-            f"({TRAINER_STATE} or a file it lists is missing or truncated); pass another one or --resume auto"
+            f"{checkpoint_dir} is not a complete litsft training checkpoint ({damage}); pass another one or "
+            "--resume auto"
         )
     return read_json(checkpoint_dir / TRAINER_STATE)

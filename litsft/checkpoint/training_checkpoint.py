@@ -187,8 +187,8 @@ def training_rows(checkpoint_dir: Path, prefix: str) -> RowReader:
                         blocks.setdefault(key[len(prefix) :], []).append((path, key, offsets[key], rows))
         except (SafetensorError, OSError, ValueError, KeyError) as err:
             raise LitsftError(
-                f"{path} is damaged ({first_line(err)}); delete {checkpoint_dir} to resume from the "
-                "checkpoint before it, or pass --resume <an older step dir>"
+                f"{path} is damaged ({first_line(err)}); move {checkpoint_dir} aside (rename it) to resume from "
+                "the checkpoint before it, or pass --resume <an older step dir>"
             ) from None
     return RowReader(blocks)
 

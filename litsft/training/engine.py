@@ -21,7 +21,11 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from litsft.checkpoint import training_checkpoint as checkpoint
-from litsft.checkpoint.checkpoint_dirs import FINAL_DIR, resume_checkpoint
+from litsft.checkpoint.checkpoint_dirs import (
+    FINAL_DIR,
+    resume_checkpoint,
+    set_aside_damaged_checkpoints,
+)
 from litsft.errors import LitsftError
 from litsft.model.attention import choose_kernel, describe_kernel
 from litsft.model.config import Config
@@ -62,6 +66,7 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
     if fabric.is_global_zero:
         out_dir.mkdir(parents=True, exist_ok=True)
         checkpoint.remove_partial_checkpoints(out_dir)
+        set_aside_damaged(fabric, run.resume, out_dir)
     tokenizer = Tokenizer(run.tokenizer_dir)
     train_loader, val_loader = setup_data(fabric, run, tokenizer)
     total_steps = total_optimizer_steps(run.train, train_loader, fabric.world_size)
@@ -196,6 +201,21 @@ def train_loop(
 
 
 # ---- setup ----------------------------------------------------------------------------------------------
+def set_aside_damaged(fabric: Fabric, resume: Any, out_dir: Path) -> None:
+    """Move damaged step checkpoints aside (before any rank looks for the one to resume from) and say which,
+    how, and where the run goes on from: a damaged checkpoint left in place would be skipped without a word,
+    and its step's next save would collide with it."""
+    notices = set_aside_damaged_checkpoints(out_dir)
+    if not notices:
+        return
+    intact = resume_checkpoint(resume, out_dir)
+    goes_on = (
+        f"resuming from {intact.name}" if intact else "no intact checkpoint is left: training starts over"
+    )
+    for notice in notices:
+        fabric.print(f"{notice}; {goes_on}")
+
+
 def setup_data(fabric: Fabric, run: RunConfig, tokenizer: Any) -> tuple[Any, Any]:
     """Prepare the data on the first rank (tokenizing, caching), then this rank's train and val loaders."""
     run.data.connect(tokenizer, max_seq_length=run.train.max_seq_length, seed=run.seed)
