@@ -154,3 +154,26 @@ def test_the_head_adapter_draws_each_token_s_mask_from_its_sample_in_chunks_too(
     other = dropout_samples_of([batch], [model_input], 0, seed=3, step=2)[0]
     assert abs(loss_and_grads(model, model_input, other)[0] - one_chunk[0]) > 1e-4
     assert np.isfinite(one_chunk[0].item())
+
+
+def test_activation_checkpointing_recomputes_the_same_masks():
+    """Checkpointed blocks run their forward again in the backward pass: the adapters' masks there are the
+    ones the forward drew, so the gradients equal those of the model without checkpointing."""
+    import copy
+
+    from litsft.training.args import FSDPConfig
+    from litsft.training.parallel import parallelize
+
+    model = lora_model_with_head_adapter()
+    checkpointed = copy.deepcopy(model)
+    parallelize(checkpointed, None, FSDPConfig(activation_checkpointing=True), "32-true")
+    loader = SFTLoader(random_samples([20, 33, 12, 25], seed=6), 40, False, 0, 0, 1, 4, 4, seed=0)
+    batch = next(iter(loader))
+    model_input = to_device(batch, torch.device("cpu"))
+    where = dropout_samples_of([batch], [model_input], 0, seed=3, step=1)[0]
+    expected_loss, expected = loss_and_grads(model, model_input, where)
+    loss, grads = loss_and_grads(checkpointed, model_input, where)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == expected.keys() and grads
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7)
