@@ -140,16 +140,20 @@ def keep_scale(
     dtype: torch.dtype,
     device: torch.device,
     generator: torch.Generator | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A dropout mask of `shape`: 1 / (1 - p) where a value is kept (probability 1 - p), else 0. Each 64-bit
-    draw gives two 31-bit integers, each compared with p * 2^31 (p exact to 2^-31)."""
+    """A dropout mask of `shape`: 1 / (1 - p) where a value is kept (probability 1 - p), else 0, written into
+    `out` when given. Each 64-bit draw gives two 31-bit integers, each compared with p * 2^31 (p exact to
+    2^-31)."""
     count = 1
     for size in shape:
         count *= size
     bits = torch.empty((count + 1) // 2, dtype=torch.int64, device=device).random_(generator=generator)
     halves = bits.view(torch.int32)[:count].view(shape).bitwise_and_(0x7FFFFFFF)  # 31 uniform bits each
     threshold = round(p * 2**31)
-    return (halves >= threshold).to(dtype).mul_(2**31 / (2**31 - threshold))
+    keep = halves >= threshold
+    out = keep.to(dtype) if out is None else out.copy_(keep)
+    return out.mul_(2**31 / (2**31 - threshold))
 
 
 class SampleDropout(nn.Dropout):
@@ -170,16 +174,16 @@ class SampleDropout(nn.Dropout):
         """(tokens, width) masks, sample by sample, shaped as `x`."""
         samples, width = _current, x.shape[-1]
         assert samples is not None and self.index is not None
-        pieces, cursor = [], 0
+        masks = torch.empty(samples.tokens, width, dtype=x.dtype, device=x.device)
+        cursor = 0
         for key, start, length in zip(samples.keys, samples.starts, samples.lengths):
-            if start > cursor:
-                pieces.append(torch.ones(start - cursor, width, dtype=x.dtype, device=x.device))
+            masks[cursor:start].fill_(1)  # padding
             generator = _generator(x.device, mix_key(key, self.index))
-            pieces.append(keep_scale((length, width), self.p, x.dtype, x.device, generator))
+            keep_scale(
+                (length, width), self.p, x.dtype, x.device, generator, out=masks[start : start + length]
+            )
             cursor = start + length
-        if samples.tokens > cursor:
-            pieces.append(torch.ones(samples.tokens - cursor, width, dtype=x.dtype, device=x.device))
-        masks = torch.cat(pieces)
+        masks[cursor:].fill_(1)
         rows = x.numel() // width
         if rows != samples.tokens:
             if _head_rows is None or _head_rows.numel() != rows:
