@@ -1,6 +1,7 @@
 """One optimizer step: micro-batches gathered for gradient accumulation, moved to the device, forward and
-backward with the loss weighted by the global target-token count, clipping, and an update that a non-finite
-gradient norm skips on the device. Nothing here makes the host wait for the device."""
+backward with the loss weighted by the global target-token count (and LoRA's dropout masks keyed to each
+sample's place in the global batch), clipping, and an update that a non-finite gradient norm skips on the
+device. Nothing here makes the host wait for the device."""
 
 from __future__ import annotations
 
