@@ -8,9 +8,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from litsft.errors import LitsftError
-from litsft.model.config import NAMED_CONFIGS, Config
+from litsft.model.config import NAMED_CONFIGS, Config, format_count
 from litsft.model.families import FAMILIES
-from litsft.model.sizes import list_models, num_parameters
+from litsft.model.sizes import list_models, model_sizes, num_parameters
 
 # The published numbers, typed in again from each model's config.json rather than copied from
 # litsft/model/config.py, so a typo in either place fails a test:
@@ -85,6 +85,25 @@ PUBLISHED = {
     "OLMo-2-1124-13B": (40, 40, 40, 5120, 13824, 100352, 5e5, False),
     "tiny-granite": (2, 4, 2, 64, 176, 512, 1e4, False),
     "granite-3.1-2b-instruct": (40, 32, 8, 2048, 8192, 49155, 5e6, True),
+    "OLMoE-1B-7B-0924": (16, 16, 16, 2048, 1024, 50304, 1e4, False),
+    "OLMoE-1B-7B-0924-Instruct": (16, 16, 16, 2048, 1024, 50304, 1e4, False),
+    "Qwen3-30B-A3B": (48, 32, 4, 2048, 6144, 151936, 1e6, False),
+    "Qwen3-235B-A22B": (94, 64, 4, 4096, 12288, 151936, 1e6, False),
+    "Mixtral-8x7B-v0.1": (32, 32, 8, 4096, 14336, 32000, 1e6, False),
+    "Mixtral-8x7B-Instruct-v0.1": (32, 32, 8, 4096, 14336, 32000, 1e6, False),
+    "Mixtral-8x22B-v0.1": (56, 48, 8, 6144, 16384, 32000, 1e6, False),
+}
+
+# The mixtures of experts' own numbers, from the same config.json files: experts, experts per token, an
+# expert's intermediate size, renormalized top-k weights, router_aux_loss_coef.
+MOE_PUBLISHED = {
+    "OLMoE-1B-7B-0924": (64, 8, 1024, False, 0.01),
+    "OLMoE-1B-7B-0924-Instruct": (64, 8, 1024, False, 0.01),
+    "Qwen3-30B-A3B": (128, 8, 768, True, 0.001),
+    "Qwen3-235B-A22B": (128, 8, 1536, True, 0.001),
+    "Mixtral-8x7B-v0.1": (8, 2, 14336, True, 0.02),
+    "Mixtral-8x7B-Instruct-v0.1": (8, 2, 14336, True, 0.02),
+    "Mixtral-8x22B-v0.1": (8, 2, 16384, True, 0.001),
 }
 
 # Gemma's own numbers, from the same config.json files (Gemma 3 4B-27B: their text_config, the keys it leaves
@@ -111,6 +130,9 @@ KNOWN_PARAMETER_COUNTS = {
     "gemma-3-1b-it": 999_885_952,
     "OLMo-2-0425-1B": 1_484_916_736,
     "granite-3.1-2b-instruct": 2_533_531_648,
+    "OLMoE-1B-7B-0924": 6_919_161_856,
+    "Qwen3-30B-A3B": 30_532_122_624,
+    "Mixtral-8x7B-v0.1": 46_702_792_704,
 }
 
 
@@ -144,6 +166,29 @@ def test_named_config_matches_published_numbers(name):
         c.tie_word_embeddings,
     )
     assert actual == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", MOE_PUBLISHED)
+def test_moe_config_matches_published_numbers(name):
+    c = Config.from_name(name)
+    actual = (
+        c.num_experts,
+        c.experts_per_token,
+        c.expert_intermediate,
+        c.normalize_expert_weights,
+        c.router_aux_loss_coef,
+    )
+    assert actual == MOE_PUBLISHED[name]
+
+
+@pytest.mark.parametrize(
+    "name, active",
+    [("OLMoE-1B-7B-0924", "1.28B"), ("Qwen3-30B-A3B", "3.35B"), ("Mixtral-8x7B-v0.1", "12.9B")],
+)
+def test_active_parameters_are_those_of_the_k_experts_a_token_takes(name, active):
+    """The "A3B" of Qwen3-30B-A3B: every parameter but the experts a token is not routed to (OLMoE's paper
+    says 1.3B active, Mixtral's 12.9B)."""
+    assert format_count(model_sizes(Config.from_name(name)).active_parameters) == active
 
 
 def test_family_specific_fields():

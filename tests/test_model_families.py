@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from tiny_hf import (
+    MOE_KINDS,
     SLIDING_WINDOW,
     TINY_HF_MODELS,
     assert_logits_match_transformers,
@@ -203,6 +204,10 @@ UNSUPPORTED_VALUES = {
     "hidden_act": "gelu",
     "use_bidirectional_attention": True,
     "resid_pdrop": 0.1,
+    "clip_qkv": 8.0,
+    "router_jitter_noise": 0.1,
+    "decoder_sparse_step": 2,
+    "mlp_only_layers": [0],
 }
 
 
@@ -306,7 +311,7 @@ def test_every_family_names_every_parameter_of_its_configs(architecture):
 LENGTH = 64  # four times the tiny models' window
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "olmo2", "granite"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "olmo2", "granite", *MOE_KINDS])
 @pytest.mark.parametrize("kernel", ["segmented", "mask"])
 def test_logits_and_greedy_generation_equal_transformers(tmp_path, kind, kernel):
     """A tiny random model of the family, converted from transformers: the same logits (fp32) at 64 tokens, two
@@ -366,3 +371,31 @@ def test_each_granite_multiplier_changes_the_logits(tmp_path, key):
     expected = assert_logits_match_transformers(model, hf_model, tokens)
     with torch.no_grad():
         assert (expected - reference(tokens).logits).abs().max() > 1e-3
+
+
+# ---- mixtures of experts -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind, key", [("olmoe", "num_experts"), ("mixtral", "num_experts_per_tok")])
+def test_an_moe_config_json_without_its_experts_is_refused_in_one_line(kind, key):
+    """(The MoE keys litsft computes only at their published values, clip_qkv, router_jitter_noise,
+    decoder_sparse_step and mlp_only_layers, are refused by the test of every ignored key above.)"""
+    hf_config = TINY_HF_MODELS[kind][0].to_dict()
+    Config.from_hf_config(hf_config)  # as published: accepted
+    with pytest.raises(
+        LitsftError, match=r"^config.json lacks num_.* or num_experts_per_tok, which a mixture"
+    ):
+        Config.from_hf_config({**hf_config, key: None})
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_moe_config_json_round_trips_and_transformers_reads_it(kind):
+    """Every MoE key litsft reads comes back on export, and transformers builds the same model from it."""
+    from transformers import AutoConfig
+
+    hf_config = TINY_HF_MODELS[kind][0].to_dict()
+    config = Config.from_hf_config(hf_config)
+    exported = config.to_hf_config()
+    assert Config.from_hf_config(exported) == config
+    reread = AutoConfig.for_model(exported.pop("model_type"), **exported)
+    for key in ("num_experts_per_tok", "router_aux_loss_coef", "intermediate_size"):
+        assert getattr(reread, key) == hf_config[key]
+    assert getattr(reread, "num_experts", None) or reread.num_local_experts == 4

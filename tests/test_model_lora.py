@@ -361,3 +361,16 @@ def test_engine_stores_the_lora_base_in_bf16_under_bf16_mixed(tmp_path):
     assert (
         messages[0] == messages[2] == "Attention: segmented, per-document SDPA, one document at a time (CPU)"
     )
+
+
+def test_lora_on_a_mixture_of_experts_adapts_attention_and_refuses_the_experts():
+    """all-linear adapts q, k, v and o of an MoE model and leaves its router and experts frozen; naming the
+    experts' projections is refused in one line."""
+    config = Config.from_name(
+        "tiny-llama", hf_architecture="MixtralForCausalLM", num_experts=4, experts_per_token=2
+    )
+    model = apply_lora(Transformer(config), LoRAConfig(rank=2))
+    trained = {name.split(".")[3] for name, p in model.named_parameters() if p.requires_grad}
+    assert trained == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    with pytest.raises(LitsftError, match=r"lora targets \['up'\]: .* mixtures of experts"):
+        apply_lora(Transformer(config), LoRAConfig(rank=2, targets=["q", "up"]))

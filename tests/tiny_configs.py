@@ -10,7 +10,8 @@ from litsft.model.config import Config
 def tiny_shape(config: Config) -> Config:
     """`config`'s block features (biases, q/k norms, norms, partial rotary, tying, GQA ratio, an explicit
     head_dim, its first two layer types) at tiny widths: 2 layers, 2 kv heads, a vocabulary of 96.
-    LongRoPE's factors fit the published head width only, so RoPE scaling is dropped (it has no parameters)."""
+    LongRoPE's factors fit the published head width only, so RoPE scaling is dropped (it has no parameters).
+    A mixture of experts keeps 4 experts, 2 per token (24 wide where they have their own width)."""
     group = config.num_heads // config.num_kv_heads
     return dataclasses.replace(
         config,
@@ -23,4 +24,9 @@ def tiny_shape(config: Config) -> Config:
         intermediate_size=48,
         vocab_size=96,
         rope_scaling=None,
+        **(
+            dict(num_experts=4, experts_per_token=2, expert_intermediate_size=24)
+            if config.num_experts
+            else {}
+        ),
     )

@@ -19,8 +19,12 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PretrainedConfig,
@@ -29,6 +33,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 # Shapes that exercise grouped-query attention in milliseconds; the vocabulary matches the tiny tokenizer.
@@ -58,6 +64,7 @@ PHI3_LONG_ROPE = {
     "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0],
 }
 
+MOE = dict(num_experts=4, num_experts_per_tok=2)
 # Name -> (config, model class). Each one differs from plain Llama in what its name says.
 TINY_HF_MODELS: dict[str, tuple[PretrainedConfig, type[PreTrainedModel]]] = {
     "llama": (LlamaConfig(**_SHAPES, tie_word_embeddings=False), LlamaForCausalLM),
@@ -162,7 +169,29 @@ TINY_HF_MODELS: dict[str, tuple[PretrainedConfig, type[PreTrainedModel]]] = {
         ),
         GraniteForCausalLM,
     ),
+    # Mixtures of experts: 4 experts, 2 per token. OLMoE: softmax then top-k, not renormalized, q/k norms over
+    # the whole projection; Qwen3-MoE: renormalized, experts narrower than the dense intermediate size, per-head
+    # q/k norms; Mixtral: renormalized, the hub's w1/w2/w3 names.
+    "olmoe": (
+        OlmoeConfig(**_SHAPES, **MOE, tie_word_embeddings=False, pad_token_id=None, eos_token_id=None),
+        OlmoeForCausalLM,
+    ),
+    "qwen3-moe": (
+        Qwen3MoeConfig(**_SHAPES, **MOE, head_dim=32, moe_intermediate_size=48, norm_topk_prob=True),
+        Qwen3MoeForCausalLM,
+    ),
+    "mixtral": (
+        MixtralConfig(
+            **_SHAPES,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+            eos_token_id=None,
+        ),
+        MixtralForCausalLM,
+    ),
 }
+MOE_KINDS = ("olmoe", "qwen3-moe", "mixtral")
 
 
 def tiny_hf_model(kind: str, seed: int = 0) -> PreTrainedModel:
@@ -177,6 +206,10 @@ def tiny_hf_model(kind: str, seed: int = 0) -> PreTrainedModel:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             elif name.endswith(".bias"):  # zero-initialized by transformers
                 param.normal_(std=0.1)
+            elif ".experts." in name or name.endswith("mlp.gate.weight"):
+                # Experts and routers large enough that a wrong route or weight changes the logits by far more
+                # than the tests' tolerance (transformers starts the routers of some families at zero).
+                param.normal_(std=0.2)
     return model
 
 

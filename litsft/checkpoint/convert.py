@@ -443,7 +443,14 @@ def _check_hf_tensors(hf_dir: Path, config: Config) -> dict[str, tuple[str, ...]
     expected = expected_shapes(config)
     names: dict[str, tuple[str, ...]] = {}
     found: dict[str, tuple[tuple[int, ...], str]] = {}
+    expert_parts: dict[str, dict[tuple[int, int], tuple[tuple[int, ...], str]]] = {}
     for name in infos:
+        expert_part = weights.expert_part(name)
+        if expert_part is not None:  # one expert's tensor: checked once every expert of its layer is known
+            target, expert, part, _ = expert_part
+            names[name] = (target,)
+            expert_parts.setdefault(target, {})[expert, part] = (infos[name][0], str(files[name]))
+            continue
         targets = weights.litsft_names(name)
         # Tied checkpoints sometimes store lm_head anyway; it is the embedding, so it is dropped.
         if weights.is_ignored(name) or (config.tie_word_embeddings and targets == ("lm_head.weight",)):
@@ -463,8 +470,34 @@ def _check_hf_tensors(hf_dir: Path, config: Config) -> dict[str, tuple[str, ...]
             )
         for target, size in zip(targets, rows):
             found[target] = ((size, *shape[1:]) if len(targets) > 1 else shape, str(files[name]))
+    for target, parts in expert_parts.items():
+        found[target] = _stacked_shape(target, parts, weights)
     _check_shapes(found, config, str(hf_dir), weights.hf_name)
     return names
+
+
+def _stacked_shape(
+    target: str, parts: dict[tuple[int, int], tuple[tuple[int, ...], str]], weights: WeightMap
+) -> tuple[tuple[int, ...], str]:
+    """The (E, rows, cols) shape the per-expert tensors of `target` stack to, after checking that every expert
+    from 0 up has every part, all of one shape."""
+    experts = 1 + max(expert for expert, _ in parts)
+    per_expert = weights.expert_part(weights.hf_name(target).replace("*", "0"))[3]  # type: ignore[index]
+    (shape, file), *_ = parts.values()
+    for expert in range(experts):
+        for part in range(per_expert):
+            if (expert, part) not in parts:
+                hf = weights.hf_name(target).replace("*", str(expert))
+                raise LitsftError(
+                    f"{file}: the checkpoint lacks expert {expert}'s part {part + 1} of {target!r} ({hf} or its "
+                    "siblings); the checkpoint is incomplete, download it again"
+                )
+            if parts[expert, part][0] != shape:
+                raise LitsftError(
+                    f"{parts[expert, part][1]}: the experts of {target!r} differ in shape "
+                    f"({list(parts[expert, part][0])} vs {list(shape)}); restore the original checkpoint"
+                )
+    return (experts, per_expert * shape[0], *shape[1:]), file
 
 
 def _check_checkpoint_tensors(checkpoint_dir: Path, config: Config) -> None:

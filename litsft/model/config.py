@@ -109,6 +109,17 @@ class Config:
     kernels' head_dim ** -0.5."""
     logits_scaling: float = 1.0
     """Output logits are divided by this, before any soft-cap (Granite; litsft.model.loss.output_logits)."""
+    # ---- mixture of experts (OLMoE, Qwen3-MoE, Mixtral; off by default) ----
+    num_experts: int = 0
+    """Routed experts in each block's MLP (litsft.model.moe); 0: a dense MLP."""
+    experts_per_token: int = 0
+    """How many experts each token is routed to (transformers' num_experts_per_tok)."""
+    expert_intermediate_size: int = 0
+    """Each expert's intermediate size (Qwen3-MoE's moe_intermediate_size); 0: `intermediate_size`."""
+    normalize_expert_weights: bool = False
+    """Rescale a token's k router probabilities to sum to 1 (norm_topk_prob; Mixtral always does)."""
+    router_aux_loss_coef: float = 0.0
+    """Weight of the load-balancing loss added to the training loss (the family's config.json value)."""
     # ----
     hf_architecture: str = "LlamaForCausalLM"
     """The config.json architecture, which names the family (litsft.model.families) that builds and converts it."""
@@ -142,6 +153,7 @@ class Config:
             value = getattr(self, key)
             if value is not None and not value > 0:
                 raise LitsftError(f"{self.name}: {key}={value} must be positive (or null for none)")
+        self._check_experts()
         family_of(self.hf_architecture)  # refuses an architecture no family registered
         self._normalize_layer_types()
 
@@ -174,6 +186,24 @@ class Config:
             raise LitsftError(
                 f"{self.name}: LongRoPE needs original_max_position_embeddings, the length past which the long "
                 "factors apply"
+            )
+
+    @property
+    def expert_intermediate(self) -> int:
+        """Each expert's intermediate size."""
+        return self.expert_intermediate_size or self.intermediate_size
+
+    def _check_experts(self) -> None:
+        if not self.num_experts:
+            return
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise LitsftError(
+                f"{self.name}: experts_per_token={self.experts_per_token} must be between 1 and "
+                f"num_experts={self.num_experts}"
+            )
+        if self.router_aux_loss_coef < 0:
+            raise LitsftError(
+                f"{self.name}: router_aux_loss_coef={self.router_aux_loss_coef} must be 0 (off) or positive"
             )
 
     def _normalize_layer_types(self) -> None:

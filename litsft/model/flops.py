@@ -28,7 +28,8 @@ def flops_per_token(
 ) -> float:
     """Training FLOPs per token for one forward and backward pass (PaLM appendix B, as torchtitan counts).
 
-    N counts the weights of every matmul: each block's linear layers and lm_head, which runs even when
+    N counts the weights of every matmul: each block's linear layers (an MoE router too) and the k experts a
+    token is routed to (not all E: the active parameters, as MoE reports count them), and lm_head, which runs even when
     tied to the embedding; the embedding lookup is a gather and costs none. Norms, biases, RoPE and
     softmax are elementwise and left out. Attention scores and their weighted sum add 4 * H * D * keys per
     token and layer in the forward pass, where keys is `seq_len`, or the layer's sliding window when that is
@@ -139,7 +140,8 @@ def lora_parameters(config: Config, targets: Iterable[str], rank: int) -> int:
     once): A (rank x in) and B (out x rank) per adapted projection, as litsft.model.lora.apply_lora makes them."""
     sizes = model_sizes(config)
     targets = list(targets)
-    blocks = sum(rank * sum(layer.linear[t]) for layer in sizes.layers for t in targets if t != "lm_head")
+    # An MoE block has no gate, up or down projection to adapt (litsft.model.lora.apply_lora skips it).
+    blocks = sum(rank * sum(layer.linear[t]) for layer in sizes.layers for t in targets if t in layer.linear)
     head = rank * sum(sizes.lm_head) if "lm_head" in targets else 0
     return blocks + head
 

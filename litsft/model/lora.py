@@ -230,6 +230,12 @@ def apply_lora(model: Transformer, config: LoRAConfig) -> Transformer:
     adapters. Works on a model on the meta device: after `to_empty()`, let Fabric's materialization
     call each module's `reset_parameters()` (or draw the adapters with `initial_adapter_value`), then load the
     base weights and, for DoRA, `reset_magnitudes`."""
+    expert_targets = sorted({"gate", "up", "down"} & set(config.target_list))
+    if model.config.num_experts and config.targets != "all-linear" and expert_targets:
+        raise LitsftError(
+            f"lora targets {expert_targets}: {model.config.name}'s MLPs are mixtures of experts, which litsft "
+            "does not adapt yet; choose from q, k, v, o, lm_head, or all-linear (every attention projection)"
+        )
     module_names = {MODULE_OF_TARGET[t] for t in config.target_list}
     for parent in list(model.modules()):
         if isinstance(parent, LoRALinear):

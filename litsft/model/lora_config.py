@@ -36,7 +36,8 @@ class LoRAConfig:
     targets: list[LoRATarget] | Literal["all-linear"] = "all-linear"
     """Projections to adapt: a list of q, k, v, o, gate, up, down, lm_head, or all-linear (every attention
     and MLP projection, not lm_head). Adapting the MLP too is what lets LoRA approach full fine-tuning
-    (QLoRA, Dettmers et al. 2023), for a few more adapter parameters."""
+    (QLoRA, Dettmers et al. 2023), for a few more adapter parameters. A mixture of experts' MLP is not adapted
+    (all-linear is then the attention projections; gate, up or down are refused)."""
     variant: LoRAVariant = "lora"
     """lora (scaling alpha / rank), rslora (alpha / sqrt(rank): the update's size no longer shrinks as the
     rank grows) or dora (LoRA on the direction of each weight row plus a trained magnitude per row)."""

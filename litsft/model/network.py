@@ -35,6 +35,7 @@ from litsft.model.batch import loss_positions_of, without_padding
 from litsft.model.config import LONG_ROPE_TYPES, Config
 from litsft.model.families import family_of
 from litsft.model.loss import chunked_cross_entropy, logits_dtype, loss_chunk_tokens, output_logits
+from litsft.model.moe import MoE, load_balancing_loss
 
 
 class RMSNorm(nn.Module):
@@ -258,7 +259,7 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.attn_post_norm = rms_norm(config, C) if config.post_attention_norm else nn.Identity()
         self.mlp_norm = rms_norm(config, C) if config.pre_norms else nn.Identity()
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.num_experts else MLP(config)
         self.mlp_post_norm = rms_norm(config, C) if config.post_mlp_norm else nn.Identity()
         self.residual_multiplier = config.residual_multiplier
 
@@ -353,7 +354,7 @@ class Transformer(nn.Module):
             # The output head runs on the tokens that carry a loss only: with the prompt masked, that skips
             # most of its work (and a 128k-vocabulary head is a fifth of a 1B model's).
             hidden, labels, token_index = hidden[loss_positions], labels[loss_positions], loss_positions
-        return chunked_cross_entropy(
+        loss = chunked_cross_entropy(
             hidden,
             self.lm_head,
             labels,
@@ -363,6 +364,23 @@ class Transformer(nn.Module):
             scaling=self.config.logits_scaling,
             token_index=token_index,
         )
+        if self.training and self.config.num_experts and self.config.router_aux_loss_coef:
+            loss = loss + self.router_loss_gradient(loss_positions.numel())
+        return loss
+
+    def router_loss_gradient(self, loss_tokens: int) -> torch.Tensor:
+        """A zero whose gradient is that of the load-balancing loss, weighted by this micro-batch's loss tokens:
+        the summed loss returned by `forward` keeps the value of the cross-entropy (what is logged), and the
+        training step, which divides it by the global loss-token count, adds coef x the token-weighted mean of
+        each micro-batch's balancing loss to the objective, the same whatever the accumulation or the number
+        of ranks. It sits inside the forward pass, where FSDP2 unshards the routers for their backward."""
+        routings = [block.mlp.routing for block in self.blocks]
+        term = (
+            self.config.router_aux_loss_coef
+            * loss_tokens
+            * load_balancing_loss(routings, self.config.num_experts)
+        )
+        return term - term.detach()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head on final hidden states (..., C) -> (..., V), scaled and soft-capped as the config says
@@ -471,7 +489,7 @@ class Transformer(nn.Module):
             return torch.zeros(shape) if self.config.norm_unit_offset else torch.ones(shape)
         if name.endswith(".bias"):
             return torch.zeros(shape)
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
             std = std / math.sqrt(2 * self.config.num_layers)
         return torch.randn(shape, generator=generator) * std
 

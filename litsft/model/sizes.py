@@ -39,6 +39,10 @@ class LayerSizes:
     """Whether RMSNorm runs before attention and the MLP (not in OLMo 2)."""
     post_norms: int
     """RMSNorms on the attention and MLP outputs, before the residual add (Gemma: 2, OLMo 2: 2)."""
+    expert_weights: int = 0
+    """Weights of all routed experts (E x 3 x C x I); 0 for a dense MLP."""
+    active_expert_weights: int = 0
+    """Expert weights each token multiplies by: its k experts' (k x 3 x C x I)."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,15 @@ class ModelSizes:
     def matmul_weights(self) -> int:
         """Weights every token multiplies by: each block's linear layers and the output head."""
         weights = sum(fan_in * fan_out for layer in self.layers for fan_in, fan_out in layer.linear.values())
-        return weights + self.lm_head[0] * self.lm_head[1]
+        experts = sum(layer.active_expert_weights for layer in self.layers)
+        return weights + experts + self.lm_head[0] * self.lm_head[1]
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters one token's forward pass uses: all but the experts it is not routed to."""
+        return self.parameters - sum(
+            layer.expert_weights - layer.active_expert_weights for layer in self.layers
+        )
 
 
 def model_sizes(config: Config) -> ModelSizes:
@@ -73,6 +85,8 @@ def _sizes_of(config_json: str) -> ModelSizes:
         model = Transformer(config)
     layers = []
     for index, block in enumerate(model.blocks):
+        experts = getattr(block.mlp, "experts", None)  # litsft.model.moe.GroupedExperts
+        expert_weights = sum(p.numel() for p in experts.parameters()) if experts is not None else 0
         linear = {
             name.rpartition(".")[2].removesuffix("_proj"): (module.in_features, module.out_features)
             for name, module in block.named_modules()
@@ -91,6 +105,8 @@ def _sizes_of(config_json: str) -> ModelSizes:
                     isinstance(getattr(block, name, None), RMSNorm)
                     for name in ("attn_post_norm", "mlp_post_norm")
                 ),
+                expert_weights=expert_weights,
+                active_expert_weights=expert_weights * config.experts_per_token // max(config.num_experts, 1),
             )
         )
     head = model.lm_head

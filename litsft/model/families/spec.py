@@ -25,26 +25,52 @@ class WeightMap:
     `names` maps one litsft name to one HF name. `fused` maps one HF tensor that several litsft parameters
     share (Phi-3's `qkv_proj` holds q, k and v; its `gate_up_proj` gate and up) to those parameters, in the
     order they are concatenated along dim 0: importing splits it by the litsft shapes, exporting concatenates
-    them again, so the round trip is bit-exact. `ignored` are HF names litsft recomputes and drops (RoPE's
-    inverse frequencies that old transformers versions saved)."""
+    them again, so the round trip is bit-exact. `experts` is the other way round: one litsft tensor that
+    stacks every expert of a mixture-of-experts layer (E, rows, cols) -> the hub's per-expert tensors it holds,
+    "{e}" standing for the expert index; expert e's slice is its parts concatenated along dim 0 (gate rows,
+    then up rows). `ignored` are HF names litsft recomputes and drops (RoPE's inverse frequencies that old
+    transformers versions saved)."""
 
     names: Mapping[str, str]
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    experts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     ignored: tuple[str, ...] = ()
 
     def hf_name(self, litsft_name: str) -> str:
-        """The Hugging Face name of a litsft parameter name (for a fused part: the fused tensor's name)."""
+        """The Hugging Face name of a litsft parameter name (for a fused part: the fused tensor's name; for
+        stacked experts: the first part's name with "*" for the expert)."""
         name = _rename(litsft_name, self.names) or _rename(litsft_name, self._fused_of_part)
+        if name is None:
+            parts = _rename_all(litsft_name, self.experts)
+            name = parts[0].replace("{e}", "*") if parts else None
         if name is None:
             raise KeyError(f"no Hugging Face name for litsft parameter {litsft_name!r}")
         return name
 
+    def expert_part(self, hf_name: str) -> tuple[str, int, int, int] | None:
+        """For a hub per-expert tensor: (the litsft tensor stacking it, its expert, which of that expert's
+        parts it is, how many parts an expert has); None for any other name."""
+        for pattern, litsft_template, part, parts in self._expert_patterns:
+            match = pattern.fullmatch(hf_name)
+            if match:
+                expert = match.group("e")
+                return (
+                    litsft_template.format(i=match.group("i")),
+                    -1 if expert == "*" else int(expert),
+                    part,
+                    parts,
+                )
+        return None
+
     def litsft_names(self, hf_name: str) -> tuple[str, ...] | None:
-        """The litsft names a Hugging Face tensor holds (several for a fused one), or None when litsft has no
-        such parameter."""
+        """The litsft names a Hugging Face tensor holds (several for a fused one, the stacked tensor for one
+        expert's part), or None when litsft has no such parameter."""
         single = _rename(hf_name, self._litsft_of_hf)
         if single is not None:
             return (single,)
+        expert_part = self.expert_part(hf_name)
+        if expert_part is not None:
+            return (expert_part[0],)
         match = _LAYER_INDEX.search(hf_name)
         parts = self.fused.get(_template_of(hf_name))
         if parts is None:
@@ -57,8 +83,19 @@ class WeightMap:
     def from_hf(
         self, hf_tensors: Iterable[tuple[str, Any]], shapes: Mapping[str, tuple[int, ...]]
     ) -> Iterator[tuple[str, Any]]:
-        """HF-named tensors -> litsft-named ones, fused tensors split by the litsft `shapes` of their parts."""
+        """HF-named tensors -> litsft-named ones, fused tensors split by the litsft `shapes` of their parts, the
+        experts of a layer stacked once all of them have passed."""
+        pending: dict[str, dict[tuple[int, int], Any]] = {}
         for hf_name, tensor in hf_tensors:
+            expert_part = self.expert_part(hf_name)
+            if expert_part is not None:
+                name, expert, part, parts = expert_part
+                held = pending.setdefault(name, {})
+                held[expert, part] = tensor
+                if len(held) == shapes[name][0] * parts:
+                    yield name, _stack_experts(held, shapes[name][0], parts)
+                    del pending[name]
+                continue
             names = self.litsft_names(hf_name)
             if names is None:
                 raise KeyError(f"no litsft name for Hugging Face tensor {hf_name!r}")
@@ -66,6 +103,8 @@ class WeightMap:
                 yield names[0], tensor
                 continue
             yield from zip(names, tensor.split([shapes[name][0] for name in names], dim=0))
+        if pending:
+            raise KeyError(f"experts of stacked tensors never came: {sorted(pending)}")
 
     def to_hf(
         self, named_tensors: Iterable[tuple[str, Any]], concatenate: Callable[[list[Any]], Any]
@@ -77,6 +116,12 @@ class WeightMap:
             single = _rename(name, self.names)
             if single is not None:
                 yield single, tensor
+                continue
+            expert_parts = _rename_all(name, self.experts)
+            if expert_parts:
+                for expert, slices in enumerate(tensor):  # (rows, cols) of expert e
+                    for template, part in zip(expert_parts, slices.chunk(len(expert_parts), dim=0)):
+                        yield template.format(e=expert), part
                 continue
             fused_name = self.hf_name(name)
             parts = self.litsft_names(fused_name)
@@ -103,12 +148,40 @@ class WeightMap:
     def _fused_of_part(self) -> dict[str, str]:
         return {part: fused for fused, parts in self.fused.items() for part in parts}
 
+    @cached_property
+    def _expert_patterns(self) -> list[tuple[re.Pattern[str], str, int, int]]:
+        """(the regex of one per-expert HF name, its litsft template, its part, the parts per expert)."""
+        patterns = []
+        for litsft_template, hf_templates in self.experts.items():
+            for part, hf_template in enumerate(hf_templates):
+                regex = (
+                    re.escape(hf_template)
+                    .replace(r"\{i\}", r"(?P<i>\d+)")
+                    .replace(r"\{e\}", r"(?P<e>\d+|\*)")
+                )
+                patterns.append((re.compile(regex), litsft_template, part, len(hf_templates)))
+        return patterns
+
+
+def _stack_experts(held: Mapping[tuple[int, int], Any], num_experts: int, parts: int) -> Any:
+    """Expert e's parts joined along dim 0, the experts stacked along a new dim 0: (E, rows, cols)."""
+    import torch  # only conversion stacks experts; the registry stays torch-free
+
+    return torch.stack([torch.cat([held[e, p] for p in range(parts)]) for e in range(num_experts)])
+
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
 def _template_of(name: str) -> str:
     return _LAYER_INDEX.sub(".{i}.", name, count=1)
+
+
+def _rename_all(name: str, templates: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """Translate `name` into each of the templates it maps to (the layer filled in, "{e}" kept), or ()."""
+    match = _LAYER_INDEX.search(name)
+    targets = templates.get(_template_of(name), ())
+    return tuple(target.replace("{i}", match.group(1)) if match else target for target in targets)
 
 
 def _rename(name: str, templates: Mapping[str, str]) -> str | None:
@@ -141,6 +214,41 @@ LLAMA_WEIGHT_NAMES: dict[str, str] = {
     "norm.weight": "model.norm.weight",
     "lm_head.weight": "lm_head.weight",
 }
+# The MoE layout Qwen2-MoE set and OLMoE and Qwen3-MoE keep: a router (`mlp.gate`) and per-expert SwiGLU MLPs.
+MOE_WEIGHT_NAMES: dict[str, str] = {
+    **{litsft: hf for litsft, hf in LLAMA_WEIGHT_NAMES.items() if ".mlp." not in litsft},
+    "blocks.{i}.mlp.router.weight": "model.layers.{i}.mlp.gate.weight",
+}
+MOE_EXPERT_NAMES: dict[str, tuple[str, ...]] = {
+    "blocks.{i}.mlp.experts.gate_up_proj": (
+        "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+        "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+    ),
+    "blocks.{i}.mlp.experts.down_proj": ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",),
+}
+ROUTED_EXPERT_KEYS = frozenset({"num_experts_per_tok", "router_aux_loss_coef"})
+"""The config.json keys `routed_experts_from_hf` reads besides the experts' count."""
+
+
+def routed_experts_from_hf(hf_config: Mapping[str, Any], count_keys: tuple[str, ...]) -> dict[str, Any]:
+    """The `Config` fields every MoE family reads alike: the experts (the first of `count_keys` that is set:
+    the hub's Qwen3-MoE and OLMoE files say `num_experts`, Mixtral's and transformers 5's `num_local_experts`),
+    how many each token takes, the load-balancing loss's coefficient."""
+    counts = [hf_config.get(key) for key in count_keys]  # every key looked up: the declaration reads them all
+    experts = next((count for count in counts if count), None)
+    per_token = hf_config.get("num_experts_per_tok")
+    if not experts or not per_token:
+        raise LitsftError(
+            f"config.json lacks {' or '.join(count_keys)} or num_experts_per_tok, which a mixture of experts "
+            "needs; restore the original config.json"
+        )
+    return {
+        "num_experts": int(experts),
+        "experts_per_token": int(per_token),
+        "router_aux_loss_coef": float(hf_config.get("router_aux_loss_coef") or 0.0),
+    }
+
+
 LLAMA_WEIGHTS = WeightMap(
     LLAMA_WEIGHT_NAMES, ignored=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 )
@@ -210,6 +318,13 @@ DECODER_IGNORED: dict[str, IgnoredKey] = {
 }
 """The keys most transformers decoder configs have and litsft does not translate; a family declares them with
 its own (`{**DECODER_IGNORED, ...}`)."""
+MOE_IGNORED: dict[str, IgnoredKey] = {
+    "output_router_logits": harmless(
+        "whether transformers returns the router logits and adds the load-balancing loss; litsft adds it in "
+        "every training step (--train.router_aux_loss_coef 0 turns it off) and its logits do not depend on it"
+    ),
+}
+"""The keys every mixture-of-experts family ignores, beside DECODER_IGNORED."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,178 @@
+"""Mixture-of-experts MLP (OLMoE, Qwen3-MoE, Mixtral): a router that picks `k` of `E` SwiGLU experts per token,
+the experts as two fused 3D weights, computed dropless, and the load-balancing loss over the routing.
+
+Shapes in comments: N tokens, C hidden size, E experts, k experts per token, I an expert's intermediate size,
+A = N * k (token, expert) assignments, L MoE layers.
+
+Layout: `gate_up_proj` (E, 2I, C), each expert's gate rows then its up rows, and `down_proj` (E, C, I): the
+layout transformers 5 builds in memory from the hub's per-expert tensors (`MergeModulelist` then
+`Concatenate` in transformers' conversion_mapping.py), so each expert's slice is an `F.linear` weight and
+conversion is a stack. One parameter per projection also means every rank computes a gradient for every
+expert (zero for the experts it routed nothing to), so FSDP2's reduce-scatter never waits on a rank that
+skipped one, and FSDP2 shards both along the expert dimension (dim 0).
+
+Dropless: every assignment is computed, none is dropped for capacity. The assignments are sorted by expert so
+that each expert's tokens are one contiguous slice: on CUDA in bf16 both projections are one
+`torch._grouped_mm` each over those slices; elsewhere (CPU, fp32) each expert with tokens runs one matmul over
+its slice, exact and without padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from litsft.model.config import Config
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What one MoE layer's router did in the last forward pass, for the load-balancing loss and the logs."""
+
+    expert_tokens: torch.Tensor
+    """(E,) fp32: assignments each expert received (they sum to N * k)."""
+    probability_sums: torch.Tensor
+    """(E,) fp32: each expert's router probability summed over the N tokens; carries the router's gradient."""
+    tokens: int
+    """N, the tokens routed."""
+
+
+def route(
+    logits: torch.Tensor, experts_per_token: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router of OLMoE, Qwen3-MoE and Mixtral (transformers' *TopKRouter): softmax over all E experts in
+    fp32, then the top k; with `normalize` (Mixtral always, the others when `norm_topk_prob`) the k
+    probabilities are rescaled to sum to 1. Mixtral's original "top-k logits, then softmax over them" is the
+    same thing. logits (N, E) -> (weights (N, k) fp32, experts (N, k), probabilities (N, E) fp32)."""
+    probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (N, E)
+    weights, experts = torch.topk(probabilities, experts_per_token, dim=-1)  # (N, k)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts, probabilities
+
+
+def load_balancing_loss(routings: Iterable[Routing], num_experts: int) -> torch.Tensor:
+    """The auxiliary load-balancing loss of Switch Transformer (https://arxiv.org/abs/2101.03961, eq. 4-6) as
+    transformers' `load_balancing_loss_func` computes it for these families: E * sum_e f_e * P_e, where f_e is
+    expert e's share of the assignments and P_e its mean router probability, both pooled over every layer's
+    tokens (counted once per layer). Only P carries a gradient. 1.0 for perfectly even routing with k = 1,
+    k when it is even with k > 1."""
+    routings = list(routings)
+    rows = sum(routing.tokens for routing in routings)
+    assigned = torch.stack([routing.expert_tokens for routing in routings]).sum(0) / rows  # (E,)
+    probability = torch.stack([routing.probability_sums for routing in routings]).sum(0) / rows  # (E,)
+    return num_experts * (assigned * probability).sum()
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as two fused weights: gate and up (E, 2I, C), down (E, C, I)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Each expert as nn.Linear would initialize its weight (kaiming-uniform over its fan-in).
+        for weight in (self.gate_up_proj, self.down_proj):
+            bound = weight.shape[-1] ** -0.5
+            nn.init.uniform_(weight, -bound, bound)
+
+    def forward(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """x (N, C), each token's k experts (N, k), their weights (N, k) and each expert's assignments (E,) ->
+        (N, C): for each token, the sum over its k experts of weight * down(silu(gate(x)) * up(x))."""
+        k = experts.shape[1]
+        order = experts.flatten().argsort(stable=True)  # assignments grouped by expert, in token order
+        token_of = order // k  # (A,) the token of each sorted assignment
+        sorted_x = x[token_of]  # (A, C)
+        if uses_grouped_mm(sorted_x, self.gate_up_proj):
+            out = self._grouped(sorted_x, counts)
+        else:
+            out = self._per_expert(sorted_x, counts)  # (A, C)
+        out = out * weights.flatten()[order, None].to(out.dtype)
+        return torch.zeros_like(x, dtype=out.dtype).index_add_(0, token_of, out).to(x.dtype)
+
+    def _grouped(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # torch._grouped_mm(a (A, K), b (E, K, M), offs) multiplies each expert's rows of a by its b: the
+        # weights go in transposed, as views. It is not autocast-aware, so inputs are cast to the weights'
+        # compute dtype (bf16) here.
+        offsets = counts.cumsum(0, dtype=torch.int32)  # (E,) end of each expert's slice
+        dtype = compute_dtype(self.gate_up_proj)
+        gate_up = self.gate_up_proj.to(dtype).transpose(-2, -1)  # (E, C, 2I)
+        down = self.down_proj.to(dtype).transpose(-2, -1)  # (E, I, C)
+        hidden = torch._grouped_mm(sorted_x.to(dtype), gate_up, offs=offsets)  # (A, 2I)
+        gate, up = hidden.chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, down, offs=offsets)  # (A, C)
+
+    def _per_expert(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # One matmul per expert over its contiguous slice. The counts are read on the host: free on a CPU,
+        # and the price of this path on a GPU (where the grouped path is the one that runs in bf16).
+        outputs = []
+        for expert, rows in enumerate(sorted_x.split(slice_sizes(counts, sorted_x.shape[0]))):
+            if rows.shape[0] == 0:
+                continue
+            gate, up = F.linear(rows, self.gate_up_proj[expert]).chunk(2, dim=-1)  # (n_e, I) each
+            outputs.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))  # (n_e, C)
+        return torch.cat(outputs)
+
+
+def compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype the experts multiply in: autocast's when it is on (one process under bf16-mixed), else the
+    weight's (FSDP2 casts it to bf16 for the forward pass under bf16-mixed)."""
+    device = weight.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
+def uses_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the experts run as `torch._grouped_mm`: on CUDA in bf16 where the kernel exists (torch 2.9+
+    on SM80+, Hopper only before; transformers' `_can_use_grouped_mm` in integrations/moe.py keeps the same
+    table) and the rows are 16-byte aligned as the kernel needs."""
+    if (
+        x.device.type != "cuda"
+        or compute_dtype(weight) != torch.bfloat16
+        or not hasattr(torch, "_grouped_mm")
+    ):
+        return False
+    aligned = all(size * 2 % 16 == 0 for size in weight.shape[1:])
+    return aligned and torch.cuda.get_device_capability(x.device) >= (8, 0)
+
+
+def slice_sizes(counts: torch.Tensor, assignments: int) -> list[int]:
+    """Each expert's assignments as host ints. A tensor without data (the meta device, the fake tensors that
+    litsft.model.sizes records activations on) has no routing to read: the assignments are then split evenly,
+    which changes no count that grows with the tokens, as every expert's work does."""
+    if counts.device.type != "meta" and not isinstance(counts, torch._subclasses.fake_tensor.FakeTensor):
+        return counts.tolist()
+    experts = counts.shape[0]
+    return [assignments // experts + (e < assignments % experts) for e in range(experts)]
+
+
+class MoE(nn.Module):
+    """The MLP of an MoE block: route each token (N, C) to k of E experts and sum their weighted outputs.
+    After each forward pass `routing` holds what the router did (`Routing`), for the load-balancing loss."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.experts_per_token = config.experts_per_token
+        self.normalize = config.normalize_expert_weights
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.expert_intermediate)
+        self.routing: Routing | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(B * T, C)  # (N, C)
+        weights, experts, probabilities = route(self.router(flat), self.experts_per_token, self.normalize)
+        flat_experts = experts.flatten()  # (A,)
+        # A bincount of fixed length, so that its shape never depends on the data (meta and fake tensors).
+        counts = torch.zeros(probabilities.shape[-1], dtype=torch.int64, device=x.device)
+        counts = counts.index_add_(0, flat_experts, torch.ones_like(flat_experts))  # (E,)
+        self.routing = Routing(counts.float(), probabilities.sum(0), B * T)
+        return self.experts(flat, experts, weights, counts).view(B, T, C)

@@ -1,0 +1,158 @@
+"""The mixture-of-experts MLP against independent references: a per-token loop over each token's experts,
+transformers' routers, transformers' load-balancing loss, and transformers' gradients with that loss on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_hf import MOE_KINDS, save_tiny_hf, tiny_hf_model
+
+from litsft.checkpoint.convert import convert_from_hf
+from litsft.checkpoint.model_folder import load_model_state_dict
+from litsft.model.config import Config
+from litsft.model.moe import GroupedExperts, load_balancing_loss, route, slice_sizes
+from litsft.model.network import Transformer
+
+torch.set_num_threads(1)
+E, C, I = 4, 16, 24  # noqa: E741
+
+
+def _experts(seed: int = 0) -> GroupedExperts:
+    torch.manual_seed(seed)
+    return GroupedExperts(E, C, I)
+
+
+def _per_token_reference(experts: GroupedExperts, x, chosen, weights) -> torch.Tensor:
+    """The definition, one token and one of its experts at a time."""
+    rows = []
+    for token in range(x.shape[0]):
+        total = torch.zeros(C)
+        for expert, weight in zip(chosen[token].tolist(), weights[token]):
+            gate, up = (experts.gate_up_proj[expert] @ x[token]).chunk(2)
+            total = total + weight * (experts.down_proj[expert] @ (F.silu(gate) * up))
+        rows.append(total)
+    return torch.stack(rows)
+
+
+def test_experts_equal_a_per_token_loop_with_an_expert_that_gets_no_token():
+    """Output and every gradient equal the per-token definition; expert 3, routed nothing, still gets a
+    gradient (zero) in the one fused parameter, so no rank can skip a reduction for it."""
+    experts = _experts()
+    x = torch.randn(7, C, requires_grad=True)
+    chosen = torch.randint(0, 3, (7, 2))  # experts 0-2 only
+    chosen[:, 1] = (chosen[:, 0] + 1) % 3
+    weights = torch.rand(7, 2, requires_grad=True)
+    counts = torch.bincount(chosen.flatten(), minlength=E)
+    out = experts(x, chosen, weights, counts)
+    reference = _per_token_reference(experts, x, chosen, weights)
+    assert (out - reference).abs().max() < 1e-5
+    grads = torch.autograd.grad(out.square().sum(), (x, weights, experts.gate_up_proj, experts.down_proj))
+    expected = torch.autograd.grad(
+        reference.square().sum(), (x, weights, experts.gate_up_proj, experts.down_proj)
+    )
+    for grad, want in zip(grads, expected):
+        assert (grad - want).abs().max() < 1e-4
+    assert torch.equal(grads[2][3], torch.zeros(2 * I, C)) and grads[2][:3].abs().sum() > 0
+
+
+def test_the_grouped_mm_path_equals_the_per_expert_path():
+    """The CUDA path's logic (sorted rows, offsets, transposed weights) run by torch._grouped_mm's CPU kernel:
+    the same rows as one matmul per expert."""
+    experts = _experts()
+    sorted_x = torch.randn(11, C)
+    counts = torch.tensor([3, 0, 6, 2])
+    assert torch.allclose(
+        experts._grouped(sorted_x, counts), experts._per_expert(sorted_x, counts), atol=1e-5
+    )
+
+
+def test_tensors_without_data_split_the_assignments_evenly():
+    assert slice_sizes(torch.tensor([5, 0, 1, 4]), 10) == [5, 0, 1, 4]
+    assert slice_sizes(torch.empty(4, device="meta"), 10) == [3, 3, 2, 2]
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_router_equals_transformers(normalize):
+    """Softmax then top-k, renormalized or not: OLMoE's and Qwen3-MoE's router (norm_topk_prob), and Mixtral's,
+    which always renormalizes."""
+    from transformers import MixtralConfig, OlmoeConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
+
+    hidden = torch.randn(9, C)
+    if normalize:
+        router = MixtralTopKRouter(MixtralConfig(hidden_size=C, num_local_experts=E, num_experts_per_tok=2))
+    else:
+        router = OlmoeTopKRouter(OlmoeConfig(hidden_size=C, num_experts=E, num_experts_per_tok=2))
+    torch.nn.init.normal_(router.weight)
+    logits, expected_weights, expected_experts = router(hidden)
+    weights, chosen, probabilities = route(hidden @ router.weight.T, 2, normalize)
+    assert torch.equal(chosen, expected_experts)
+    assert torch.allclose(weights, expected_weights.float(), atol=1e-7)
+    assert torch.allclose(probabilities, logits.softmax(-1), atol=1e-7)
+
+
+def _converted(kind: str, tmp_path) -> tuple[torch.nn.Module, Transformer]:
+    hf_model = tiny_hf_model(kind)
+    convert_from_hf(save_tiny_hf(hf_model, tmp_path / "hf"), tmp_path / "litsft")
+    model = Transformer(Config.from_checkpoint(tmp_path / "litsft"))
+    model.load_state_dict(load_model_state_dict(tmp_path / "litsft"))
+    return hf_model, model
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_training_loss_has_transformers_gradients_with_the_balancing_loss_on(tmp_path, kind):
+    """One micro-batch: litsft's summed loss over its N loss tokens has the gradients of transformers' loss with
+    `output_router_logits=True` (mean cross-entropy + router_aux_loss_coef x its load-balancing loss), for every
+    parameter; the value returned stays the summed cross-entropy; the balancing loss of the recorded routing is
+    transformers' aux_loss."""
+    hf_model, model = _converted(kind, tmp_path)
+    coef = 0.5  # far above the families' own, so that a missing or misweighted term shows
+    hf_model.router_aux_loss_coef = model.config.router_aux_loss_coef = coef  # transformers reads it at init
+    hf_model.config.output_router_logits = True
+    hf_model.train()
+    model.train()
+    tokens = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(0))
+    labels = torch.cat([tokens[:, 1:], torch.full((2, 1), -100)], dim=1)  # litsft's labels come shifted
+    out = hf_model(tokens, labels=tokens)
+    out.loss.backward()
+    loss = model(tokens, labels=labels)
+    (loss / (labels != -100).sum()).backward()
+
+    routings = [block.mlp.routing for block in model.blocks]
+    assert abs(load_balancing_loss(routings, model.config.num_experts).item() - out.aux_loss.item()) < 1e-6
+    assert abs(loss.item() / 38 - (out.loss - coef * out.aux_loss).item()) < 1e-5  # the cross-entropy alone
+    hf_grads = {name: p.grad for name, p in hf_model.named_parameters()}
+    for name, param in model.named_parameters():
+        hf_name = (
+            name.replace("blocks.", "model.layers.")
+            .replace("attn.", "self_attn.")
+            .replace(".router.", ".gate.")
+        )
+        hf_name = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}.get(
+            name, hf_name
+        )
+        hf_name = hf_name.replace("attn_norm", "input_layernorm").replace(
+            "mlp_norm", "post_attention_layernorm"
+        )
+        assert (param.grad - hf_grads[hf_name]).abs().max() < 1e-5 * max(
+            1.0, hf_grads[hf_name].abs().max()
+        ), name
+
+
+def test_balancing_loss_is_off_in_evaluation_and_at_coefficient_zero(tmp_path):
+    """Evaluation and a zero coefficient leave the routers' gradient to the cross-entropy alone."""
+    _, model = _converted("olmoe", tmp_path)
+    tokens = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+
+    def router_grad(coef: float, training: bool) -> torch.Tensor:
+        model.zero_grad()
+        model.config.router_aux_loss_coef = coef
+        model.train(training)
+        model(tokens, labels=tokens).backward()
+        return model.blocks[0].mlp.router.weight.grad.clone()
+
+    plain = router_grad(0.0, True)
+    assert torch.equal(router_grad(0.3, False), plain)
+    assert (router_grad(0.3, True) - plain).abs().max() > 1e-4
