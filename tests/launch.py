@@ -171,6 +171,18 @@ TINY_PHI3 = dict(
 export, 3/4 of each head rotated, LongRoPE's long factors past 32 tokens, a 16-token window."""
 
 
+TINY_MOE = dict(
+    hf_architecture="Qwen3MoeForCausalLM",
+    num_experts=4,
+    experts_per_token=2,
+    expert_intermediate_size=48,
+    normalize_expert_weights=True,
+    qk_norm=True,
+    router_aux_loss_coef=0.01,
+)
+"""tiny-llama made a Qwen3-MoE model: 4 experts of 48, 2 per token, the load-balancing loss on."""
+
+
 def write_tiny_checkpoint(directory: Path, seed: int = 0, model: str = "tiny-llama", **overrides) -> Path:
     """A random litsft checkpoint of the tiny named config `model` with the tiny ChatML tokenizer."""
     config = Config.from_name(model, **overrides)

@@ -113,8 +113,9 @@ def test_training_loss_has_transformers_gradients_with_the_balancing_loss_on(tmp
     hf_model.config.output_router_logits = True
     hf_model.train()
     model.train()
-    tokens = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(0))
-    labels = torch.cat([tokens[:, 1:], torch.full((2, 1), -100)], dim=1)  # litsft's labels come shifted
+    # One sequence: transformers pools the batch, litsft each sequence; for one sequence they are the same.
+    tokens = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(0))
+    labels = torch.cat([tokens[:, 1:], torch.full((1, 1), -100)], dim=1)  # litsft's labels come shifted
     out = hf_model(tokens, labels=tokens)
     out.loss.backward()
     loss = model(tokens, labels=labels)
@@ -122,7 +123,7 @@ def test_training_loss_has_transformers_gradients_with_the_balancing_loss_on(tmp
 
     routings = [block.mlp.routing for block in model.blocks]
     assert abs(load_balancing_loss(routings, model.config.num_experts).item() - out.aux_loss.item()) < 1e-6
-    assert abs(loss.item() / 38 - (out.loss - coef * out.aux_loss).item()) < 1e-5  # the cross-entropy alone
+    assert abs(loss.item() / 39 - (out.loss - coef * out.aux_loss).item()) < 1e-5  # the cross-entropy alone
     hf_grads = {name: p.grad for name, p in hf_model.named_parameters()}
     for name, param in model.named_parameters():
         hf_name = (
@@ -139,6 +140,28 @@ def test_training_loss_has_transformers_gradients_with_the_balancing_loss_on(tmp
         assert (param.grad - hf_grads[hf_name]).abs().max() < 1e-5 * max(
             1.0, hf_grads[hf_name].abs().max()
         ), name
+
+
+def test_each_packed_document_is_balanced_on_its_own_whatever_it_is_packed_with(tmp_path):
+    """Two documents packed in one row give the gradient and the logged balancing loss of the two run alone,
+    summed: how sequences are grouped into micro-batches (and ranks) does not change the objective."""
+    _, model = _converted("mixtral", tmp_path)
+    model.config.router_aux_loss_coef = 0.5
+    model.train()
+    documents = [torch.randint(0, 512, (1, n), generator=torch.Generator().manual_seed(n)) for n in (12, 20)]
+
+    def router_grad_and_logged(*rows: torch.Tensor) -> tuple[torch.Tensor, float]:
+        model.zero_grad()
+        tokens = torch.cat(rows, dim=1)
+        document_ids = torch.cat([torch.full(row.shape, i) for i, row in enumerate(rows)], dim=1)
+        model(tokens, document_ids=document_ids, labels=tokens).backward()
+        return model.blocks[1].mlp.router.weight.grad.clone(), model.balancing_loss_sum.item()
+
+    packed, packed_logged = router_grad_and_logged(*documents)
+    (first, first_logged), (second, second_logged) = (router_grad_and_logged(d) for d in documents)
+    assert (packed - (first + second)).abs().max() < 1e-5
+    assert abs(packed_logged - (first_logged + second_logged)) < 1e-4
+    assert first_logged != second_logged
 
 
 def test_balancing_loss_is_off_in_evaluation_and_at_coefficient_zero(tmp_path):

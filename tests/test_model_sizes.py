@@ -54,6 +54,8 @@ def graph_saved_bytes(output: torch.Tensor, not_owned: set[int]) -> int:
 @pytest.mark.parametrize("architecture", FAMILIES)
 def test_saved_activations_equal_what_a_real_forward_pass_keeps(architecture, dtype, lora):
     config = tiny_of(NAMED_CONFIGS[list(FAMILIES[architecture].named_configs)[-1]])
+    if lora is not None and config.num_experts:  # a mixture of experts' MLP is not adapted
+        lora = LoRAConfig(targets=["q", "v", "o"])
     tokens = ACTIVATION_PROBE_TOKENS
     torch.manual_seed(0)
     default_dtype = torch.get_default_dtype()

@@ -93,6 +93,20 @@ def test_defaults_from_the_model_and_the_machine_fill_only_what_is_unset() -> No
     assert (kept.precision, kept.train.max_seq_length, kept.train.compile) == ("bf16-true", 64, False)
 
 
+def test_the_load_balancing_coefficient_is_the_models_unless_given_and_refused_for_a_dense_model() -> None:
+    moe = replace(run_config(), config=Config.from_name("Qwen3-30B-A3B"))
+    assert with_defaults(moe, "bf16-mixed").config.router_aux_loss_coef == 0.001  # its config.json's
+    given = replace(moe, train=TrainConfig(router_aux_loss_coef=0.0))
+    assert with_defaults(given, "bf16-mixed").config.router_aux_loss_coef == 0.0
+    assert moe.config.router_aux_loss_coef == 0.001  # the original is left alone
+    with pytest.raises(
+        LitsftError, match="^--train.router_aux_loss_coef: tiny-llama is not a mixture of experts"
+    ):
+        with_defaults(run_config(router_aux_loss_coef=0.01), "bf16-mixed")
+    with pytest.raises(LitsftError, match="--train.router_aux_loss_coef"):
+        TrainConfig(router_aux_loss_coef=-0.1)
+
+
 @pytest.mark.parametrize(
     ("setting", "device", "expected"), [(None, "cuda", True), (None, "cpu", False), (True, "cpu", True)]
 )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from launch import (
+    TINY_MOE,
     TINY_PHI3,
     litsft,
     litsft_in_process,
@@ -44,14 +45,16 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_tiny_checkpoint(root / "base-dropout", seed=1, attention_dropout=0.1)
     write_tiny_checkpoint(root / "base-tiny-gemma2", seed=1, model="tiny-gemma2")
     write_tiny_checkpoint(root / "base-tiny-phi3", seed=1, **TINY_PHI3)
+    write_tiny_checkpoint(root / "base-tiny-moe", seed=1, **TINY_MOE)
     write_records(root / "data.json", count=48)
     return root
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma2", "tiny-phi3"])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma2", "tiny-phi3", "tiny-moe"])
 def test_distributed_training_equals_single_process(workspace: Path, model: str, capsys) -> None:
-    """Every strategy against one process for Llama; for Gemma 2 (sandwich norms, soft-capping, windows) and
-    Phi-3 (partial rotary, LongRoPE, a window), 2-process FULL_SHARD only, to keep the suite short. The
+    """Every strategy against one process for Llama; for Gemma 2 (sandwich norms, soft-capping, windows),
+    Phi-3 (partial rotary, LongRoPE, a window) and a mixture of experts (experts sharded along the expert
+    dimension, the load-balancing loss on), 2-process FULL_SHARD only, to keep the suite short. The
     single-process runs are run in this process; the distributed ones as users launch them."""
     llama = model == "tiny-llama"
     base, data, runs_dir = (
@@ -85,6 +88,13 @@ def test_distributed_training_equals_single_process(workspace: Path, model: str,
         )
     differences = {name: max_difference(reference / "final", out / "final") for name, out in runs.items()}
     print(differences)
+    if model == "tiny-moe":  # the routing is logged beside the loss, by one process and by two
+        for out in (reference, runs["2 processes FULL_SHARD"]):
+            logged = [row for row in csv.DictReader(open(out / "metrics.csv")) if row["loss"]]
+            assert len(logged) == 5
+            # The balancing loss is k = 2 for even routing; the busiest expert's load is at least the mean.
+            assert all(1.0 < float(row["router_aux_loss"]) < 4.0 for row in logged)
+            assert all(float(row["expert_load"]) >= 1.0 for row in logged)
     assert all(difference < 1e-5 for difference in differences.values()), differences
     # Training moved the weights: equality above is not the equality of untouched models.
     assert max_difference(base, reference / "final") > 1e-3

@@ -1,5 +1,5 @@
-"""litsft/training/parallel.py: what `parallelize` does to a model, on one process (sharding itself is checked end to
-end by the distributed-equivalence tests in test_training_engine.py)."""
+"""litsft/training/parallel.py: what `parallelize` does to a model, on one process and on CPU meshes of forked
+processes (sharding is also checked end to end by the distributed-equivalence tests in test_training_engine.py)."""
 
 from __future__ import annotations
 
@@ -231,3 +231,111 @@ def test_fsdp_options_that_would_not_do_what_they_ask_are_refused(
     if accelerator == "cuda":
         tutorial = Path(__file__).resolve().parent.parent / "tutorials" / "sharding_strategies.md"
         assert f"error: {error.value}\n" in tutorial.read_text()
+
+
+# ---- a mixture of experts, sharded along the expert dimension -------------------------------------------------
+MOE_MESHES = {"FULL_SHARD": (2,), "SHARD_GRAD_OP": (2,), "HYBRID_SHARD": (2, 2)}
+
+
+def tiny_moe() -> Transformer:
+    """tiny-llama's attention with Qwen3-MoE's routed MLP: 4 experts, 2 per token, the load-balancing loss on
+    with a coefficient large enough to move the routers."""
+    torch.manual_seed(0)
+    config = Config.from_name(
+        "tiny-llama",
+        hf_architecture="Qwen3MoeForCausalLM",
+        num_experts=4,
+        experts_per_token=2,
+        expert_intermediate_size=48,
+        normalize_expert_weights=True,
+        router_aux_loss_coef=0.1,
+    )
+    model = Transformer(config)
+    model.init_weights(1)
+    with torch.no_grad():  # routers far from uniform, so that routing decides which experts learn
+        for block in model.blocks:
+            block.mlp.router.weight.normal_(std=1.0, generator=torch.Generator().manual_seed(7))
+    return model
+
+
+def _moe_micro_batch(rank: int, index: int) -> dict[str, torch.Tensor]:
+    """Rank 1's first micro-batch is one token repeated: every position has the same hidden state in every
+    layer, so its router sends all of them to the same 2 experts and the 2 others get no token there."""
+    if rank == 1 and index == 0:
+        tokens = torch.full((1, 16), 42)
+    else:
+        tokens = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(100 * rank + index))
+    return {"input_ids": tokens, "labels": tokens}
+
+
+def _moe_sharded_facts(rank: int, strategy: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from litsft.model.moe import expert_load
+    from litsft.training.parallel import synchronize_gradients
+
+    shape = MOE_MESHES[strategy]
+    ranks = math.prod(shape)
+    reference, model = tiny_moe(), tiny_moe()
+    names = ("replicate", "shard") if len(shape) == 2 else None
+    parallelize(model, init_device_mesh("cpu", shape, mesh_dim_names=names), FSDPConfig(sharding_strategy=strategy), "32-true")  # fmt: skip
+    experts = model.blocks[0].mlp.experts.gate_up_proj
+    facts: dict = {"expert_rows": experts.to_local().shape[0], "unrouted": []}
+    for index in range(2):
+        synchronize_gradients(model, strategy, last_micro_batch=index == 1)
+        model(**_moe_micro_batch(rank, index)).backward()
+        unrouted = expert_load(model) == 0  # (layer, expert) pairs that received no token
+        facts["unrouted"].append(int(unrouted.sum()))
+    for index in range(2):
+        for other in range(ranks):
+            (reference(**_moe_micro_batch(other, index)) / ranks).backward()
+    expected = dict(reference.named_parameters())
+    facts["max_difference"] = max(
+        (param.grad.full_tensor() - expected[name].grad).abs().max().item()
+        for name, param in model.named_parameters()
+    )
+    facts["router_gradient"] = expected["blocks.1.mlp.router.weight"].grad.abs().max().item()
+    return facts
+
+
+def _moe_worker(rank: int, init_file: str, strategy: str, results) -> None:
+    import traceback
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        world_size = math.prod(MOE_MESHES[strategy])
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        results.put((rank, _moe_sharded_facts(rank, strategy)))
+        dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+
+
+@pytest.mark.parametrize("strategy", MOE_MESHES)
+def test_sharded_experts_with_an_unrouted_expert_equal_one_process(tmp_path, strategy: str) -> None:
+    """Experts sharded along the expert dimension (2 of the 4 on each rank of a shard group), the load-balancing
+    loss on, and rank 1 routing no token to 2 experts of each layer in its first micro-batch: nothing waits
+    forever (each rank's fused expert weights get a gradient, zero rows for the unrouted experts), and the
+    accumulated gradients equal one process's over every micro-batch within 1e-5."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("fork")
+    results = context.Queue()
+    ranks = range(math.prod(MOE_MESHES[strategy]))
+    workers = [
+        context.Process(target=_moe_worker, args=(rank, str(tmp_path / "init"), strategy, results))
+        for rank in ranks
+    ]
+    for worker in workers:
+        worker.start()
+    facts = dict(results.get(timeout=180) for _ in workers)
+    for worker in workers:
+        worker.join(timeout=60)
+    for rank in ranks:
+        assert isinstance(facts[rank], dict), facts[rank]
+        assert facts[rank]["expert_rows"] == 2
+        assert facts[rank]["max_difference"] < 1e-5, facts[rank]
+        assert facts[rank]["router_gradient"] > 1e-3  # the routers learn: the check above compares something
+    assert facts[1]["unrouted"][0] == 2 * 2  # 2 experts in each of the 2 layers

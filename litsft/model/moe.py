@@ -31,14 +31,16 @@ from litsft.model.config import Config
 
 @dataclass(frozen=True)
 class Routing:
-    """What one MoE layer's router did in the last forward pass, for the load-balancing loss and the logs."""
+    """What one MoE layer's router did in the last forward pass, per sequence (each packed document, or each
+    row), for the load-balancing loss and the logs."""
 
     expert_tokens: torch.Tensor
-    """(E,) fp32: assignments each expert received (they sum to N * k)."""
+    """(S, E) fp32: the assignments each expert received from each sequence's tokens (k per token)."""
     probability_sums: torch.Tensor
-    """(E,) fp32: each expert's router probability summed over the N tokens; carries the router's gradient."""
-    tokens: int
-    """N, the tokens routed."""
+    """(S, E) fp32: each expert's router probability summed over each sequence's tokens; carries the
+    router's gradient."""
+    tokens: torch.Tensor
+    """(S,) fp32: each sequence's tokens."""
 
 
 def route(
@@ -56,16 +58,21 @@ def route(
 
 
 def load_balancing_loss(routings: Iterable[Routing], num_experts: int) -> torch.Tensor:
-    """The auxiliary load-balancing loss of Switch Transformer (https://arxiv.org/abs/2101.03961, eq. 4-6) as
-    transformers' `load_balancing_loss_func` computes it for these families: E * sum_e f_e * P_e, where f_e is
-    expert e's share of the assignments and P_e its mean router probability, both pooled over every layer's
-    tokens (counted once per layer). Only P carries a gradient. 1.0 for perfectly even routing with k = 1,
-    k when it is even with k > 1."""
+    """Each sequence's auxiliary load-balancing loss (S,), that of Switch Transformer
+    (https://arxiv.org/abs/2101.03961, eq. 4-6) as transformers' `load_balancing_loss_func` computes it for
+    these families: E * sum_e f_e * P_e, where f_e is expert e's share of the assignments and P_e its mean
+    router probability, both pooled over every layer (a token counted once per layer). Only P carries a
+    gradient. k for perfectly even routing.
+
+    transformers pools the whole batch of a forward pass; litsft pools each sequence (each packed document,
+    each unpacked row), as DeepSeek-V3's sequence-wise balance loss does (https://arxiv.org/abs/2412.19437,
+    eq. 17-20): a sum over sequences does not depend on which micro-batch or rank a sequence lands in, so
+    accumulation and N processes train exactly as one process. For one sequence it is transformers' value."""
     routings = list(routings)
-    rows = sum(routing.tokens for routing in routings)
-    assigned = torch.stack([routing.expert_tokens for routing in routings]).sum(0) / rows  # (E,)
-    probability = torch.stack([routing.probability_sums for routing in routings]).sum(0) / rows  # (E,)
-    return num_experts * (assigned * probability).sum()
+    rows = (len(routings) * routings[0].tokens).clamp(min=1)[:, None]  # (S, 1)
+    assigned = torch.stack([routing.expert_tokens for routing in routings]).sum(0) / rows  # (S, E)
+    probability = torch.stack([routing.probability_sums for routing in routings]).sum(0) / rows  # (S, E)
+    return num_experts * (assigned * probability).sum(-1)
 
 
 class GroupedExperts(nn.Module):
@@ -154,9 +161,19 @@ def slice_sizes(counts: torch.Tensor, assignments: int) -> list[int]:
     return [assignments // experts + (e < assignments % experts) for e in range(experts)]
 
 
+def expert_load(model: nn.Module) -> torch.Tensor | None:
+    """The assignments each expert of each MoE layer of `model` (or of a wrapper around it) received in its
+    last forward pass, (L, E), detached; None for a dense model."""
+    routings = [module.routing for module in model.modules() if isinstance(module, MoE)]
+    if not routings or any(routing is None for routing in routings):
+        return None
+    return torch.stack([routing.expert_tokens.sum(0) for routing in routings]).detach()  # type: ignore[union-attr]
+
+
 class MoE(nn.Module):
     """The MLP of an MoE block: route each token (N, C) to k of E experts and sum their weighted outputs.
-    After each forward pass `routing` holds what the router did (`Routing`), for the load-balancing loss."""
+    After each forward pass `routing` holds what the router did for each sequence (`Routing`); the model
+    sets `sequences` before it, the sequence of each token (litsft.model.network.Transformer)."""
 
     def __init__(self, config: Config) -> None:
         super().__init__()
@@ -164,15 +181,34 @@ class MoE(nn.Module):
         self.normalize = config.normalize_expert_weights
         self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.expert_intermediate)
+        self.sequences: tuple[torch.Tensor, int] | None = None
+        """(the sequence of each token (N,), the number of sequences S); None: all tokens one sequence."""
         self.routing: Routing | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         flat = x.reshape(B * T, C)  # (N, C)
         weights, experts, probabilities = route(self.router(flat), self.experts_per_token, self.normalize)
+        E = probabilities.shape[-1]
         flat_experts = experts.flatten()  # (A,)
         # A bincount of fixed length, so that its shape never depends on the data (meta and fake tensors).
-        counts = torch.zeros(probabilities.shape[-1], dtype=torch.int64, device=x.device)
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device)
         counts = counts.index_add_(0, flat_experts, torch.ones_like(flat_experts))  # (E,)
-        self.routing = Routing(counts.float(), probabilities.sum(0), B * T)
+        self.routing = self._routing_per_sequence(experts, probabilities)
         return self.experts(flat, experts, weights, counts).view(B, T, C)
+
+    def _routing_per_sequence(self, experts: torch.Tensor, probabilities: torch.Tensor) -> Routing:
+        N, E = probabilities.shape
+        if self.sequences is None or self.sequences[0].numel() != N:
+            sequence, S = torch.zeros(N, dtype=torch.int64, device=probabilities.device), 1
+        else:
+            sequence, S = self.sequences[0].to(torch.int64), self.sequences[1]
+        ones = torch.ones(experts.numel(), device=probabilities.device)
+        slots = (sequence[:, None] * E + experts).flatten()  # (A,) sequence x expert of each assignment
+        expert_tokens = torch.zeros(S * E, device=probabilities.device).index_add_(0, slots, ones).view(S, E)
+        if S == 1:  # a plain sum keeps nothing for its backward; index_add keeps the (N,) sequence ids
+            probability_sums = probabilities.sum(0, keepdim=True)
+        else:
+            probability_sums = probabilities.new_zeros(S, E).index_add(0, sequence, probabilities)
+        tokens = torch.zeros(S, device=probabilities.device).index_add_(0, sequence, ones[:N])
+        return Routing(expert_tokens, probability_sums, tokens)

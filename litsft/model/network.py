@@ -302,6 +302,9 @@ class Transformer(nn.Module):
         self.tie_weights()
         self.kv_caches: list[KVCache] | None = None
         self.attention_kernel = None
+        self.balancing_loss_sum: torch.Tensor | None = None
+        """An MoE model's last training forward pass: its sequences' load-balancing losses, each weighted by
+        its loss tokens (`router_loss_gradient`), detached."""
         self.loss_compiled = False
         """Whether the loss runs each chunk's cast and cross-entropy compiled: set with the blocks' compile
         (litsft.training.parallel.parallelize), the path `--train.compile` takes."""
@@ -364,22 +367,31 @@ class Transformer(nn.Module):
             scaling=self.config.logits_scaling,
             token_index=token_index,
         )
-        if self.training and self.config.num_experts and self.config.router_aux_loss_coef:
-            loss = loss + self.router_loss_gradient(loss_positions.numel())
+        if self.training and self.config.num_experts:
+            loss = loss + self.router_loss_gradient(loss_positions)
         return loss
 
-    def router_loss_gradient(self, loss_tokens: int) -> torch.Tensor:
-        """A zero whose gradient is that of the load-balancing loss, weighted by this micro-batch's loss tokens:
-        the summed loss returned by `forward` keeps the value of the cross-entropy (what is logged), and the
-        training step, which divides it by the global loss-token count, adds coef x the token-weighted mean of
-        each micro-batch's balancing loss to the objective, the same whatever the accumulation or the number
-        of ranks. It sits inside the forward pass, where FSDP2 unshards the routers for their backward."""
+    def router_loss_gradient(self, loss_positions: torch.Tensor) -> torch.Tensor:
+        """A zero whose gradient is that of coef x the sum over this micro-batch's sequences of each one's
+        load-balancing loss (litsft.model.moe.load_balancing_loss) weighted by its loss tokens. The value of
+        the loss `forward` returns stays the summed cross-entropy, what is logged; the training step divides it
+        by the global loss-token count, so the objective gains coef x the loss-token-weighted mean of every
+        sequence's balancing loss, the same however the sequences are split into micro-batches and ranks.
+        That weighted sum, detached, is kept in `balancing_loss_sum` for the logs.
+
+        The term is built in the forward pass from the probabilities the routers' softmax made: autograd runs
+        the routers' backward only once the gradient through the rest of their block has arrived too, after
+        FSDP2 has gathered the block's parameters again."""
         routings = [block.mlp.routing for block in self.blocks]
-        term = (
-            self.config.router_aux_loss_coef
-            * loss_tokens
-            * load_balancing_loss(routings, self.config.num_experts)
+        sequences = routings[0].tokens.shape[0]
+        sequence_of = self.blocks[0].mlp.sequences
+        of_loss_token = sequence_of[0][loss_positions] if sequence_of is not None else loss_positions * 0
+        loss_tokens = torch.zeros(sequences, device=loss_positions.device).index_add_(
+            0, of_loss_token.long(), torch.ones(loss_positions.numel(), device=loss_positions.device)
         )
+        weighted = (load_balancing_loss(routings, self.config.num_experts) * loss_tokens).sum()
+        self.balancing_loss_sum = weighted.detach()
+        term = self.config.router_aux_loss_coef * weighted
         return term - term.detach()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -428,6 +440,14 @@ class Transformer(nn.Module):
             local: rope_cos_sin(self.config, position_ids, x.dtype, local, documents)
             for local in {self.config.uses_local_rope(i) for i in layers}
         }  # one (cos, sin) per RoPE base the layers use
+        if self.config.num_experts:  # each token's sequence, for the routers' per-sequence statistics
+            N = x.shape[0] * x.shape[1]
+            if documents is not None:
+                sequences = (token_document_ids(documents.to(x.device), N), documents.cu_seqlens.numel() - 1)
+            else:
+                sequences = (torch.arange(B, device=x.device).repeat_interleave(T), B)
+            for block in self.blocks:
+                block.mlp.sequences = sequences
         for i, block in enumerate(self.blocks):
             kv_cache = self.kv_caches[i] if self.kv_caches is not None else None
             cos, sin = ropes[self.config.uses_local_rope(i)]

@@ -62,6 +62,9 @@ class TrainConfig:
     compile: bool | None = None
     """Compile each transformer block with torch.compile (the first steps are slower). Default: on for GPU
     runs, off on CPU (where compiling costs more time than it saves); false turns it off."""
+    router_aux_loss_coef: float | None = None
+    """Weight of a mixture of experts' load-balancing loss in the training loss. Default: the model's own
+    (its config.json's router_aux_loss_coef: OLMoE 0.01, Qwen3-MoE 0.001, Mixtral-8x7B 0.02); 0 turns it off."""
     deterministic: bool = False
     """Bit-identical reruns: torch.use_deterministic_algorithms(True), fixed cuBLAS workspace, no cuDNN
     autotuning. Free on CPU (already deterministic for a fixed --seed, devices and batch sizes); on GPUs
@@ -73,6 +76,7 @@ class TrainConfig:
                      "save_interval", "keep_last", "log_interval"):  # fmt: skip
             check_number(f"--train.{name}", getattr(self, name), at_least=1)
         check_number("--train.max_norm", self.max_norm, above=0, fix="pass null to disable clipping")
+        check_number("--train.router_aux_loss_coef", self.router_aux_loss_coef, at_least=0)
 
 
 @dataclass
@@ -221,12 +225,22 @@ class RunConfig:
 
 def with_defaults(run: RunConfig, default_precision: Precision) -> RunConfig:
     """A copy of `run` with the unset precision and sequence length filled in: `default_precision` (what
-    the machine supports best) and the model's context length capped at MAX_DEFAULT_SEQ_LENGTH."""
+    the machine supports best) and the model's context length capped at MAX_DEFAULT_SEQ_LENGTH; a
+    --train.router_aux_loss_coef replaces the model's own (refused for a dense model)."""
     max_seq_length = run.train.max_seq_length or min(
         run.config.max_position_embeddings, MAX_DEFAULT_SEQ_LENGTH
     )
+    config = run.config
+    if run.train.router_aux_loss_coef is not None:
+        if not config.num_experts:
+            raise LitsftError(
+                f"--train.router_aux_loss_coef: {config.name} is not a mixture of experts, it has no router; "
+                "drop the flag"
+            )
+        config = dataclasses.replace(config, router_aux_loss_coef=run.train.router_aux_loss_coef)
     return dataclasses.replace(
         run,
+        config=config,
         precision=run.precision or default_precision,
         train=dataclasses.replace(
             run.train,

@@ -49,7 +49,14 @@ from litsft.training.optimizer import build_optimizer, learning_rate
 from litsft.training.parallel import parallelize
 from litsft.training.profiling import PROFILE_DIR, StepProfiler
 from litsft.training.recipe import Recipe
-from litsft.training.step import diverged, loss_scaler, next_micro_batches, raise_if_diverged, train_step
+from litsft.training.step import (
+    RoutingTally,
+    diverged,
+    loss_scaler,
+    next_micro_batches,
+    raise_if_diverged,
+    train_step,
+)
 
 
 def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
@@ -155,6 +162,7 @@ def train_loop(
             lr = learning_rate(run.optimizer, state.step, total_steps)
             for group in state.optimizer.param_groups:
                 group["lr"] = lr
+            routing = RoutingTally() if run.config.num_experts else None
             loss, grad_norm, target_tokens, input_tokens = train_step(
                 fabric,
                 state.model,
@@ -164,6 +172,7 @@ def train_loop(
                 run.fsdp.sharding_strategy,
                 seed=run.seed,
                 step=state.step + 1,
+                routing=routing,
             )
         state.step += 1
         step = state.step
@@ -185,6 +194,7 @@ def train_loop(
             input_tokens=input_tokens,
             micro_batches=micro_batches,
             log=log,
+            routing=routing.metrics(fabric, target_tokens) if routing is not None and log else None,
         )
         if validate_now or save or must_stop:
             with metrics.paused():  # waits for the device: only on the steps that leave the loop's timing

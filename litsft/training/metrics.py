@@ -45,6 +45,8 @@ CSV_COLUMNS: tuple[str, ...] = (
     "loss",
     "learning_rate",
     "grad_norm",
+    "router_aux_loss",
+    "expert_load",
     "tokens_per_second",
     "tokens_per_second_per_device",
     "loss_tokens_per_second",
@@ -338,6 +340,7 @@ class MetricsLogger:
         input_tokens: Tensor | int,
         micro_batches: Sequence[dict[str, Tensor]],
         log: bool,
+        routing: dict[str, Tensor] | None = None,
     ) -> None:
         """Count one optimizer step; with `log`, read and write the metrics of the steps since the last log.
 
@@ -355,6 +358,8 @@ class MetricsLogger:
             micro_batches: This rank's micro-batches of the step, as the loader made them (on the host):
                 their documents and loss tokens give the FLOPs the step executed, for MFU.
             log: Whether to write a row now.
+            routing: A mixture of experts' router_aux_loss and expert_load of this step (`RoutingTally`), on
+                log steps.
         """
         self.update_progress(step)
         loss = torch.as_tensor(loss)
@@ -370,6 +375,7 @@ class MetricsLogger:
             "loss": self._train_loss.compute(),
             "learning_rate": learning_rate,
             "grad_norm": grad_norm,
+            **(routing or {}),
         }
         self._train_loss.reset()
         if self._throughput is not None:

@@ -16,6 +16,8 @@ from torch import nn
 from litsft.errors import LitsftError
 from litsft.model.attention import Documents
 from litsft.model.batch import model_inputs
+from litsft.model.moe import expert_load
+from litsft.model.network import Transformer
 from litsft.model.sample_dropout import DropoutSamples, dropout_samples, samples_in_micro_batch
 from litsft.training.args import ShardingStrategy
 from litsft.training.parallel import synchronize_gradients
@@ -37,6 +39,39 @@ def next_micro_batches(
     return None, epoch, batches
 
 
+class RoutingTally:
+    """A mixture of experts' routing over one optimizer step, for the logs: the load-balancing loss as the
+    objective weighs it (each sequence's by its loss tokens, over the global count) and the largest expert
+    load (assignments of the busiest expert over the mean, in the layer where that is highest), over every
+    micro-batch of every rank. On the device until a log step reads it."""
+
+    def __init__(self) -> None:
+        self.weighted_loss: torch.Tensor | None = None
+        self.expert_tokens: torch.Tensor | None = None
+
+    def add(self, model: nn.Module) -> None:
+        """Count the training forward pass `model` just ran."""
+        expert_tokens = expert_load(model)
+        transformer = next(module for module in model.modules() if isinstance(module, Transformer))
+        weighted = transformer.balancing_loss_sum
+        if expert_tokens is None or weighted is None:
+            return
+        if self.weighted_loss is None or self.expert_tokens is None:
+            self.weighted_loss, self.expert_tokens = weighted, expert_tokens
+        else:
+            self.weighted_loss = self.weighted_loss + weighted
+            self.expert_tokens = self.expert_tokens + expert_tokens
+
+    def metrics(self, fabric: Fabric, target_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """router_aux_loss and expert_load over every rank (a collective: every rank calls it)."""
+        if self.weighted_loss is None or self.expert_tokens is None:
+            return {}
+        totals = sum_over_ranks(fabric, torch.cat([self.weighted_loss[None], self.expert_tokens.flatten()]))
+        expert_tokens = totals[1:].view_as(self.expert_tokens)  # (L, E)
+        load = (expert_tokens.amax(dim=-1) / expert_tokens.mean(dim=-1).clamp(min=1e-9)).amax()
+        return {"router_aux_loss": totals[0] / target_tokens, "expert_load": load}
+
+
 def train_step(
     fabric: Fabric,
     model: nn.Module,
@@ -46,12 +81,15 @@ def train_step(
     sharding_strategy: ShardingStrategy = "FULL_SHARD",
     seed: int = 0,
     step: int = 1,
+    routing: RoutingTally | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One optimizer step over the micro-batches of this rank. Returns (mean loss, grad norm, target tokens,
     non-padding input tokens), all global and still on the device: nothing here makes the host wait for it.
     `sharding_strategy` decides how the micro-batches' gradients are reduced (`synchronize_gradients`);
     without FSDP (one process) it changes nothing. LoRA's dropout masks come from (`seed`, `step`, each
-    sample's position in the global batch): `dropout_samples_of`."""
+    sample's position in the global batch): `dropout_samples_of`. A mixture of experts adds its load-balancing
+    loss's gradient in its forward pass (litsft.model.network.Transformer.router_loss_gradient); `routing` counts
+    what its routers did, for the logs."""
     device = fabric.device
     inputs = [to_device(mb, device) for mb in micro_batches]
     samples = dropout_samples_of(micro_batches, inputs, fabric.global_rank, seed, step)
@@ -76,6 +114,8 @@ def train_step(
             loss = model(**batch)
             fabric.backward(loss * scale)
         loss_sum += loss.detach()
+        if routing is not None:
+            routing.add(model)
     # Fabric's wrapper hands step() to the optimizer it wraps, which is where the scaler and AdamW look.
     inner_optimizer = getattr(optimizer, "optimizer", optimizer)
     scaler = loss_scaler(fabric)
