@@ -118,6 +118,22 @@ def test_resume_is_exact_with_two_processes_and_dropout(workspace: Path) -> None
     assert len(set(epochs)) >= 3, "the run should span more than two epochs"
 
 
+def test_a_mixture_of_experts_resumes_exactly_with_two_processes(workspace: Path) -> None:
+    """Experts sharded along the expert dimension and the routers' Adam states come back from a checkpoint as
+    they were: stopped after step 2 of 4 and resumed, bit-identical to the uninterrupted run."""
+    base, data = workspace / "base-tiny-moe", workspace / "data.json"
+    args = ["--devices", "2", "--train.save_interval", "2"]
+    uninterrupted, resumed = workspace / "moe-uninterrupted", workspace / "moe-resumed"
+    litsft(finetune_args(base, data, uninterrupted, 2, 4, *args), workspace)
+    shutil.copytree(uninterrupted, resumed)
+    shutil.rmtree(resumed / "step-00000004")
+    shutil.rmtree(resumed / "final")
+    result = litsft(finetune_args(base, data, resumed, 2, 4, *args), workspace)
+    assert "Resumed from" in result.stdout + result.stderr
+    a, b = state_dict(uninterrupted / "final"), state_dict(resumed / "final")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+
+
 def test_interrupted_checkpoint_is_never_resumed(tmp_path: Path) -> None:
     complete = tmp_path / "step-00000004"
     (complete / "shards").mkdir(parents=True)

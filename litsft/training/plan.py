@@ -210,7 +210,7 @@ def adapter_parameters(config: Config, lora: LoRAConfig) -> int:
     if lora.variant == "dora":
         sizes = model_sizes(config)
         adapters += sum(
-            layer.linear[t][1] for layer in sizes.layers for t in lora.target_list if t != "lm_head"
+            layer.linear[t][1] for layer in sizes.layers for t in lora.target_list if t in layer.linear
         )
         adapters += sizes.lm_head[1] if "lm_head" in lora.target_list else 0
     return adapters
@@ -421,13 +421,18 @@ def plan(
         fsdp.activation_checkpointing, lora, accumulation, quantize,
     )  # fmt: skip
     shard = shard_group_size(devices, num_nodes, fsdp.sharding_strategy) if world_size > 1 else 1
-    method = (
-        f"LoRA rank {lora.rank} on {', '.join(lora.target_list)}" if lora is not None else "full fine-tuning"
-    )
+    sizes = model_sizes(config)
+    # An MoE block has no gate, up or down projection: all-linear adapts what it has.
+    targets = [t for t in lora.target_list if t == "lm_head" or t in sizes.layers[0].linear] if lora else []
+    method = f"LoRA rank {lora.rank} on {', '.join(targets)}" if lora is not None else "full fine-tuning"
     if quantize is not None:
         method = f"Q{method}, base in {quantize.upper()}"
     layout = f"{fsdp.sharding_strategy}, shard group {shard}" if world_size > 1 else "one process, no FSDP"
-    print(f"{config.name} ({format_count(num_parameters(config))} parameters), {method}, {precision}")
+    active = sizes.active_parameters
+    counted = format_count(sizes.parameters) + (
+        f", {format_count(active)} active" if active < sizes.parameters else ""
+    )
+    print(f"{config.name} ({counted} parameters), {method}, {precision}")
     note = precision_note(precision, local_gpu(), world_size)
     if note:
         print(note)
