@@ -99,6 +99,36 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "train.global_batch_size": 32,
         "data": JSON,
     },
+    # Mixtures of experts: 8 GPUs, the families' own load-balancing coefficients (none is overridden).
+    "finetune_full/olmoe-1b-7b.yaml": {
+        "checkpoint_dir": "checkpoints/allenai/OLMoE-1B-7B-0924",
+        "devices": 8,
+        "fsdp.sharding_strategy": "FULL_SHARD",
+        "train.router_aux_loss_coef": None,
+        "data": JSON,
+    },
+    "finetune_full/qwen3-30b-a3b.yaml": {
+        "checkpoint_dir": "checkpoints/Qwen/Qwen3-30B-A3B",
+        "devices": 8,
+        "fsdp.sharding_strategy": "FULL_SHARD",
+        "fsdp.activation_checkpointing": True,
+        "train.router_aux_loss_coef": None,
+        "data": JSON,
+    },
+    "finetune_lora/qwen3-30b-a3b.yaml": {
+        "checkpoint_dir": "checkpoints/Qwen/Qwen3-30B-A3B",
+        "devices": 8,
+        "lora.targets": "all-linear",
+        "train.router_aux_loss_coef": None,
+        "data": JSON,
+    },
+    "finetune_lora/mixtral-8x7b.yaml": {
+        "checkpoint_dir": "checkpoints/mistralai/Mixtral-8x7B-v0.1",
+        "devices": 8,
+        "lora.targets": "all-linear",
+        "train.router_aux_loss_coef": None,
+        "data": JSON,
+    },
     "finetune_lora/llama-2-7b.yaml": {
         "checkpoint_dir": "checkpoints/meta-llama/Llama-2-7b-hf",
         "devices": 4,

@@ -140,6 +140,19 @@ def to_run(path: Path) -> list[Block]:
 
 # ---- stand-ins ---------------------------------------------------------------------------------------------
 def family_overrides(name: str) -> dict:
+    if "olmoe" in name.lower():
+        return dict(
+            launch.TINY_MOE,
+            hf_architecture="OlmoeForCausalLM",
+            expert_intermediate_size=0,
+            qk_norm_over="all_heads",
+        )
+    if "a3b" in name.lower() or "a22b" in name.lower():
+        return dict(launch.TINY_MOE)
+    if "mixtral" in name.lower():
+        return dict(
+            launch.TINY_MOE, hf_architecture="MixtralForCausalLM", expert_intermediate_size=0, qk_norm=False
+        )
     if "qwen3" in name.lower():
         return dict(qk_norm=True, head_dim=32, hf_architecture="Qwen3ForCausalLM")
     if "qwen2" in name.lower():
@@ -151,6 +164,10 @@ def family_overrides(name: str) -> dict:
 
 def hf_kind(name: str) -> str:
     lower = name.lower()
+    moe = {"olmoe": "olmoe", "a3b": "qwen3-moe", "a22b": "qwen3-moe", "mixtral": "mixtral"}
+    for word, kind in moe.items():
+        if word in lower:
+            return kind
     return (
         "qwen3"
         if "qwen3" in lower

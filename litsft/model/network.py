@@ -1,5 +1,5 @@
 """The decoder-only transformer: Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2 and 3, OLMo 2, Phi-3 and Phi-4, Granite in
-one flat file.
+one flat file, and the mixtures of experts (OLMoE, Qwen3-MoE, Mixtral), whose routed MLP is litsft.model.moe's.
 
 Shapes in comments: B batch, T query length, S key length, H query heads, K kv heads, D head dim,
 C hidden size, V vocab size, N tokens of a packed row.

@@ -8,9 +8,10 @@ Adding a family:
    declaration of its keys: `hf_keys_read` (what `config_from_hf` reads) and `hf_keys_ignored` (every other
    key of transformers' config class for the architecture, each with why; start from `spec.DECODER_IGNORED`;
    a key whose other values change the math names the values litsft supports, and conversion refuses the
-   rest). Then a `WeightMap` (start from `spec.LLAMA_WEIGHT_NAMES`; fused tensors go in `fused`), the name of
-   its block variant, and its named configs, each with the URL of the config.json it was typed from. Nothing
-   imports it by name: the package imports each of its modules, which registers the family.
+   rest). Then a `WeightMap` (start from `spec.LLAMA_WEIGHT_NAMES`, or `spec.MOE_WEIGHT_NAMES` for a mixture of
+   experts; fused tensors go in `fused`, the hub's per-expert tensors in `experts`), the name of its block
+   variant, and its named configs, each with the URL of the config.json it was typed from. Nothing imports it
+   by name: the package imports each of its modules, which registers the family.
 2. If it needs a new block, add it to `litsft.model.network.BLOCK_VARIANTS`; new per-layer features are `Config`
    fields, off by default.
 The engine, the recipes and storage do not change. The tests that are parametrized over every registered

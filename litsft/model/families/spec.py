@@ -2,8 +2,9 @@
 key it reads and every one it knowingly ignores, its weight-name map, the block variant it needs, its named
 configs) and the registry the rest of the code looks it up in.
 
-Nothing here imports torch or litsft.model.config: a family is data and small functions over plain dicts, so
-that litsft.model.config (the one `Config` dataclass) can sit on top of every family.
+Nothing here imports torch (but stacking experts' tensors, when a conversion does it) or litsft.model.config: a
+family is data and small functions over plain dicts, so that litsft.model.config (the one `Config` dataclass) can
+sit on top of every family.
 """
 
 from __future__ import annotations
