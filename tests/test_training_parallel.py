@@ -339,3 +339,15 @@ def test_sharded_experts_with_an_unrouted_expert_equal_one_process(tmp_path, str
         assert facts[rank]["max_difference"] < 1e-5, facts[rank]
         assert facts[rank]["router_gradient"] > 1e-3  # the routers learn: the check above compares something
     assert facts[1]["unrouted"][0] == 2 * 2  # 2 experts in each of the 2 layers
+
+
+def test_activation_checkpointing_keeps_an_moe_models_gradients_balancing_loss_included() -> None:
+    """The routers' statistics leave each recomputed block for the load-balancing loss: checkpointed, every
+    gradient is the one of the plain model."""
+    reference, checkpointed = tiny_moe(), tiny_moe()
+    parallelize(checkpointed, None, FSDPConfig(activation_checkpointing=True), "32-true")
+    for model in (reference, checkpointed):
+        model(**_moe_micro_batch(0, 0)).backward()
+    for (name, a), b in zip(reference.named_parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-6, msg=name)
+    assert reference.blocks[0].mlp.router.weight.grad.abs().max() > 1e-3

@@ -99,7 +99,7 @@ class GroupedExperts(nn.Module):
         order = experts.flatten().argsort(stable=True)  # assignments grouped by expert, in token order
         token_of = order // k  # (A,) the token of each sorted assignment
         sorted_x = x[token_of]  # (A, C)
-        if uses_grouped_mm(sorted_x, self.gate_up_proj):
+        if uses_grouped_mm(sorted_x, self):
             out = self._grouped(sorted_x, counts)
         else:
             out = self._per_expert(sorted_x, counts)  # (A, C)
@@ -137,17 +137,18 @@ def compute_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
 
 
-def uses_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def uses_grouped_mm(x: torch.Tensor, experts: GroupedExperts) -> bool:
     """Whether the experts run as `torch._grouped_mm`: on CUDA in bf16 where the kernel exists (torch 2.9+
     on SM80+, Hopper only before; transformers' `_can_use_grouped_mm` in integrations/moe.py keeps the same
-    table) and the rows are 16-byte aligned as the kernel needs."""
+    table) and every row it reads is 16-byte aligned, as the kernel needs (C and I multiples of 8)."""
+    weight = experts.gate_up_proj
     if (
         x.device.type != "cuda"
         or compute_dtype(weight) != torch.bfloat16
         or not hasattr(torch, "_grouped_mm")
     ):
         return False
-    aligned = all(size * 2 % 16 == 0 for size in weight.shape[1:])
+    aligned = all(size % 8 == 0 for size in (weight.shape[-1], experts.down_proj.shape[-1]))
     return aligned and torch.cuda.get_device_capability(x.device) >= (8, 0)
 
 
