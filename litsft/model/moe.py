@@ -121,12 +121,16 @@ class GroupedExperts(nn.Module):
     def _per_expert(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # One matmul per expert over its contiguous slice. The counts are read on the host: free on a CPU,
         # and the price of this path on a GPU (where the grouped path is the one that runs in bf16).
+        # unbind, not gate_up_proj[e]: the backward of one unbind stacks the experts' gradients into one
+        # (E, 2I, C) tensor, where each indexing adds a zero-filled full-size gradient of its own (64 per
+        # projection for OLMoE: 36x slower at 128 tokens, forward and backward; benchmarks/bench_moe_cpu.py).
+        gate_ups, downs = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         outputs = []
         for expert, rows in enumerate(sorted_x.split(slice_sizes(counts, sorted_x.shape[0]))):
             if rows.shape[0] == 0:
                 continue
-            gate, up = F.linear(rows, self.gate_up_proj[expert]).chunk(2, dim=-1)  # (n_e, I) each
-            outputs.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))  # (n_e, C)
+            gate, up = F.linear(rows, gate_ups[expert]).chunk(2, dim=-1)  # (n_e, I) each
+            outputs.append(F.linear(F.silu(gate) * up, downs[expert]))  # (n_e, C)
         return torch.cat(outputs)
 
 
