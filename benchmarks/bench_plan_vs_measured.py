@@ -1,7 +1,7 @@
 """`litsft plan` against measured peak memory: 2-process finetune_full (or, with --qlora, finetune_lora
 --quantize nf4) on this CPU, per sharding strategy.
 
-python benchmarks/bench_plan_vs_measured.py [--steps 3] [--max_seq_length 256] [--qlora]
+python benchmarks/bench_plan_vs_measured.py [--steps 3] [--max_seq_length 256] [--qlora | --moe]
 
 The model is a ~50M-parameter Llama shape (8 layers, hidden 768, GQA 12/4, MLP 2048; the demo tokenizer's
 449-token vocabulary), so weights, gradients and AdamW state (16 bytes a parameter, 800 MB unsharded)
@@ -55,6 +55,18 @@ QLORA_BASELINE_SHAPE = dict(
     num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64
 )
 QLORA = LoRAConfig(rank=8, alpha=16, dropout=0.0)
+MOE_SHAPE = dict(
+    SHAPE,
+    hf_architecture="Qwen3MoeForCausalLM",
+    qk_norm=True,
+    num_experts=8,
+    experts_per_token=2,
+    expert_intermediate_size=512,
+    normalize_expert_weights=True,
+    router_aux_loss_coef=0.001,
+)
+"""--moe: SHAPE's attention with Qwen3-MoE's routed MLP, 8 experts of 512, 2 per token (75.5M of its 88.8M
+parameters are experts)."""
 
 
 LOADED_PHASE = "model: built, weights loaded, sharded"
@@ -92,7 +104,8 @@ def peak_rss_mib(
 def main(args: argparse.Namespace) -> None:
     args.work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="litsft-plan-"))
     os.environ["LITSFT_CACHE_DIR"] = str(args.work_dir / "cache")
-    model = make_checkpoint(args.work_dir / "model", **(QLORA_SHAPE if args.qlora else SHAPE))
+    shape = QLORA_SHAPE if args.qlora else MOE_SHAPE if args.moe else SHAPE
+    model = make_checkpoint(args.work_dir / "model", **shape)
     baseline_model = make_checkpoint(
         args.work_dir / "baseline", **(QLORA_BASELINE_SHAPE if args.qlora else BASELINE_SHAPE)
     )
@@ -141,4 +154,5 @@ if __name__ == "__main__":
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--work_dir", default=None, help="default: a new temporary directory")
     parser.add_argument("--qlora", action="store_true", help="finetune_lora --quantize nf4 instead")
+    parser.add_argument("--moe", action="store_true", help="a mixture of experts (MOE_SHAPE) instead")
     main(parser.parse_args())
