@@ -118,9 +118,10 @@ def test_resume_is_exact_with_two_processes_and_dropout(workspace: Path) -> None
     assert len(set(epochs)) >= 3, "the run should span more than two epochs"
 
 
-def test_a_mixture_of_experts_resumes_exactly_with_two_processes(workspace: Path) -> None:
+def test_a_mixture_of_experts_resumes_exactly_with_two_processes_and_on_one(workspace: Path, capsys) -> None:
     """Experts sharded along the expert dimension and the routers' Adam states come back from a checkpoint as
-    they were: stopped after step 2 of 4 and resumed, bit-identical to the uninterrupted run."""
+    they were: stopped after step 2 of 4 and resumed, bit-identical to the uninterrupted run; resumed by one
+    process instead, within 1e-5 of it (one process trains as two do)."""
     base, data = workspace / "base-tiny-moe", workspace / "data.json"
     args = ["--devices", "2", "--train.save_interval", "2"]
     uninterrupted, resumed = workspace / "moe-uninterrupted", workspace / "moe-resumed"
@@ -132,6 +133,15 @@ def test_a_mixture_of_experts_resumes_exactly_with_two_processes(workspace: Path
     assert "Resumed from" in result.stdout + result.stderr
     a, b = state_dict(uninterrupted / "final"), state_dict(resumed / "final")
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+    # Elastic: the same checkpoint resumed by one process, which reassembles each rank's half of the experts.
+    shutil.copytree(resumed, elastic := workspace / "moe-elastic")
+    shutil.rmtree(elastic / "step-00000004")
+    shutil.rmtree(elastic / "final")
+    one = litsft_in_process(
+        finetune_args(base, data, elastic, 2, 4, "--train.save_interval", "2"), workspace, capsys
+    )
+    assert "(written by 2 processes) on 1" in one.stdout + one.stderr
+    assert max_difference(uninterrupted / "final", elastic / "final") < 1e-5
 
 
 def test_interrupted_checkpoint_is_never_resumed(tmp_path: Path) -> None:
