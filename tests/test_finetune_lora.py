@@ -11,6 +11,7 @@ import pytest
 import torch
 from crash_harness import run_litsft
 from launch import (
+    TINY_MOE,
     TINY_PHI3,
     litsft,
     litsft_in_process,
@@ -173,3 +174,29 @@ def test_elastic_resume_with_dropout_equals_the_uninterrupted_run(
     b = load_file(resumed / "final" / "adapter.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
     assert any(k.endswith("lora_B.weight") and a[k].abs().sum() > 0 for k in a), "adapters were trained"
+
+
+def test_lora_on_a_mixture_of_experts_exports_a_peft_adapter_equal_to_the_merged_model(
+    workspace: Path, capsys
+) -> None:
+    """all-linear on an MoE model adapts its attention: the PEFT export loads in PEFT over the exported base
+    and gives the merged export's logits; the routers and experts come out as they went in."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    base, data, out = workspace / "base-tiny-moe", workspace / "data.json", workspace / "moe-lora"
+    write_tiny_checkpoint(base, seed=1, **TINY_MOE)
+    litsft_in_process(lora_args(base, data, out, 2, 2, dropout=0.0), workspace, capsys)
+    adapted = {name.split(".")[3] for name in load_file(out / "final" / "adapter.safetensors")}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    for lora_format in ("peft", "merged"):
+        command = ["convert_to_hf", str(out / "final"), "--out_dir", str(out / lora_format)]
+        litsft_in_process([*command, "--lora_format", lora_format], workspace, capsys)
+    tokens = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        peft_logits = AutoPeftModelForCausalLM.from_pretrained(out / "peft").eval()(tokens).logits
+        merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+        assert (peft_logits - merged(tokens).logits).abs().max() < 1e-5
+    base_model = load_model(base, torch.device("cpu"), torch.float32)
+    experts = merged.model.layers[0].mlp.experts.gate_up_proj
+    assert torch.equal(experts, base_model.blocks[0].mlp.experts.gate_up_proj)
