@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -81,7 +82,7 @@ def test_the_validation_split_holds_out_a_seeded_share_of_the_training_records(
         data.setup()
 
         def as_set(samples):
-            return {tuple(samples.tokens[a:b]) for a, b in zip(samples.offsets[:-1], samples.offsets[1:])}
+            return {tuple(samples.sample(i)[0]) for i in range(len(samples))}
 
         return as_set(data.train_samples), as_set(data.val_samples)
 
@@ -158,7 +159,7 @@ def test_what_tokenizing_left_out_is_said_once_per_run_and_truncation_with_its_s
         "1 of 4 training records open with an assistant turn before any user message: it answers no prompt, "
         "so it is left out and the rest of the conversation is trained on",
     ]
-    for _ in range(2):  # the first run tokenizes, the second reads the cache
+    for run in range(2):  # the first run tokenizes, the second reads the cache
         data = JSON(json_path=path, cache_dir=tmp_path / "cache", val_split_fraction=0)
         data.connect(tokenizer, 100, seed=0)
         data.prepare()
@@ -167,6 +168,12 @@ def test_what_tokenizing_left_out_is_said_once_per_run_and_truncation_with_its_s
         assert printed[2] == (
             "Truncated 1 of 3 training samples to max_seq_length=100: 73 tokens cut from their ends (at most 73 "
             "from one, 73 on average); raise --train.max_seq_length to train on them whole"
+        )
+        took = r"tokenized in \d+\.\d s" if run == 0 else "read from the cache"
+        assert re.fullmatch(
+            r"Prepared the train data: 4 records, 3 samples, 272 tokens, 1 longer than max_seq_length=100, "
+            rf"1 skipped; {took}",
+            printed[3],
         )
         data.setup()
         assert data.train_samples.lengths.tolist() == [49, 49, 101]  # the opening reply gone; 174 cut to 101

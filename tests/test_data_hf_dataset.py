@@ -65,7 +65,7 @@ def prepared(data, tokenizer, max_seq_length: int = 256):
 
 
 def assert_same_samples(first, second) -> None:
-    for name in ("tokens", "targets", "offsets"):
+    for name in ("tokens", "targets", "starts", "lengths", "first_targets"):
         np.testing.assert_array_equal(getattr(first.train_samples, name), getattr(second.train_samples, name))
 
 

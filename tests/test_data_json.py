@@ -4,6 +4,7 @@ litsft/data/base.py, litsft/data/samples.py)."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -48,11 +49,11 @@ def test_file_is_split_cached_and_batched(tmp_path, tokenizer):
     assert (len(data.train_samples), len(data.val_samples)) == (36, 4)
     (entry,) = (tmp_path / "cache" / "sft").iterdir()
     assert json.loads((entry / "meta.json").read_text())["samples"] == 40
-    written = (entry / "tokens.npy").stat().st_mtime_ns
+    written = (entry / "tokens.bin").stat().st_mtime_ns
     again = prepared(
         tokenizer, json_path=tmp_path / "data.jsonl", cache_dir=tmp_path / "cache", val_split_fraction=0.1
     )
-    assert (entry / "tokens.npy").stat().st_mtime_ns == written  # reused, not rewritten
+    assert (entry / "tokens.bin").stat().st_mtime_ns == written  # reused, not rewritten
     assert np.array_equal(again.train_samples.tokens, data.train_samples.tokens)
 
     batch = next(iter(data.train_dataloader(0, 1, 2, 4)))
@@ -101,19 +102,21 @@ def test_truncation_keeps_the_mask_and_drops_samples_without_targets(tmp_path, t
         cache_dir=tmp_path,
         val_split_fraction=0,
     )
-    assert capsys.readouterr().out == (
+    assert re.sub(r"tokenized in [\d.]+ s", "tokenized in X s", capsys.readouterr().out) == (
         "Truncated 2 of 3 training samples to max_seq_length=48: 317 tokens cut from their ends (at most 239 "
         "from one, 158 on average); raise --train.max_seq_length to train on them whole\n"
         "Dropped 1 of 3 training samples: no assistant token is left within max_seq_length=48; "
         "raise max_seq_length or shorten the prompts\n"
+        "Prepared the train data: 3 records, 3 samples, 462 tokens, 2 longer than max_seq_length=48, 0 skipped; "
+        "tokenized in X s\n"
     )
     assert data.val_samples is None and data.val_dataloader(0, 1, 1) is None
     assert data.train_samples.lengths.tolist()[0] == 49  # cut to max_seq_length + 1 tokens
     full = data.chat_format.tokenize(
         [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there " * 20}]
     )
-    first = data.train_samples.subset(np.array([0]))
-    assert np.array_equal(first.tokens, full[0][:49]) and np.array_equal(first.targets, full[1][:49])
+    first_tokens, first_targets = data.train_samples.sample(0)
+    assert np.array_equal(first_tokens, full[0][:49]) and np.array_equal(first_targets, full[1][:49])
 
 
 def test_training_on_everything_labels_the_prompt(tmp_path, tokenizer):
@@ -205,7 +208,7 @@ def test_multi_turn_reasoning_records_train_one_sample_per_reply(tmp_path):
                     val_split_fraction=0)  # fmt: skip
     assert len(data.train_samples) == 6
     first_turn, _ = data.chat_format.tokenize(REASONING_CONVERSATION[:2])
-    assert data.train_samples.subset(np.array([0])).tokens.tolist() == first_turn.tolist()
+    assert data.train_samples.sample(0)[0].tolist() == first_turn.tolist()
     batch = next(iter(data.train_dataloader(rank=0, world_size=1, micro_batch_size=1, global_batch_size=1)))
     assert (batch["labels"] != IGNORE_INDEX).any()
 
@@ -230,8 +233,7 @@ def test_validation_prompts_are_the_first_validation_conversations_up_to_their_r
     # Which records were held out, found by their tokens in the validation samples.
     tokens_of = [tuple(data.chat_format.tokenize(c)[0].tolist()) for c in conversations]
     first_val = [
-        conversations[tokens_of.index(tuple(data.val_samples.tokens[start:end].tolist()))]
-        for start, end in zip(data.val_samples.offsets[:2], data.val_samples.offsets[1:3])
+        conversations[tokens_of.index(tuple(data.val_samples.sample(i)[0].tolist()))] for i in range(2)
     ]
     prompts = data.validation_prompts(2)
     assert prompts == [data.chat_format.encode_prompt(c[:-1]) for c in first_val]

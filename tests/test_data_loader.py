@@ -21,8 +21,7 @@ def random_samples(lengths: list[int], vocab_size: int = 512, seed: int = 0) -> 
     for n in lengths:
         tokens.append(rng.integers(0, vocab_size, n, dtype=np.int32))
         targets.append(np.arange(n) >= n // 3)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    return Samples(np.concatenate(tokens), np.concatenate(targets), offsets)
+    return Samples.back_to_back(np.concatenate(tokens), np.concatenate(targets), lengths)
 
 
 def per_token_losses(model: Transformer, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -257,9 +257,9 @@ def test_plain_text_records_train_on_every_token(tmp_path, tokenizer):
     data.prepare()
     data.setup()
     samples = data.train_samples
-    first = samples.tokens[samples.offsets[0] : samples.offsets[1]]
+    first, first_targets = samples.sample(0)
     assert tokenizer.decode(first.tolist(), skip_special_tokens=False) == "Once upon a time<|end_of_text|>"
-    assert samples.targets[1 : samples.offsets[1]].all()  # every token after the first (nothing precedes it)
+    assert first_targets[1:].all()  # every token after the first (nothing precedes it)
 
 
 def test_a_record_of_no_shape_names_its_fields(tmp_path):

@@ -1,6 +1,7 @@
-"""litsft/data/samples.py: `Samples` by value (subset, truncation against a Python loop, save and load without
-pickles), and `tokenize_conversations` chunk by chunk with a stand-in chat format: the chunks joined in order,
-and a conversation that cannot be tokenized named by its record wherever its chunk falls."""
+"""litsft/data/samples.py: `Samples` by value (subset and truncation as views, against a Python loop; save and
+load memory-mapped, without pickles), and `tokenize_conversations` / `tokenize_to_cache` chunk by chunk with a
+stand-in chat format: the chunks joined in order, the cache entry equal to the samples in memory, and a
+conversation that cannot be tokenized named by its record wherever its chunk falls."""
 
 from __future__ import annotations
 
@@ -12,27 +13,41 @@ import pytest
 
 import litsft.data.samples as samples_module
 from litsft.data.chat import ConversationError, Tokenized, TokenizeReport
-from litsft.data.samples import Samples, tokenize_conversations, write_atomically
+from litsft.data.samples import Samples, tokenize_conversations, tokenize_to_cache, write_atomically
 from litsft.errors import LitsftError
 
 
 def three_samples() -> Samples:
     """Samples [1, 2, 3], [] and [4, 5], the last token of each a target."""
-    return Samples(
+    return Samples.back_to_back(
         tokens=np.array([1, 2, 3, 4, 5], dtype=np.int32),
         targets=np.array([False, False, True, False, True]),
-        offsets=np.array([0, 3, 3, 5], dtype=np.int64),
+        lengths=np.array([3, 0, 2]),
     )
+
+
+def as_lists(samples: Samples) -> list[tuple[list[int], list[bool]]]:
+    return [tuple(array.tolist() for array in samples.sample(i)) for i in range(len(samples))]
 
 
 def test_subset_gathers_the_samples_in_the_order_given() -> None:
     samples = three_samples()
     assert len(samples) == 3 and samples.lengths.tolist() == [3, 0, 2]
+    assert samples.first_targets.tolist() == [2, 0, 1]
     picked = samples.subset(np.array([2, 1, 0]))
-    assert picked.tokens.tolist() == [4, 5, 1, 2, 3]
-    assert picked.targets.tolist() == [False, True, False, False, True]
-    assert picked.offsets.tolist() == [0, 2, 2, 5]
+    assert as_lists(picked) == [([4, 5], [False, True]), ([], []), ([1, 2, 3], [False, False, True])]
+    assert picked.tokens is samples.tokens  # a view: no token copied
     assert len(samples.subset(np.array([], dtype=np.int64))) == 0
+
+
+def test_first_targets_is_the_python_loop() -> None:
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(0, 12, 200)
+    targets = rng.random(lengths.sum()) < 0.1
+    samples = Samples.back_to_back(np.zeros(lengths.sum(), np.int32), targets, lengths)
+    for i in range(len(samples)):
+        within = np.flatnonzero(samples.sample(i)[1][1:])
+        assert samples.first_targets[i] == (within[0] + 1 if len(within) else lengths[i])
 
 
 @pytest.mark.parametrize("max_tokens", [12, 30])  # 30: no sample is longer, nothing is cut
@@ -40,34 +55,31 @@ def test_truncate_is_the_python_loop(max_tokens):
     rng = np.random.default_rng(0)
     lengths = rng.integers(0, 30, 50)  # an empty sample too (lengths[7] == 0)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    samples = Samples(
-        rng.integers(0, 100, offsets[-1]).astype(np.int32), rng.random(offsets[-1]) < 0.2, offsets
+    samples = Samples.back_to_back(
+        rng.integers(0, 100, offsets[-1]).astype(np.int32), rng.random(offsets[-1]) < 0.2, lengths
     )
-    original_targets = samples.targets.copy()
     truncated, dropped = samples.truncate(max_tokens)
-    assert np.array_equal(samples.targets, original_targets)  # the samples truncated are left as they were
     expected = []
     for i in range(50):
         tokens = samples.tokens[offsets[i] : offsets[i + 1]][:max_tokens]
-        targets = samples.targets[offsets[i] : offsets[i + 1]][:max_tokens].copy()
-        targets[:1] = False
-        if targets.any():
+        targets = samples.targets[offsets[i] : offsets[i + 1]][:max_tokens]
+        if targets[1:].any():  # the first token is never a label: nothing precedes it
             expected.append((tokens.tolist(), targets.tolist()))
-    got = [
-        (truncated.tokens[a:b].tolist(), truncated.targets[a:b].tolist())
-        for a, b in zip(truncated.offsets[:-1], truncated.offsets[1:])
-    ]
-    assert got == expected and dropped == 50 - len(expected) > 0
+    assert as_lists(truncated) == expected and dropped == 50 - len(expected) > 0
+    assert truncated.tokens is samples.tokens  # a view: no token copied
 
 
-def test_save_and_load_round_trip_and_refuse_pickles(tmp_path: Path) -> None:
-    samples = three_samples()
+def test_save_and_load_round_trip_memory_mapped_and_refuse_pickles(tmp_path: Path) -> None:
+    samples = three_samples().subset(np.array([2, 0]))  # a view is saved back to back
     samples.save(tmp_path / "entry")
     loaded = Samples.load(tmp_path / "entry")
-    for name in ("tokens", "targets", "offsets"):
-        assert np.array_equal(getattr(loaded, name), getattr(samples, name))
-        assert getattr(loaded, name).dtype == getattr(samples, name).dtype
-    np.save(tmp_path / "entry" / "tokens.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    assert as_lists(loaded) == as_lists(samples)
+    assert loaded.tokens.dtype == np.int32 and loaded.targets.dtype == np.bool_
+    assert isinstance(loaded.tokens, np.memmap) and not loaded.tokens.flags.writeable
+    np.testing.assert_array_equal(loaded.first_targets, samples.first_targets)
+    Samples.back_to_back(np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(0)).save(tmp_path / "empty")
+    assert len(Samples.load(tmp_path / "empty")) == 0  # an empty file is not mapped
+    np.save(tmp_path / "entry" / "lengths.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(ValueError, match="allow_pickle=False"):
         Samples.load(tmp_path / "entry")
 
@@ -92,11 +104,20 @@ def test_chunks_are_joined_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(samples_module, "CHUNK_SIZE", 2)
     samples, report = tokenize_conversations([[n] for n in range(5)], CountingFormat())
     assert report.conversations == 5 and not report.skipped
-    assert samples.tokens.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
-    assert samples.offsets.tolist() == [0, 2, 4, 6, 8, 10]
-    assert samples.targets.tolist() == [False, True] * 5
+    assert as_lists(samples) == [([n, n], [False, True]) for n in range(5)]
     empty, _ = tokenize_conversations([], CountingFormat())
-    assert len(empty) == 0 and empty.offsets.tolist() == [0]
+    assert len(empty) == 0
+
+
+def test_tokenizing_to_the_cache_equals_tokenizing_in_memory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Written a chunk at a time, on two forked workers, with a progress bar: the same samples."""
+    monkeypatch.setattr(samples_module, "CHUNK_SIZE", 3)
+    monkeypatch.setattr(samples_module, "tokenizing_processes", lambda count: 2)
+    conversations = [[n] for n in range(20)]
+    report = tokenize_to_cache(conversations, CountingFormat(), tmp_path / "entry", "Tokenizing", True)
+    assert report.conversations == 20
+    in_memory, _ = tokenize_conversations(conversations, CountingFormat())
+    assert as_lists(Samples.load(tmp_path / "entry")) == as_lists(in_memory)
 
 
 class Records(list):
@@ -123,10 +144,11 @@ def test_a_cache_entry_is_published_whole_with_its_meta(tmp_path: Path) -> None:
     entry = tmp_path / "cache" / "entry"
     write_atomically(entry, three_samples().save, {"source": "x", "samples": 3})
     assert sorted(p.name for p in entry.iterdir()) == [
+        "first_targets.npy",
+        "lengths.npy",
         "meta.json",
-        "offsets.npy",
-        "targets.npy",
-        "tokens.npy",
+        "targets.bin",
+        "tokens.bin",
     ]
     assert json.loads((entry / "meta.json").read_text()) == {"source": "x", "samples": 3}
     assert [p.name for p in entry.parent.iterdir()] == ["entry"]  # no staging directory left behind

@@ -101,10 +101,8 @@ def test_collate_builds_the_boundaries_of_the_joined_real_tokens():
     the boundaries the model would find from the document ids of the joined row."""
     lengths = [9, 4, 2, 12, 6, 1 + 1]  # a sample of n tokens fills n - 1 positions
     tokens = np.arange(sum(lengths)) % 50 + 1
-    samples = Samples(
-        np.asarray(tokens, dtype=np.int64),
-        np.ones(sum(lengths), dtype=bool),
-        np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+    samples = Samples.back_to_back(
+        np.asarray(tokens, dtype=np.int64), np.ones(sum(lengths), dtype=bool), lengths
     )
     batch = collate(samples, [[0, 1, 2], [3, 4, 5]], seq_length=20, pad_id=0)
     assert batch["cu_seqlens"].dtype == torch.int32
@@ -335,8 +333,7 @@ def _packed_batch(seed: int, row_lengths: list[list[int]], seq_length: int = 48)
     lengths = [n + 1 for row in row_lengths for n in row]
     tokens = generator.integers(1, 512, sum(lengths))
     targets = generator.random(sum(lengths)) > 0.2
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    samples = Samples(tokens.astype(np.int64), targets, offsets)
+    samples = Samples.back_to_back(tokens.astype(np.int64), targets, lengths)
     rows, index = [], 0
     for row in row_lengths:
         rows.append(list(range(index, index + len(row))))

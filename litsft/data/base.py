@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +29,11 @@ import numpy as np
 
 from litsft.data.chat import ChatFormat, Message, PromptStyle, TokenizeReport
 from litsft.data.records import RecordFormat, RecordShape
-from litsft.data.samples import Samples, tokenize_conversations, write_atomically
+from litsft.data.samples import Samples, tokenize_conversations, tokenize_to_cache, write_atomically
 from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError, check_number
 
-CACHE_FORMAT_VERSION = 3
+CACHE_FORMAT_VERSION = 4
 """Part of every cache key: bump it when the cached layout or the tokenization rules change."""
 CHECKED_RECORDS = 32
 """How many records of each split `check` reads and renders before launch."""
@@ -192,10 +193,10 @@ class SFTDataModule(DataOptions, DataModule):
             return []
         if self.mask_prompt:
             # The tokens training saw, cut before the first loss target: the reply's first token.
-            samples = self.val_samples.subset(np.arange(min(count, len(self.val_samples))))
+            samples = self.val_samples
             return [
-                samples.tokens[start:end][: samples.targets[start:end].argmax()].tolist()
-                for start, end in zip(samples.offsets[:-1], samples.offsets[1:])
+                samples.sample(i)[0][: samples.first_targets[i]].tolist()
+                for i in range(min(count, len(samples)))
             ]
         # Every token is a target, so the prompt comes from the conversation: one sample per conversation.
         sources = self.sources()
@@ -218,16 +219,25 @@ class SFTDataModule(DataOptions, DataModule):
             for split, source in sources.items()
             if not (self._cached(source[0]) / "meta.json").is_file()
         }
-        # Read (and so check) every file before tokenizing or writing anything.
+        # Open (and so check) every split before tokenizing or writing anything.
         conversations = {split: read() for split, (_, read) in missing.items()}
+        self._tokenized_in = {}
         for split, (identity, _) in missing.items():
-            samples, report = tokenize_conversations(conversations[split], self.chat_format)
-            if report.conversations and len(report.skipped) == report.conversations:
-                raise LitsftError(
-                    f"every {split} record was skipped as untrainable; the first: {report.skipped[0][1]}"
+            started = time.perf_counter()
+
+            def tokenize(staging: Path, split: str = split) -> dict[str, Any]:
+                report = tokenize_to_cache(
+                    conversations[split], self.chat_format, staging, f"Tokenizing the {split} records", True
                 )
-            meta = {"source": identity, "samples": len(samples), "left_out": left_out_summary(report)}
-            write_atomically(self._cached(identity), samples.save, meta)
+                if report.conversations and len(report.skipped) == report.conversations:
+                    raise LitsftError(
+                        f"every {split} record was skipped as untrainable; the first: {report.skipped[0][1]}"
+                    )
+                samples = len(np.load(staging / "lengths.npy", allow_pickle=False))
+                return {"samples": samples, "left_out": left_out_summary(report)}
+
+            write_atomically(self._cached(identity), tokenize, {"source": identity})
+            self._tokenized_in[split] = time.perf_counter() - started
         self._load(warn=True)
 
     def setup(self) -> None:
@@ -302,7 +312,7 @@ class SFTDataModule(DataOptions, DataModule):
         return np.sort(order[: max(1, round(self.val_split_fraction * num_samples))])
 
     def _load(self, warn: bool) -> tuple[Samples, Samples | None]:
-        splits = {}
+        splits, summaries = {}, []
         for split, (identity, read) in self.sources().items():
             entry = self._cached(identity)
             # A rank that cannot see rank 0's cache (a node-local disk) tokenizes for itself.
@@ -313,6 +323,10 @@ class SFTDataModule(DataOptions, DataModule):
                     # Notices for the run's log, once (prepare runs on rank 0 only), on every run of the data.
                     for line in left_out_notices(left_out, split):
                         print(line, flush=True)
+                    seconds = getattr(self, "_tokenized_in", {}).get(split)
+                    summaries.append(
+                        prepared_line(split, splits[split], left_out, self.max_seq_length, seconds)
+                    )
             else:
                 splits[split], _ = tokenize_conversations(read(), self.chat_format)
         train, val = splits["train"], splits.get("val")
@@ -338,6 +352,8 @@ class SFTDataModule(DataOptions, DataModule):
                 f"no training sample has an assistant token within max_seq_length={self.max_seq_length}; "
                 "raise max_seq_length"
             )
+        for line in summaries:  # what preparing ends with, after what it left out and cut
+            print(line, flush=True)
         return train, val
 
 
@@ -400,6 +416,20 @@ def left_out_notices(left_out: dict[str, Any], split: str) -> list[str]:
             "message: it answers no prompt, so it is left out and the rest of the conversation is trained on"
         )
     return lines
+
+
+def prepared_line(
+    split: str, samples: Samples, left_out: dict[str, Any], max_seq_length: int, seconds: float | None
+) -> str:
+    """The line that ends preparing a split: records, samples, tokens, truncated, skipped, and the time it
+    took (or that it came from the cache)."""
+    truncated = int((samples.lengths > max_seq_length + 1).sum())
+    took = f"tokenized in {seconds:.1f} s" if seconds is not None else "read from the cache"
+    return (
+        f"Prepared the {split} data: {left_out['records']:,} records, {len(samples):,} samples, "
+        f"{samples.num_tokens:,} tokens, {truncated:,} longer than max_seq_length={max_seq_length}, "
+        f"{left_out['skipped']:,} skipped; {took}"
+    )
 
 
 def truncation_notice(lengths: np.ndarray, max_seq_length: int) -> str | None:

@@ -102,8 +102,8 @@ def collate(
     Every batch has `row_lengths` (B,): the real tokens at the start of each row, the rest being padding
     (what tokens/s counts, and where each sample's LoRA dropout masks go).
     """
-    offsets, tokens, targets = samples.offsets, samples.tokens, samples.targets
-    used = [sum(int(offsets[i + 1] - offsets[i]) - 1 for i in row) for row in rows]
+    starts, lengths, tokens, targets = samples.starts, samples.lengths, samples.tokens, samples.targets
+    used = [sum(int(lengths[i]) - 1 for i in row) for row in rows]
     length = seq_length if seq_length is not None else max([1, *used])
     input_ids = np.full((len(rows), length), pad_id, dtype=np.int64)
     labels = np.full((len(rows), length), IGNORE_INDEX, dtype=np.int64)
@@ -113,7 +113,8 @@ def collate(
     for b, row in enumerate(rows):
         cursor = 0
         for document, i in enumerate(row):
-            start, end = int(offsets[i]), int(offsets[i + 1])
+            start = int(starts[i])
+            end = start + int(lengths[i])
             n = end - start - 1
             span = slice(cursor, cursor + n)
             input_ids[b, span] = tokens[start : end - 1]

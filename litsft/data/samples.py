@@ -1,11 +1,21 @@
-"""Tokenized samples held as three flat arrays, cached as .npy files, truncated without Python loops."""
+"""Tokenized samples as views into two flat arrays (memory-mapped when read from the cache), written to the
+cache a chunk at a time, truncated and split without copying a token.
+
+A cache entry holds `tokens.bin` (int32) and `targets.bin` (bool), every sample back to back, and
+`lengths.npy` and `first_targets.npy` (int64, one per sample). The flat arrays are plain numpy memory maps:
+each rank maps the same files, so loading costs a rank only the pages it reads, the ranks of a node share
+those pages in the page cache, and no library is needed beyond numpy. `first_targets` (where a sample's
+first loss token after its first token lies) lets truncation decide which samples keep a target without
+reading the tokens.
+"""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,95 +28,227 @@ from litsft.runtime.files import publish_atomically, write_json
 
 @dataclass
 class Samples:
-    """Samples back to back: sample i is tokens[offsets[i]:offsets[i + 1]]; targets marks loss tokens."""
+    """Sample i is tokens[starts[i] : starts[i] + lengths[i]]; targets marks loss tokens."""
 
     tokens: np.ndarray
-    """(N,) int32 token ids."""
+    """(N,) int32 token ids, possibly memory-mapped and shared by other Samples (a split, a truncation)."""
     targets: np.ndarray
     """(N,) bool: True where the token is a loss target."""
-    offsets: np.ndarray
-    """(num_samples + 1,) int64 start of each sample, then the total length."""
+    starts: np.ndarray
+    """(num_samples,) int64 where each sample starts in tokens."""
+    lengths: np.ndarray
+    """(num_samples,) int64 tokens of each sample."""
+    first_targets: np.ndarray
+    """(num_samples,) int64 position, within its sample, of each sample's first target after its first
+    token (nothing precedes a first token: it is never a label); the sample's length when there is none."""
+
+    @classmethod
+    def back_to_back(cls, tokens: np.ndarray, targets: np.ndarray, lengths: np.ndarray) -> Samples:
+        """Samples stored one after another: sample i's tokens follow sample i - 1's."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        starts = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        return cls(tokens, targets, starts, lengths, first_targets_of(targets, starts, lengths))
 
     def __len__(self) -> int:
-        return len(self.offsets) - 1
+        return len(self.lengths)
+
+    def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, targets) of sample `index`."""
+        start, length = int(self.starts[index]), int(self.lengths[index])
+        return self.tokens[start : start + length], self.targets[start : start + length]
 
     @property
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
 
     def subset(self, indices: np.ndarray) -> Samples:
-        """The samples at `indices`, in that order."""
-        lengths = self.lengths[indices]
-        offsets = np.zeros(len(indices) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        gather = _ranges(self.offsets[indices], lengths)
-        return Samples(self.tokens[gather], self.targets[gather], offsets)
+        """The samples at `indices`, in that order (a view: no token is copied)."""
+        return Samples(
+            self.tokens,
+            self.targets,
+            self.starts[indices],
+            self.lengths[indices],
+            self.first_targets[indices],
+        )
 
     def truncate(self, max_tokens: int) -> tuple[Samples, int]:
         """Keep the first `max_tokens` tokens of each sample and drop the samples left without any target
-        (the first token of a sample is never a target: nothing precedes it). Returns (samples, dropped)."""
+        (the first token of a sample is never a target: nothing precedes it). Returns (samples, dropped);
+        a view: no token is copied or read."""
         lengths = np.minimum(self.lengths, max_tokens)
-        if np.array_equal(lengths, self.lengths):
-            # Nothing to cut (the usual case): no gather, whose int64 index arrays would be 8 bytes a token.
-            tokens, targets, kept_offsets = self.tokens, self.targets.copy(), self.offsets
-        else:
-            gather = _ranges(self.offsets[:-1], lengths)
-            tokens, targets = self.tokens[gather], self.targets[gather]
-            kept_offsets = np.zeros(len(self) + 1, dtype=np.int64)
-            np.cumsum(lengths, out=kept_offsets[1:])
-        targets[kept_offsets[:-1][lengths > 0]] = False  # nothing precedes a first token
-        # Whether each sample keeps a target: an OR over each sample's run (a run between two non-empty
-        # samples' starts holds only the first one's tokens: empty samples add nothing).
-        has_target = np.zeros(len(self), dtype=bool)
-        nonempty = np.flatnonzero(lengths > 0)
-        if len(nonempty):
-            has_target[nonempty] = np.logical_or.reduceat(targets, kept_offsets[nonempty])
-        truncated = Samples(tokens, targets, kept_offsets)
-        keep = np.flatnonzero(has_target)
-        if len(keep) == len(self):
+        keep = self.first_targets < lengths
+        truncated = Samples(
+            self.tokens, self.targets, self.starts, lengths, np.minimum(self.first_targets, lengths)
+        )
+        if keep.all():
             return truncated, 0
-        return truncated.subset(keep), len(self) - len(keep)
+        return truncated.subset(np.flatnonzero(keep)), len(self) - int(keep.sum())
 
     def save(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        np.save(directory / "tokens.npy", self.tokens)
-        np.save(directory / "targets.npy", self.targets)
-        np.save(directory / "offsets.npy", self.offsets)
+        """Write these samples back to back as a cache entry (see the module docstring)."""
+        with SamplesWriter(directory) as writer:
+            for index in range(len(self)):
+                tokens, targets = self.sample(index)
+                writer.append(tokens, targets, self.lengths[index : index + 1])
 
     @classmethod
     def load(cls, directory: Path) -> Samples:
+        """The samples of a cache entry, their tokens and targets memory-mapped read-only."""
         # allow_pickle=False: cache files are data only.
-        arrays = [
-            np.load(directory / f"{name}.npy", allow_pickle=False)
-            for name in ("tokens", "targets", "offsets")
-        ]
-        return cls(*arrays)
+        lengths = np.load(directory / "lengths.npy", allow_pickle=False)
+        first_targets = np.load(directory / "first_targets.npy", allow_pickle=False)
+        total = int(lengths.sum())
+        if total == 0:  # numpy cannot map an empty file
+            tokens, targets = np.zeros(0, np.int32), np.zeros(0, bool)
+        else:
+            tokens = np.memmap(directory / "tokens.bin", dtype=np.int32, mode="r", shape=(total,))
+            targets = np.memmap(directory / "targets.bin", dtype=np.bool_, mode="r", shape=(total,))
+        starts = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        return cls(tokens, targets, starts, lengths.astype(np.int64), first_targets.astype(np.int64))
+
+
+def first_targets_of(targets: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Each sample's first target position after its first token (its length when none), vectorized."""
+    # The first target at or after each sample's second token; the sample's length when it lies beyond it.
+    found = np.append(np.flatnonzero(targets), np.iinfo(np.int64).max)
+    within = found[np.searchsorted(found, starts + 1)] - starts
+    return np.where(within < lengths, within, lengths).astype(np.int64)
+
+
+class SamplesWriter:
+    """Appends samples to a cache entry's files a chunk at a time: memory holds one chunk, never the set."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.tokens_file = open(self.directory / "tokens.bin", "wb")
+        self.targets_file = open(self.directory / "targets.bin", "wb")
+        self.lengths: list[np.ndarray] = []
+        self.first_targets: list[np.ndarray] = []
+        self.num_tokens = 0
+
+    def append(self, tokens: np.ndarray, targets: np.ndarray, lengths: np.ndarray) -> None:
+        """Samples back to back, as tokenizing returns them."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        self.tokens_file.write(np.ascontiguousarray(tokens, dtype=np.int32).tobytes())
+        self.targets_file.write(np.ascontiguousarray(targets, dtype=np.bool_).tobytes())
+        starts = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        self.lengths.append(lengths)
+        self.first_targets.append(first_targets_of(np.asarray(targets), starts, lengths))
+        self.num_tokens += int(lengths.sum())
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(lengths) for lengths in self.lengths)
+
+    def __enter__(self) -> SamplesWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.tokens_file.close()
+        self.targets_file.close()
+        if exc_info[0] is None:
+            np.save(self.directory / "lengths.npy", np.concatenate([np.zeros(0, np.int64), *self.lengths]))
+            np.save(
+                self.directory / "first_targets.npy",
+                np.concatenate([np.zeros(0, np.int64), *self.first_targets]),
+            )
 
 
 def tokenize_conversations(
     conversations: Sequence[list[Message]], chat_format: ChatFormat
 ) -> tuple[Samples, TokenizeReport]:
-    """Render and tokenize every conversation (no truncation), in worker processes for large sets, and
-    report what was left out. A conversation that cannot be trained on is named by its record
-    (`Conversations.where`, file and line): in the report's skipped list (the problem prefixed with it),
-    or in the LitsftError that stops tokenizing when the chat format does not skip.
-
-    `conversations` is any sequence that slices: a list, or a lazy view over a dataset's rows (see
-    hf_dataset.py), of which only one chunk of CHUNK_SIZE conversations per process is held at a time."""
-    where = getattr(conversations, "where", lambda index: f"record {index + 1}")
-    try:
-        samples, report = _tokenize_all(conversations, chat_format)
-    except ConversationError as err:
-        raise LitsftError(f"{where(err.index)}: {err.problem}") from None
-    report.skipped = [(index, f"{where(index)}: {problem}") for index, problem in report.skipped]
+    """Render and tokenize every conversation (no truncation) into memory, and report what was left out
+    (see `tokenize_to_cache`, which writes them to a cache entry instead and holds one chunk at a time)."""
+    parts: list[Tokenized] = []
+    report = _tokenize_in_chunks(conversations, chat_format, parts.append)
+    if not parts:
+        return Samples.back_to_back(np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(0, np.int64)), report
+    # A conversation trained turn by turn gives several samples: count samples, not conversations.
+    samples = Samples.back_to_back(
+        np.concatenate([part.tokens for part in parts]),
+        np.concatenate([part.targets for part in parts]),
+        np.concatenate([part.lengths for part in parts]),
+    )
     return samples, report
 
 
-def _tokenize_all(
-    conversations: Sequence[list[Message]], chat_format: ChatFormat
-) -> tuple[Samples, TokenizeReport]:
+def tokenize_to_cache(
+    conversations: Sequence[list[Message]],
+    chat_format: ChatFormat,
+    directory: Path,
+    description: str = "Tokenizing",
+    show_progress: bool = False,
+) -> TokenizeReport:
+    """Render and tokenize every conversation (no truncation) into the cache entry files of `directory`,
+    one chunk at a time (memory holds a chunk per process, never the whole set), with a progress bar
+    (records/s and time left) when `show_progress`; report what was left out."""
+    with SamplesWriter(directory) as writer:
+        report = _tokenize_in_chunks(
+            conversations,
+            chat_format,
+            lambda part: writer.append(part.tokens, part.targets, part.lengths),
+            description if show_progress else None,
+        )
+    return report
+
+
+def _tokenize_in_chunks(
+    conversations: Sequence[list[Message]],
+    chat_format: ChatFormat,
+    consume: Callable[[Tokenized], None],
+    progress: str | None = None,
+) -> TokenizeReport:
+    """Tokenize chunk by chunk, in worker processes for large sets, handing each chunk to `consume` in
+    order. A conversation that cannot be trained on is named by its record (`Conversations.where`, file
+    and line): in the report's skipped list (the problem prefixed with it), or in the LitsftError that
+    stops tokenizing when the chat format does not skip.
+
+    `conversations` is any sequence that slices: a list, or a lazy view over a dataset's rows (see
+    hf_dataset.py), of which only a few chunks of CHUNK_SIZE conversations per process are held at a time."""
+    where = getattr(conversations, "where", lambda index: f"record {index + 1}")
+    bar = _progress_bar(len(conversations), progress) if progress else None
+    reports = []
+    try:
+        for part in _chunks(conversations, chat_format):
+            consume(part)
+            reports.append(part.report)
+            if bar is not None:
+                bar.update(part.report.conversations)
+    except ConversationError as err:
+        raise LitsftError(f"{where(err.index)}: {err.problem}") from None
+    finally:
+        if bar is not None:
+            bar.close()
+    report = TokenizeReport.joined(reports)
+    report.skipped = [(index, f"{where(index)}: {problem}") for index, problem in report.skipped]
+    return report
+
+
+def _progress_bar(total: int, description: str):  # noqa: ANN202 (tqdm is imported here, lazily)
+    import tqdm
+
+    # No monitor thread: a running thread keeps tokenizing from forking workers (see _chunks).
+    tqdm.tqdm.monitor_interval = 0
+    return tqdm.tqdm(
+        total=total, desc=description, unit=" records", file=sys.stderr, mininterval=2.0, dynamic_ncols=True
+    )
+
+
+def tokenizing_processes(num_conversations: int) -> int:
+    """How many processes tokenize `num_conversations`: one per chunk, at most one per core this process
+    may run on, and at most MAX_PROCESSES."""
+    num_chunks = -(-num_conversations // CHUNK_SIZE)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(num_chunks, cores, MAX_PROCESSES))
+
+
+def _chunks(conversations: Sequence[list[Message]], chat_format: ChatFormat) -> Iterator[Tokenized]:
     num_chunks = -(-len(conversations) // CHUNK_SIZE)
-    processes = min(num_chunks, os.cpu_count() or 1, MAX_PROCESSES)
+    processes = tokenizing_processes(len(conversations))
     # Forking while other threads run (the training launcher's, the out_dir lock's heartbeat, gloo's) can
     # deadlock the children on a lock one of those threads held: fork only from a single-threaded process
     # (`litsft prepare`); inside a run, tokenizers' own thread pool still parallelizes encoding.
@@ -117,24 +259,14 @@ def _tokenize_all(
         _WORK = (conversations, chat_format)
         try:
             with multiprocessing.get_context("fork").Pool(processes) as pool:
-                parts = pool.map(_tokenize_chunk, range(num_chunks))
+                # imap: chunks come back in order, and a chunk is written as soon as it and those before it
+                # are done, so only the chunks in flight are held.
+                yield from pool.imap(_tokenize_chunk, range(num_chunks))
         finally:
             _WORK = None
     else:
-        parts = [_tokenize_chunk_of(conversations, index, chat_format) for index in range(num_chunks)]
-    if not parts:
-        empty = Samples(np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(1, dtype=np.int64))
-        return empty, TokenizeReport()
-    # A conversation trained turn by turn gives several samples: count samples, not conversations.
-    lengths = np.concatenate([part.lengths for part in parts])
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    samples = Samples(
-        np.concatenate([part.tokens for part in parts]),
-        np.concatenate([part.targets for part in parts]),
-        offsets,
-    )
-    return samples, TokenizeReport.joined([part.report for part in parts])
+        for index in range(num_chunks):
+            yield _tokenize_chunk_of(conversations, index, chat_format)
 
 
 CHUNK_SIZE = 10_000
@@ -159,27 +291,17 @@ def _tokenize_chunk_of(
     return part._replace(report=part.report.shifted(start))
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(s, s + n) for each (s, n), vectorized."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    ends = np.cumsum(lengths)
-    # Position within each range, plus that range's start.
-    within = np.arange(total, dtype=np.int64) - np.repeat(ends - lengths, lengths)
-    return within + np.repeat(starts.astype(np.int64), lengths)
-
-
 CACHE_FIX = "set --data.cache_dir (or $LITSFT_CACHE_DIR) to a writable place with free space"
 
 
-def write_atomically(directory: Path, write: Callable[[Path], None], meta: dict) -> None:
+def write_atomically(directory: Path, write: Callable[[Path], dict | None], meta: dict) -> None:
     """Write a cache entry into a temporary sibling and rename it into place, so a crash or a concurrent
-    writer never leaves a half-written entry that a later run would trust."""
+    writer never leaves a half-written entry that a later run would trust. `write` fills the folder and
+    may return more of its meta (what it counted while writing)."""
     try:
         with publish_atomically(directory, "the data cache", fix=CACHE_FIX) as staging:
-            write(staging)
-            write_json(staging / "meta.json", meta)
+            written = write(staging)
+            write_json(staging / "meta.json", {**meta, **(written or {})})
     except LitsftError:
         if not (directory / "meta.json").is_file():  # else another process published the same entry
             raise
