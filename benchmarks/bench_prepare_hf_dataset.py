@@ -1,11 +1,13 @@
-"""Preparing a million short ShareGPT rows from a parquet file with `--data HFDataset`: wall time and peak
-memory of what rank 0 does before training (`datasets` converts the parquet into its arrow cache, then the
-rows are converted, rendered with the chat template, tokenized and masked a chunk at a time, and cached).
+"""Preparing ShareGPT conversations from a parquet file with `--data HFDataset`, next to `datasets.map` with
+transformers' `apply_chat_template` at the same number of processes: wall time, peak memory while preparing,
+and the memory a rank adds by loading the prepared cache.
 
-python benchmarks/bench_prepare_hf_dataset.py [--num_rows 1000000] [--out benchmarks/results/prepare_hf_dataset_cpu.txt]
+python benchmarks/bench_prepare_hf_dataset.py [--sizes 100000 500000] [--out benchmarks/results/prepare_hf_dataset_cpu.txt]
 
-The preparation runs in a fresh process (as `prepare()` runs on rank 0), so its peak resident memory is its
-own; forked tokenizing workers are reported separately (their largest, not their sum).
+Each measurement runs in a fresh process, so its peak resident memory is its own; litsft's forked tokenizing
+workers are reported separately (their largest, not their sum), as are `datasets.map`'s. Both tokenize with all
+the cores this process may use. `datasets.map` computes token ids only (no loss masks) and writes them into
+its arrow cache; litsft renders, tokenizes, masks and writes its memory-mapped cache.
 """
 
 from __future__ import annotations
@@ -27,24 +29,28 @@ WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu red 
 
 
 def write_rows(path: Path, num_rows: int) -> None:
-    """Infinity-Instruct-shaped rows, short: one human question of 3-8 words and a 2-6 word answer."""
+    """Infinity-Instruct-shaped rows: a human question of 3-8 words and a 2-6 word answer, twice in one
+    conversation out of four."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     rng = random.Random(0)
-    batch = 100_000
+
+    def turn() -> list[dict[str, str]]:
+        return [
+            {"from": "human", "value": " ".join(rng.choices(WORDS, k=rng.randint(3, 8))) + "?"},
+            {"from": "gpt", "value": " ".join(rng.choices(WORDS, k=rng.randint(2, 6))) + "."},
+        ]
+
     writer = None
-    for start in range(0, num_rows, batch):
+    for start in range(0, num_rows, 100_000):
         rows = [
             {
                 "id": str(index),
-                "conversations": [
-                    {"from": "human", "value": " ".join(rng.choices(WORDS, k=rng.randint(3, 8))) + "?"},
-                    {"from": "gpt", "value": " ".join(rng.choices(WORDS, k=rng.randint(2, 6))) + "."},
-                ],
+                "conversations": turn() + (turn() if index % 4 == 0 else []),
                 "source": "bench",
             }
-            for index in range(start, min(start + batch, num_rows))
+            for index in range(start, min(start + 100_000, num_rows))
         ]
         table = pa.Table.from_pylist(rows)
         writer = writer or pq.ParquetWriter(path, table.schema)
@@ -52,8 +58,23 @@ def write_rows(path: Path, num_rows: int) -> None:
     writer.close()
 
 
-def prepare(parquet: str, tokenizer_dir: str, cache_dir: str) -> None:
-    """The child process: what rank 0 does, timed; prints one JSON line."""
+def resident_mb() -> float:
+    """This process's resident memory now (VmRSS), in MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def peaks() -> dict[str, float]:
+    return {
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "worker_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+    }
+
+
+def litsft_prepare(parquet: str, tokenizer_dir: str, cache_dir: str) -> None:
+    """Child process: what rank 0 does before training, timed; one JSON line."""
     from litsft.data import HFDataset
     from litsft.data.tokenizer import Tokenizer
 
@@ -62,61 +83,106 @@ def prepare(parquet: str, tokenizer_dir: str, cache_dir: str) -> None:
     data.connect(Tokenizer(tokenizer_dir), max_seq_length=256, seed=0)
     data.prepare()
     seconds = time.perf_counter() - start
-    samples, _ = data._load(warn=False)
+    print(json.dumps({"seconds": seconds, **peaks()}))
+
+
+def litsft_load(parquet: str, tokenizer_dir: str, cache_dir: str) -> None:
+    """Child process: what every other rank does (setup reads the prepared cache); the memory it adds."""
+    from litsft.data import HFDataset
+    from litsft.data.tokenizer import Tokenizer
+
+    data = HFDataset(path=parquet, cache_dir=Path(cache_dir), val_split_fraction=0.05)
+    data.connect(Tokenizer(tokenizer_dir), max_seq_length=256, seed=0)
+    data.sources()  # the `datasets` arrow table is opened by every rank, as before
+    import litsft.data.loader  # noqa: F401 (torch: a rank has imported it long before)
+
+    baseline = resident_mb()
+    data.setup()
+    loader = data.train_dataloader(rank=0, world_size=8, micro_batch_size=4, global_batch_size=32)
+    next(iter(loader))
+    samples = data.train_samples
     print(
         json.dumps(
-            {
-                "seconds": seconds,
-                "samples": len(samples),
-                "tokens": int(len(samples.tokens)),
-                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                "worker_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
-            }
+            {"added_mb": resident_mb() - baseline, "samples": len(samples), "tokens": samples.num_tokens}
         )
     )
 
 
-def main(num_rows: int, out: Path | None) -> None:
+def datasets_map(parquet: str, tokenizer_dir: str, cache_dir: str, processes: str) -> None:
+    """Child process: `datasets.map` with transformers' apply_chat_template, token ids only; one JSON line."""
+    import datasets
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    roles = {"human": "user", "gpt": "assistant", "system": "system"}
+
+    def tokenize(batch: dict[str, list]) -> dict[str, list]:
+        conversations = [
+            [{"role": roles[turn["from"]], "content": turn["value"]} for turn in conversation]
+            for conversation in batch["conversations"]
+        ]
+        encoded = tokenizer.apply_chat_template(conversations, tokenize=True)
+        # Newer transformers return a BatchEncoding, older ones the lists of ids.
+        return {"input_ids": encoded["input_ids"] if hasattr(encoded, "keys") else encoded}
+
+    start = time.perf_counter()
+    dataset = datasets.load_dataset(
+        "parquet", data_files={"train": parquet}, split="train", cache_dir=cache_dir
+    )
+    dataset.map(tokenize, batched=True, num_proc=int(processes), remove_columns=dataset.column_names)
+    print(json.dumps({"seconds": time.perf_counter() - start, **peaks()}))
+
+
+def run_child(function: str, *arguments: str, env: dict[str, str]) -> dict[str, float]:
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench_prepare_hf_dataset as b; "
+        f"b.{function}(*sys.argv[1:])"
+    )
+    result = subprocess.run([sys.executable, "-c", code, *arguments], env=env, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"{function} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def measure(num_rows: int, processes: int) -> list[str]:
     from litsft.data.demo import build_demo_tokenizer
 
-    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as directory:
         root = Path(directory)
-        start = time.perf_counter()
         write_rows(root / "rows.parquet", num_rows)
-        written = time.perf_counter() - start
         build_demo_tokenizer(root / "tokenizer")
-        env = {**os.environ, "HF_HOME": str(root / "hf-home"), "HF_HUB_OFFLINE": "1"}
-        code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench_prepare_hf_dataset as b; b.prepare(*sys.argv[1:])"
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                code,
-                str(root / "rows.parquet"),
-                str(root / "tokenizer"),
-                str(root / "cache"),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        measured = json.loads(result.stdout.strip().splitlines()[-1])
-        parquet_mb = (root / "rows.parquet").stat().st_size / 1e6
-    lines = [
-        f"rows: {num_rows:,} short ShareGPT conversations (one question of 3-8 words, one answer of 2-6), "
-        f"parquet {parquet_mb:.1f} MB (written in {written:.1f} s, not counted)",
-        f"prepared: {measured['samples']:,} samples, {measured['tokens']:,} tokens, demo tokenizer (ChatML), "
-        "max_seq_length 256",
-        f"wall time: {measured['seconds']:.1f} s ({num_rows / measured['seconds']:,.0f} rows/s), "
-        "parquet -> datasets arrow cache -> conversations -> tokens -> litsft cache",
-        f"peak resident memory: {measured['peak_rss_mb']:,.0f} MB in the preparing process, "
-        f"{measured['worker_peak_rss_mb']:,.0f} MB in its largest tokenizing worker",
-        f"machine: {platform.processor() or platform.machine()}, {multiprocessing.cpu_count()} CPUs, "
-        f"Python {platform.python_version()}, load average before: {load_before:.1f}, "
-        f"{time.strftime('%Y-%m-%d')}",
+        env = {**os.environ, "HF_HOME": str(root / "hf-home"), "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+        paths = [str(root / "rows.parquet"), str(root / "tokenizer")]
+        ours = run_child("litsft_prepare", *paths, str(root / "cache"), env=env)
+        loaded = run_child("litsft_load", *paths, str(root / "cache"), env=env)
+        theirs = run_child("datasets_map", *paths, str(root / "map-cache"), str(processes), env=env)
+    return [
+        f"{num_rows:>9,} | {ours['seconds']:7.1f} s | {theirs['seconds']:7.1f} s | "
+        f"{theirs['seconds'] / ours['seconds']:5.2f}x | {ours['peak_rss_mb']:6,.0f} MB + {ours['worker_peak_rss_mb']:4,.0f} MB | "
+        f"{theirs['peak_rss_mb']:6,.0f} MB + {theirs['worker_peak_rss_mb']:4,.0f} MB | {loaded['added_mb']:6,.0f} MB | "
+        f"{loaded['samples']:,} samples, {loaded['tokens']:,} tokens"
     ]
+
+
+def main(sizes: list[int], out: Path | None) -> None:
+    from litsft.data.samples import tokenizing_processes
+
+    processes = tokenizing_processes(max(sizes))
+    load_before = os.getloadavg()[0]
+    lines = [
+        f"ShareGPT conversations from parquet, demo tokenizer (ChatML), max_seq_length 256, {processes} processes "
+        "each (litsft's tokenizing workers; datasets.map's num_proc)",
+        "conversations | litsft prepare | datasets.map | speed-up | litsft peak RSS (main + largest worker) | "
+        "datasets.map peak RSS | RSS a rank adds loading the cache (8-rank split, first batch) | cache",
+    ]
+    for num_rows in sizes:
+        lines += measure(num_rows, processes)
+        print(lines[-1], flush=True)
+    lines.append(
+        f"machine: {platform.processor() or platform.machine()}, {multiprocessing.cpu_count()} CPUs shared with "
+        f"other work (load average before: {load_before:.1f}, after: {os.getloadavg()[0]:.1f}), "
+        f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}"
+    )
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if out is not None:
@@ -125,7 +191,7 @@ def main(num_rows: int, out: Path | None) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num_rows", type=int, default=1_000_000)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 500_000, 2_000_000])
     parser.add_argument("--out", type=Path, default=None)
     arguments = parser.parse_args()
-    main(arguments.num_rows, arguments.out)
+    main(arguments.sizes, arguments.out)

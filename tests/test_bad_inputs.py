@@ -319,6 +319,19 @@ CASES: dict[str, Case] = {
         NO_ENV,
     ),
     # Data.
+    "streaming a hub dataset": (
+        lambda ws, t: [
+            *train(ws, t / "out"),
+            "--data",
+            "HFDataset",
+            "--data.path",
+            "org/name",
+            "--data.streaming",
+            "true",
+        ],  # fmt: skip
+        "--data.streaming true is not supported: each epoch's batches",
+        NO_ENV,
+    ),
     "missing data file": (
         lambda ws, t: [*train(ws, t / "out"), "--data.json_path", str(t / "missing.json")],
         "missing.json",

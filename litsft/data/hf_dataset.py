@@ -33,6 +33,12 @@ from litsft.data.records import (
 )
 from litsft.errors import LitsftError
 
+STREAMING_REFUSED = (
+    "--data.streaming true is not supported: each epoch's batches (the shuffle, best-fit packing, the same "
+    "global batches on any number of ranks, and exact resume) are planned from every sample's length, which a "
+    "stream knows only at its end; prepare the set up front (`litsft prepare`, about 5 bytes a token, "
+    "memory-mapped) or take part of it with --data.data_files"
+)
 # The `datasets` builder that reads each local file type.
 BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "json"}
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")
@@ -55,6 +61,14 @@ class HFDataset(RecordDataModule):
     """A branch, tag or commit of a hub dataset; default its main branch."""
     data_files: list[str] | None = None
     """Only these files (glob patterns) of the dataset, e.g. ["0625/*.parquet"]."""
+    streaming: bool = False
+    """Refused: batches are planned from every sample's length (see the message), so the set is prepared
+    up front, into a memory-mapped cache of about 5 bytes a token."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.streaming:
+            raise LitsftError(STREAMING_REFUSED)
 
     def sources(self) -> dict[str, tuple[str, Callable[..., Sequence[list[Message]]]]]:
         if "_sources" not in self.__dict__:  # loading is not free, even from the cache: once per instance
