@@ -38,6 +38,7 @@ COMMANDS: dict[str, str] = {
     "merge_lora": "litsft.checkpoint.convert:merge_lora",
     "generate": "litsft.inference.generate:generate",
     "prepare": "litsft.data.prepare:prepare",
+    "prepare_sft": "litsft.data.prepare:prepare_sft",
     "plan": "litsft.training.plan:plan",
     "list_models": "litsft.model.sizes:list_models",
     "demo": "litsft.cli.demo:demo",

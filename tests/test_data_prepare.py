@@ -1,10 +1,13 @@
 """litsft/data/prepare.py (`litsft prepare`): which files become the training and the validation split, what
 is refused before anything is tokenized, and the line it ends with. The tokenizing itself is stood in for
 here (tests/test_data_litdata_shards.py tests it); a real `prepare` read back by `--data LitData` is in
-tests/test_data_text.py."""
+tests/test_data_text.py. `litsft prepare_sft` is run in this process on a real chat template (Qwen2.5's), its
+samples compared with transformers' render."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -97,3 +100,82 @@ def test_text_files_are_found_in_subdirectories_and_one_file_is_all_training(
     (tmp_path / "corpus" / "deep" / "er" / "a.txt").write_text("a\n")
     prepare(tmp_path / "corpus", tmp_path / "out", tokenizer_dir, val_fraction=0.5)
     assert written == {"train": ["a.txt"]}
+
+
+# ---- prepare_sft ----------------------------------------------------------------------------------------
+QWEN_TEMPLATE = Path(__file__).parent / "fixtures" / "chat_templates" / "qwen2.5.jinja"
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2 + 3?"},
+        {"role": "assistant", "content": "It is 5."},
+        {"role": "user", "content": "And 4 + 4?"},
+        {"role": "assistant", "content": "8."},
+    ],
+]
+
+
+def test_prepare_sft_caches_what_training_reads_and_shows_samples_with_the_loss_tokens_marked(
+    tmp_path, capsys
+) -> None:
+    """With Qwen2.5's own chat template: each sample printed is transformers' render of its conversation,
+    with exactly the assistant replies (each with its <|im_end|>) between the marks; then a run with the
+    same data finds the cache instead of tokenizing again."""
+    from transformers import AutoTokenizer
+
+    from litsft.__main__ import main
+    from litsft.data import JSON
+    from litsft.data.prepare import LOSS_CLOSE, LOSS_OPEN
+    from litsft.data.tokenizer import Tokenizer
+
+    checkpoint = tmp_path / "checkpoint"
+    write_tiny_tokenizer(checkpoint, chat_template="chatml")
+    config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    config["chat_template"] = QWEN_TEMPLATE.read_text()
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps({"messages": c}) for c in CONVERSATIONS))
+    data = ["--data", "JSON", "--data.json_path", str(tmp_path / "data.jsonl"),
+            "--data.cache_dir", str(tmp_path / "cache"), "--data.val_split_fraction", "0"]  # fmt: skip
+    main(["prepare_sft", str(checkpoint), *data, "--max_seq_length", "256", "--show_samples", "5"])
+    out = capsys.readouterr().out
+    headers = re.findall(r"^--- training sample (\d) of 2: (\d+) tokens, (\d+) carry loss.*---$", out, re.M)
+    assert [index for index, _, _ in headers] == ["1", "2"]
+    shown = re.split(r"^--- training sample .*---\n", out, flags=re.M)[1:]
+    hf = AutoTokenizer.from_pretrained(checkpoint)
+    replies = [["Hello there."], ["It is 5.", "8."]]
+    for text, conversation, expected in zip(shown, CONVERSATIONS, replies):
+        assert (
+            text.replace(LOSS_OPEN, "").replace(LOSS_CLOSE, "")
+            == hf.apply_chat_template(conversation, tokenize=False) + "\n"
+        )
+        assert re.findall(f"{LOSS_OPEN}(.*?){LOSS_CLOSE}", text, re.S) == [f"{r}<|im_end|>" for r in expected]
+    assert re.search(
+        r"^Prepared the train data: 2 records, 2 samples, \d+ tokens, 0 longer than max_seq_length=256, 0 skipped; "
+        r"tokenized in [\d.]+ s$",
+        out,
+        re.M,
+    )
+    # A training run with the same data and tokenizer reads what prepare_sft wrote.
+    (entry,) = (tmp_path / "cache" / "sft").iterdir()
+    written = (entry / "tokens.bin").stat().st_mtime_ns
+    run = JSON(json_path=tmp_path / "data.jsonl", cache_dir=tmp_path / "cache", val_split_fraction=0)
+    run.connect(Tokenizer(checkpoint), 256, seed=0)
+    run.prepare()
+    assert "read from the cache" in capsys.readouterr().out
+    assert (entry / "tokens.bin").stat().st_mtime_ns == written
+
+
+def test_prepare_sft_refuses_no_data_pretraining_data_and_a_negative_sample_count(tmp_path) -> None:
+    from litsft.data import JSON, TextFiles
+    from litsft.data.prepare import prepare_sft
+
+    with pytest.raises(
+        LitsftError, match=r"^no data given; prepare_sft takes --data JSON, HFDataset or Demo"
+    ):
+        prepare_sft(tmp_path)
+    with pytest.raises(LitsftError, match=r"^--data TextFiles is not SFT data; .*`litsft prepare` tokenizes"):
+        prepare_sft(tmp_path, TextFiles(train_data_path=tmp_path))
+
+    with pytest.raises(LitsftError, match=r"^--show_samples=-1 must be at least 0$"):
+        prepare_sft(tmp_path, JSON(json_path=tmp_path / "data.jsonl"), show_samples=-1)

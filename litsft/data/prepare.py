@@ -1,9 +1,11 @@
-"""`litsft prepare`: tokenize a text corpus once, in parallel, into a litdata dataset."""
+"""`litsft prepare`: tokenize a text corpus once, in parallel, into a litdata dataset; `litsft prepare_sft`:
+tokenize SFT records once into the data cache a training run reads, and show samples as training sees them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from litsft.data.base import DataModule, SFTDataModule
 from litsft.data.litdata_shards import optimize_text
 from litsft.data.text import check_text_files, text_files
 from litsft.data.tokenizer import Tokenizer
@@ -46,3 +48,64 @@ def prepare(
         if split_files:
             optimize_text(split_files, out_dir / split, tokenizer.checkpoint_dir, num_workers, chunk_bytes)
     print(f"wrote {out_dir}: {len(splits['train'])} training and {len(splits['val'])} validation files")
+
+
+LOSS_OPEN, LOSS_CLOSE = "\u2039", "\u203a"
+"""Marks around the text of the tokens that carry loss in `prepare_sft --show_samples`: ‹ and ›."""
+
+
+def prepare_sft(
+    checkpoint_dir: Path,
+    data: DataModule | None = None,
+    max_seq_length: int = 2048,
+    seed: int = 1337,
+    show_samples: int = 0,
+) -> None:
+    """Tokenize SFT records into the data cache once (on a CPU node, before a GPU job) and show samples.
+
+    Takes the model and `--data` options a recipe takes: a training run with the same data, tokenizer and
+    `--data.cache_dir` finds the cache and starts at once. Tokenizes on every core, with a progress bar, and
+    ends with one line per split: records, samples, tokens, those longer than max_seq_length, skipped, time.
+
+    Args:
+        checkpoint_dir: The checkpoint whose tokenizer and chat template to use.
+        data: The SFT data, as a recipe's --data (e.g. --data HFDataset --data.path BAAI/Infinity-Instruct).
+        max_seq_length: The training run's max_seq_length: samples are cut to it, as training cuts them.
+        seed: The training run's seed (or --data.seed): which records are held out for validation.
+        show_samples: Print the first this-many training samples as rendered, with the text of the tokens
+            that carry loss between ‹ and ›.
+    """
+    if not isinstance(data, SFTDataModule):
+        given = f"--data {type(data).__name__} is not SFT data" if data is not None else "no data given"
+        raise LitsftError(
+            f"{given}; prepare_sft takes --data JSON, HFDataset or Demo (`litsft prepare` tokenizes text files "
+            "for pretraining)"
+        )
+    if show_samples < 0:
+        raise LitsftError(f"--show_samples={show_samples} must be at least 0")
+    data.check(Path(checkpoint_dir))
+    data.connect(Tokenizer(checkpoint_dir), max_seq_length, seed)
+    data.prepare()
+    if show_samples:
+        data.setup()
+        samples = data.train_samples
+        for index in range(min(show_samples, len(samples))):
+            tokens, targets = samples.sample(index)
+            print(
+                f"--- training sample {index + 1} of {len(samples):,}: {len(tokens)} tokens, "
+                f"{int(targets[1:].sum())} carry loss (between {LOSS_OPEN} and {LOSS_CLOSE}) ---"
+            )
+            print(marked_text(data.tokenizer, tokens.tolist(), targets.tolist()))
+
+
+def marked_text(tokenizer: Tokenizer, tokens: list[int], targets: list[bool]) -> str:
+    """The text of `tokens`, each run of tokens that carry loss between LOSS_OPEN and LOSS_CLOSE (the first
+    token never does: nothing precedes it)."""
+    targets = [False, *targets[1:]]
+    pieces, start = [], 0
+    for end in range(1, len(tokens) + 1):
+        if end == len(tokens) or targets[end] != targets[start]:
+            text = tokenizer.decode(tokens[start:end], skip_special_tokens=False)
+            pieces.append(f"{LOSS_OPEN}{text}{LOSS_CLOSE}" if targets[start] else text)
+            start = end
+    return "".join(pieces)
