@@ -6,6 +6,9 @@ conversation that cannot be tokenized named by its record wherever its chunk fal
 from __future__ import annotations
 
 import json
+import os
+import pickle
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +82,13 @@ def test_save_and_load_round_trip_memory_mapped_and_refuse_pickles(tmp_path: Pat
     np.testing.assert_array_equal(loaded.first_targets, samples.first_targets)
     Samples.back_to_back(np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(0)).save(tmp_path / "empty")
     assert len(Samples.load(tmp_path / "empty")) == 0  # an empty file is not mapped
+    # Pickled (to a loader worker that is not forked), the mapped arrays travel as their files, mapped again.
+    big = Samples.back_to_back(np.arange(100_000, dtype=np.int32), np.ones(100_000, bool), [50_000, 50_000])
+    big.save(tmp_path / "big")
+    pickled = pickle.dumps(Samples.load(tmp_path / "big").subset(np.array([1])))
+    assert len(pickled) < 2000  # not the 500 kB of tokens and targets
+    unpickled = pickle.loads(pickled)
+    assert isinstance(unpickled.tokens, np.memmap) and as_lists(unpickled) == [as_lists(big)[1]]
     np.save(tmp_path / "entry" / "lengths.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(ValueError, match="allow_pickle=False"):
         Samples.load(tmp_path / "entry")
@@ -163,3 +173,33 @@ def test_a_cache_entry_is_published_whole_with_its_meta(tmp_path: Path) -> None:
     ):
         write_atomically(tmp_path / "cache" / "other", fail, {})
     assert [p.name for p in entry.parent.iterdir()] == ["entry"]
+
+
+class PidFormat(CountingFormat):
+    """Conversation n is the sample [n, pid of the process that tokenized it], its last token a target."""
+
+    def tokenize_many(self, conversations):
+        part = super().tokenize_many(conversations)
+        part.tokens[1::2] = os.getpid()
+        return part
+
+
+def test_tokenizing_uses_worker_processes_while_other_threads_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    """A training run has threads (the launcher's, the lock's heartbeat): forking then could deadlock, so the
+    workers start from a fresh server process; the samples are the same, and none is tokenized here."""
+    monkeypatch.setattr(samples_module, "CHUNK_SIZE", 3)
+    monkeypatch.setattr(samples_module, "tokenizing_processes", lambda count: 2)
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        tokenize_to_cache([[n] for n in range(10)], PidFormat(), tmp_path / "entry")
+    finally:
+        stop.set()
+        thread.join()
+    samples = Samples.load(tmp_path / "entry")
+    assert [tokens[0] for tokens, _ in as_lists(samples)] == list(range(10))
+    pids = {tokens[1] for tokens, _ in as_lists(samples)}
+    assert os.getpid() not in pids and len(pids) >= 1

@@ -99,8 +99,8 @@ class HFDataset(RecordDataModule):
         import datasets
         import tqdm
 
-        # tqdm's monitor thread (started by the first progress bar) would keep tokenizing from forking
-        # workers (samples.py forks only from a single-threaded process); it only tunes bar refresh rates.
+        # tqdm's monitor thread (started by the first progress bar) would make tokenizing start its workers
+        # from a server process instead of forking them (samples.py); it only tunes bar refresh rates.
         tqdm.tqdm.monitor_interval = 0
         path = Path(self.path)
         try:

@@ -85,6 +85,15 @@ class Samples:
             return truncated, 0
         return truncated.subset(np.flatnonzero(keep)), len(self) - int(keep.sum())
 
+    def __getstate__(self) -> dict[str, object]:
+        # A memory-mapped array would pickle as its whole contents (to a loader worker started by spawn or
+        # forkserver): it travels as its file instead, mapped again on arrival.
+        return {name: _MappedFile.of(value) for name, value in self.__dict__.items()}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value.open() if isinstance(value, _MappedFile) else value)
+
     def save(self, directory: Path) -> None:
         """Write these samples back to back as a cache entry (see the module docstring)."""
         with SamplesWriter(directory) as writer:
@@ -107,6 +116,24 @@ class Samples:
         starts = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1], out=starts[1:])
         return cls(tokens, targets, starts, lengths.astype(np.int64), first_targets.astype(np.int64))
+
+
+@dataclass(frozen=True)
+class _MappedFile:
+    """How a read-only memory-mapped array is pickled: the file it maps, and its type and length."""
+
+    path: str
+    dtype: str
+    length: int
+
+    @staticmethod
+    def of(value: object) -> object:
+        if isinstance(value, np.memmap) and value.filename is not None:
+            return _MappedFile(value.filename, value.dtype.str, len(value))
+        return value
+
+    def open(self) -> np.memmap:
+        return np.memmap(self.path, dtype=np.dtype(self.dtype), mode="r", shape=(self.length,))
 
 
 def first_targets_of(targets: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -249,24 +276,28 @@ def tokenizing_processes(num_conversations: int) -> int:
 def _chunks(conversations: Sequence[list[Message]], chat_format: ChatFormat) -> Iterator[Tokenized]:
     num_chunks = -(-len(conversations) // CHUNK_SIZE)
     processes = tokenizing_processes(len(conversations))
-    # Forking while other threads run (the training launcher's, the out_dir lock's heartbeat, gloo's) can
-    # deadlock the children on a lock one of those threads held: fork only from a single-threaded process
-    # (`litsft prepare`); inside a run, tokenizers' own thread pool still parallelizes encoding.
-    can_fork = threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods()
-    if processes > 1 and can_fork:
-        global _WORK
-        # Forked workers inherit the conversations and the compiled template instead of pickling them.
-        _WORK = (conversations, chat_format)
-        try:
-            with multiprocessing.get_context("fork").Pool(processes) as pool:
-                # imap: chunks come back in order, and a chunk is written as soon as it and those before it
-                # are done, so only the chunks in flight are held.
-                yield from pool.imap(_tokenize_chunk, range(num_chunks))
-        finally:
-            _WORK = None
-    else:
+    if processes == 1:
         for index in range(num_chunks):
             yield _tokenize_chunk_of(conversations, index, chat_format)
+        return
+    # Forking while other threads run (a training run's: the launcher's, the out_dir lock's heartbeat,
+    # gloo's) can deadlock the children on a lock one of those threads held. A single-threaded process
+    # (`litsft prepare_sft`) forks, and its workers inherit the conversations and the compiled template; any
+    # other starts its workers from a fresh server process (forkserver), which unpickles them once per
+    # worker (a `datasets` dataset pickles as the paths of its memory-mapped arrow files).
+    method = "fork" if threading.active_count() == 1 else "forkserver"
+    if method not in multiprocessing.get_all_start_methods():
+        method = "spawn"
+    context = multiprocessing.get_context(method)
+    with context.Pool(processes, initializer=_install_work, initargs=(conversations, chat_format)) as pool:
+        # imap: chunks come back in order, and a chunk is written as soon as it and those before it are
+        # done, so only the chunks in flight are held.
+        yield from pool.imap(_tokenize_chunk, range(num_chunks))
+
+
+def _install_work(conversations: Sequence[list[Message]], chat_format: ChatFormat) -> None:
+    global _WORK
+    _WORK = (conversations, chat_format)
 
 
 CHUNK_SIZE = 10_000

@@ -230,6 +230,10 @@ def setup_data(fabric: Fabric, run: RunConfig, tokenizer: Any) -> tuple[Any, Any
     """Prepare the data on the first rank (tokenizing, caching), then this rank's train and val loaders."""
     run.data.connect(tokenizer, max_seq_length=run.train.max_seq_length, seed=run.seed)
     if fabric.is_global_zero:
+        if fabric.world_size > 1:  # one line for all ranks: each notice is printed once
+            print(
+                f"Rank 0 prepares the data; the other {fabric.world_size - 1} ranks wait for it", flush=True
+            )
         run.data.prepare()
     fabric.barrier()
     run.data.setup()
