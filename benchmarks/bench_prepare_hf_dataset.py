@@ -75,6 +75,8 @@ def peaks() -> dict[str, float]:
 
 def litsft_prepare(parquet: str, tokenizer_dir: str, cache_dir: str) -> None:
     """Child process: what rank 0 does before training, timed; one JSON line."""
+    import datasets  # noqa: F401 (imported before the clock starts, as datasets_map imports it)
+
     from litsft.data import HFDataset
     from litsft.data.tokenizer import Tokenizer
 

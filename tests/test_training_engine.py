@@ -260,8 +260,8 @@ def test_validation_runs_at_every_interval_and_at_the_end(workspace: Path, capsy
 
 def test_a_run_prints_each_notice_once_and_no_python_warnings(workspace: Path) -> None:
     """Two processes on a CPU mesh, samples dropped by truncation, a validation at the last step: the log
-    holds the dropped-samples notice once as a plain line, the finished progress bars (tokenizing, training)
-    and the line saying the other rank waits for the data once each, the phase timings
+    holds the dropped-samples notice once as a plain line, the finished progress bar once, the lines saying
+    the other rank waits for the data and what was prepared once each, the phase timings
     once, and no Python warning (the DTensor CPU-mesh one came once per rank, the notice with its source line)."""
     import subprocess
     import sys
@@ -284,9 +284,11 @@ def test_a_run_prints_each_notice_once_and_no_python_warnings(workspace: Path) -
         len(re.findall(r"^Dropped \d+ of \d+ training samples: no assistant token is left", log, re.M)) == 1
     )
     assert result.stderr.count(" 4/4 [") == 1, result.stderr
-    # Rank 0 tokenizes with a progress bar, and says once that the other rank waits.
-    assert result.stderr.count("Tokenizing the train records: 100%") == 1, result.stderr
+    # Rank 0 prepares the data (or finds the cache the workspace's other runs wrote) and says once that the
+    # other rank waits.
     assert result.stdout.count("Rank 0 prepares the data; the other 1 ranks wait for it") == 1
+    prepared = r"^Prepared the train data: .*; (tokenized in [\d.]+ s|read from the cache)$"
+    assert len(re.findall(prepared, result.stdout, re.M)) == 1
     assert result.stdout.count("step 4: val_loss") == 1
     # --log.timings: one report, from rank 0, its phases in order and adding up to its total.
     assert result.stdout.count("Wall time by phase") == 1

@@ -262,11 +262,16 @@ def _with_reasoning_aliases(message: dict[str, Any]) -> dict[str, Any]:
 @functools.lru_cache(maxsize=16)
 def _compile_chat_template(template: str) -> jinja2.Template:
     try:
-        return _chat_template_environment().from_string(template)
+        compiled = _chat_template_environment().from_string(template)
     except jinja2.TemplateError as err:
         raise LitsftError(
             f"a chat template does not compile: {err}; fix it or use a named prompt style"
         ) from None
+    # Its globals as one dict instead of jinja's ChainMap over the environment's: each render copies them
+    # into a new context, which from a ChainMap took about 40 us a render (a third of rendering a short
+    # conversation). The environment is never changed after this.
+    compiled.globals = dict(compiled.globals)
+    return compiled
 
 
 def _chat_template_environment() -> ImmutableSandboxedEnvironment:
