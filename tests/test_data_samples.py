@@ -130,6 +130,21 @@ def test_tokenizing_to_the_cache_equals_tokenizing_in_memory(monkeypatch: pytest
     assert as_lists(Samples.load(tmp_path / "entry")) == as_lists(in_memory)
 
 
+@pytest.mark.parametrize("delay", [0.0, 60.0])
+def test_the_progress_bar_shows_records_per_second_once_tokenizing_takes_its_delay(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str], delay: float
+) -> None:
+    """A set tokenized within the delay prints nothing (a refusal after it stays one line on stderr); past it,
+    the bar names the records and their rate."""
+    monkeypatch.setattr(samples_module, "PROGRESS_DELAY_S", delay)
+    tokenize_to_cache([[n] for n in range(20)], CountingFormat(), tmp_path / "entry", "Tokenizing", True)
+    err = capsys.readouterr().err
+    if delay:
+        assert err == ""
+    else:
+        assert "Tokenizing: 100%" in err and "20/20" in err and "records/s" in err
+
+
 class Records(list):
     """A list of conversations that names its records by file and line, as the data modules' readers do."""
 

@@ -255,13 +255,24 @@ def _tokenize_in_chunks(
     return report
 
 
+PROGRESS_DELAY_S = 2.0
+"""The progress bar appears once tokenizing has taken this long: a set that takes less needs none, and a
+refusal that follows it (bad weights, a bad option) stays the one line on stderr."""
+
+
 def _progress_bar(total: int, description: str):  # noqa: ANN202 (tqdm is imported here, lazily)
     import tqdm
 
     # No monitor thread: a running thread keeps tokenizing from forking workers (see _chunks).
     tqdm.tqdm.monitor_interval = 0
     return tqdm.tqdm(
-        total=total, desc=description, unit=" records", file=sys.stderr, mininterval=2.0, dynamic_ncols=True
+        total=total,
+        desc=description,
+        unit=" records",
+        file=sys.stderr,
+        mininterval=2.0,
+        delay=PROGRESS_DELAY_S,
+        dynamic_ncols=True,
     )
 
 
