@@ -60,7 +60,8 @@ def setup(
             checkpoint; false starts at step 0, refused when out_dir holds checkpoints (so that none is
             overwritten): pass another --out_dir to start over.
         seed: Seed for data order, adapter initialization, dropout and sampling.
-        lora: Rank, alpha, dropout, variant (lora, rslora, dora) and which projections get adapters.
+        lora: Rank, alpha, dropout, variant (lora, rslora, dora: litsft.model.adapters) and
+            which projections get adapters.
         quantize: nf4 stores the frozen base weight of every adapted block projection in 4-bit NormalFloat
             (QLoRA): about 0.52 bytes per weight instead of 2 (bf16), sharded by FSDP like any frozen weight.
         fsdp: Sharding strategy and memory options (used with more than one process).
@@ -86,18 +87,21 @@ def lora_finetuning(
     from litsft.checkpoint.lora_folder import save_lora_folder
     from litsft.checkpoint.model_folder import load_model_weights
     from litsft.checkpoint.sharded_rows import copy_rows, global_rank
+    from litsft.model.adapters import adapter_variant
     from litsft.model.lora import (
         apply_lora,
         base_weight_name,
         initial_adapter_value,
+        initialize_from_base,
         lora_state_dict,
-        reset_magnitudes,
     )
     from litsft.model.network import Transformer, parameter_generator
     from litsft.model.quantization import check_nf4_shardable, quantize_base
     from litsft.training.plan import shard_group_size
 
-    if quantize is not None:  # before any process starts
+    variant = adapter_variant(lora.variant)
+    variant.check(lora, Config.from_checkpoint(checkpoint_dir), quantize)  # before any process starts
+    if quantize is not None:
         shard_group = shard_group_size(run.devices, run.num_nodes, run.fsdp.sharding_strategy)
         check_nf4_shardable(run.config, shard_group if run.world_size > 1 else 1, lora.target_list)
 
@@ -108,7 +112,7 @@ def lora_finetuning(
                 copy_rows(
                     param.data, initial_adapter_value(name, param.shape, parameter_generator(seed, name))
                 )
-        reset_magnitudes(model)  # DoRA: from the loaded base rows
+        initialize_from_base(model)  # what the variant derives from the loaded base (DoRA, PiSSA)
 
     def save_final(model: Transformer, final_dir: Path) -> None:
         adapters = lora_state_dict(model)  # collective: every rank gathers
@@ -122,4 +126,5 @@ def lora_finetuning(
         save_final=save_final,
         checkpoint_frozen=False,
         trainable="lora",
+        lr_scale=lambda name: variant.lr_scale(lora, name),
     )

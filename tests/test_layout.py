@@ -23,6 +23,8 @@ TESTED_ELSEWHERE = {
 }
 FAMILY_TESTS = "test_model_families.py"
 """Every litsft/model/families/<module>.py: one section per module there, parametrized over that folder's files."""
+ADAPTER_TESTS = "test_model_adapters.py"
+"""Every litsft/model/adapters/<variant>.py: tests parametrized over the registry, and a section per variant."""
 
 
 def modules() -> dict[str, Path]:
@@ -42,6 +44,8 @@ def expected_test_file(module: str) -> str:
     parts = module.removeprefix("litsft.recipes.").removeprefix("litsft.").split(".")
     if parts[:2] == ["model", "families"]:
         return FAMILY_TESTS
+    if parts[:2] == ["model", "adapters"]:
+        return ADAPTER_TESTS
     return "test_" + "_".join(parts) + ".py"
 
 
@@ -57,6 +61,7 @@ def test_the_modules_are_found() -> None:
     assert expected_test_file("litsft.checkpoint.checkpoint_dirs") == "test_checkpoint_checkpoint_dirs.py"
     assert expected_test_file("litsft.recipes.finetune_lora") == "test_finetune_lora.py"
     assert expected_test_file("litsft.model.families.qwen3") == "test_model_families.py"
+    assert expected_test_file("litsft.model.adapters.pissa") == "test_model_adapters.py"
 
 
 def test_every_module_has_a_test_file_named_after_it() -> None:

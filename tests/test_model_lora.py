@@ -154,7 +154,7 @@ def test_rslora_scales_by_the_square_root_of_the_rank():
     )
     assert layer.scaling == 2.0
     with pytest.raises(
-        LitsftError, match="--lora.variant='qlora' is not valid; choose one of lora, rslora, dora"
+        LitsftError, match="--lora.variant='qlora' is not valid; choose one of lora, dora, rslora"
     ):
         LoRAConfig(variant="qlora")
 
@@ -164,7 +164,7 @@ def test_dora_gradient_treats_the_row_norm_as_a_constant():
     the output gradient, with no term from the norm; dropout recomputes W x on the dropped-out input."""
     torch.manual_seed(0)
     base = torch.nn.Linear(16, 8)
-    layer = LoRALinear(base, rank=2, alpha=4, dropout=0.0, dora=True)
+    layer = LoRALinear(base, rank=2, alpha=4, dropout=0.0, variant="dora")
     torch.nn.init.normal_(layer.lora_B.weight)
     x = torch.randn(5, 16)
     layer(x).sum().backward()

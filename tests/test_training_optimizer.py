@@ -19,6 +19,7 @@ from litsft.training.optimizer import (
     CompensatedAdamW,
     build_optimizer,
     learning_rate,
+    set_learning_rate,
     warmup_steps,
 )
 
@@ -126,6 +127,43 @@ def test_weight_decay_applies_to_matrices_only_and_frozen_parameters_are_left_ou
     assert sorted(p.numel() for p in no_decay["params"]) == [4, 4, 4]  # linear bias, norm weight and bias
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
     assert (decay["lr"], decay["betas"], decay["eps"], decay["fused"]) == (LR, (0.8, 0.9), 1e-6, True)
+
+
+def test_each_group_trains_at_the_schedule_s_rate_times_its_lr_scale() -> None:
+    """`lr_scale` (a recipe's factor by parameter name) splits the groups further; `set_learning_rate`, which the
+    engine calls each step, gives each group the schedule's rate times its factor, and AdamW then steps each
+    parameter exactly as a torch AdamW whose groups have those rates."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    reference = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    reference.load_state_dict(model.state_dict())
+    config = OptimizerConfig(lr=LR, weight_decay=0.1, betas=(0.8, 0.9), eps=1e-6)
+    optimizer = build_optimizer(model, config, lr_scale=lambda name: 3.0 if name.startswith("1.") else 1.0)
+    assert [(len(g["params"]), g["weight_decay"], g["lr_scale"]) for g in optimizer.param_groups] == [
+        (1, 0.1, 1.0),  # 0.weight
+        (1, 0.1, 3.0),  # 1.weight
+        (1, 0.0, 1.0),  # 0.bias
+        (1, 0.0, 3.0),  # 1.bias
+    ]
+    set_learning_rate(optimizer, 2e-4)
+    assert [g["lr"] for g in optimizer.param_groups] == [2e-4, 2e-4 * 3.0, 2e-4, 2e-4 * 3.0]
+    first, second = reference
+    expected = torch.optim.AdamW(
+        [
+            {"params": [first.weight], "lr": 2e-4, "weight_decay": 0.1},
+            {"params": [second.weight], "lr": 2e-4 * 3.0, "weight_decay": 0.1},
+            {"params": [first.bias], "lr": 2e-4, "weight_decay": 0.0},
+            {"params": [second.bias], "lr": 2e-4 * 3.0, "weight_decay": 0.0},
+        ],
+        betas=config.betas,
+        eps=config.eps,
+        fused=True,  # build_optimizer's kernel on the CPU: the same arithmetic, so equal to the bit
+    )
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    for network, opt in ((model, optimizer), (reference, expected)):
+        network(x).square().sum().backward()
+        opt.step()
+    for (name, param), reference_param in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(param, reference_param), name
 
 
 def test_a_model_with_nothing_to_train_is_refused() -> None:

@@ -11,7 +11,6 @@ so a failed conversion leaves nothing behind.
 
 from __future__ import annotations
 
-import math
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -41,9 +40,11 @@ from litsft.checkpoint.weight_files import (
 )
 from litsft.data.tokenizer import check_tokenizer_fits, read_tokenizer_file
 from litsft.errors import LitsftError
+from litsft.model.adapters import adapter_variant
 from litsft.model.config import Config, DType
 from litsft.model.families import FAMILIES, WeightMap, family_of
-from litsft.model.lora import iter_merged_tensors, merged_config
+from litsft.model.lora import iter_merged_tensors, merged_config, split_adapter_name
+from litsft.model.lora_config import LoRAConfig
 from litsft.model.network import Transformer
 from litsft.model.quantization import iter_nf4_base
 from litsft.runtime.files import publish_atomically, read_json, write_json
@@ -262,7 +263,7 @@ def _merged_base(
 
 
 def peft_adapter_tensors(
-    adapters: Mapping[str, torch.Tensor], config: Config
+    adapters: Mapping[str, torch.Tensor], config: Config, lora_config: LoRAConfig
 ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """litsft adapters -> the tensors of a PEFT adapter for the Hugging Face model, in PEFT's names
     (`blocks.0.attn.o_proj.lora_A.weight` -> `base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight`),
@@ -274,10 +275,11 @@ def peft_adapter_tensors(
     part's rows stay zero), so that B A stacks each part's B_i A_i as the weight stacks the parts. With alpha
     n * alpha as well (`_peft_config`), PEFT's scaling alpha / rank is litsft's."""
     weights, shapes = weight_map(config), expected_shapes(config)
+    variant = adapter_variant(lora_config.variant)
     modules_of: dict[str, list[str]] = {}  # HF weight -> the litsft modules with adapters it holds
-    dora = any(name.endswith(".lora_magnitude_vector.weight") for name in adapters)
+    own_tensors = [n for n in adapters if split_adapter_name(n)[1] not in ("lora_A.weight", "lora_B.weight")]
     for name in adapters:
-        module = name.rsplit(".", 2)[0]
+        module = split_adapter_name(name)[0]
         held = modules_of.setdefault(weights.hf_name(f"{module}.weight"), [])
         if module not in held:
             held.append(module)
@@ -289,11 +291,11 @@ def peft_adapter_tensors(
         lora_A = torch.cat([adapters[f"{part}.lora_A.weight"] for part in adapted])  # (n * r, in)
         if len(parts) == 1:
             lora_B = adapters[f"{adapted[0]}.lora_B.weight"]
-        elif dora:
-            # PEFT's magnitude for the fused module would need the row norms of its unadapted parts' weights.
+        elif own_tensors:
+            # E.g. DoRA's magnitude for the fused module would need the row norms of its unadapted parts' weights.
             raise LitsftError(
-                f"DoRA adapters on part of the fused Hugging Face module {hf_weight!r} have no PEFT form here; "
-                "export with --lora_format merged instead"
+                f"{lora_config.variant} adapters on the fused Hugging Face module {hf_weight!r} have no PEFT form "
+                "here; export with --lora_format merged instead"
             )
         else:
             rank = lora_A.shape[0] // len(adapted)
@@ -308,10 +310,10 @@ def peft_adapter_tensors(
             fused[_module_name(hf_weight)] = len(adapted)
         prefix = f"base_model.model.{hf_weight.removesuffix('.weight')}"
         tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = lora_A, lora_B
-        if dora:  # PEFT saves DoRA's magnitude without the `.weight` of litsft's module
-            tensors[f"{prefix}.lora_magnitude_vector"] = adapters[
-                f"{adapted[0]}.lora_magnitude_vector.weight"
-            ]
+        for name in own_tensors:  # the variant's own tensors (DoRA's magnitude), in PEFT's names
+            module, tensor_name = split_adapter_name(name)
+            if module == adapted[0]:
+                tensors[f"{prefix}.{variant.peft_names.get(tensor_name, tensor_name)}"] = adapters[name]
     return tensors, fused
 
 
@@ -343,10 +345,16 @@ def export_peft_adapter(lora_checkpoint_dir: Path, out_dir: Path, base_model_nam
             write_hf_checkpoint(
                 iter_model_tensors(folder.base_dir), base_config, tmp_dir / "base", folder.base_dir
             )
-        adapters, fused = peft_adapter_tensors(folder.adapters, Config.from_checkpoint(folder.base_dir))
+        # What the variant's PEFT adapter holds (PiSSA: a plain LoRA of twice the rank on the original base).
+        peft_adapters, peft_lora = adapter_variant(folder.config.variant).peft_form(
+            folder.adapters, folder.config
+        )
+        adapters, fused = peft_adapter_tensors(
+            peft_adapters, Config.from_checkpoint(folder.base_dir), peft_lora
+        )
         save_safetensors(adapters, tmp_dir / PEFT_ADAPTER_NAME)
         modules = sorted({name.split(".")[-3] for name in adapters if name.endswith(".lora_A.weight")})
-        write_json(tmp_dir / PEFT_CONFIG_NAME, _peft_config(folder, base_name, modules, fused))
+        write_json(tmp_dir / PEFT_CONFIG_NAME, _peft_config(peft_lora, base_name, modules, fused))
         copy_tokenizer_files(Path(lora_checkpoint_dir), tmp_dir)
     if folder.base_quantization is not None:
         print(quantized_base_notice(lora_checkpoint_dir, out_dir, base_name, folder.base_quantization))
@@ -364,11 +372,11 @@ def quantized_base_notice(lora_checkpoint_dir: Path, out_dir: Path, base_name: s
 
 
 def _peft_config(
-    folder: LoRAFolder, base_model_name_or_path: str, target_modules: list[str], fused: dict[str, int]
+    lora_config: LoRAConfig, base_model_name_or_path: str, target_modules: list[str], fused: dict[str, int]
 ) -> dict[str, object]:
-    """PEFT's adapter_config.json; a fused module joining n adapters has rank and alpha n times litsft's
-    (`peft_adapter_tensors`), in PEFT's per-module rank_pattern and alpha_pattern."""
-    lora_config = folder.config
+    """PEFT's adapter_config.json; a fused module joining n adapters has n times litsft's rank, and the alpha
+    that keeps the variant's scaling (`peft_adapter_tensors`), in PEFT's per-module rank_pattern and alpha_pattern."""
+    variant = adapter_variant(lora_config.variant)
     alpha = int(lora_config.alpha) if float(lora_config.alpha).is_integer() else lora_config.alpha
     return {
         "peft_type": "LORA",
@@ -379,16 +387,10 @@ def _peft_config(
         "lora_dropout": lora_config.dropout,
         "target_modules": target_modules,
         "rank_pattern": {module: n * lora_config.rank for module, n in fused.items()},
-        # rsLoRA scales by alpha / sqrt(rank): n times the rank needs sqrt(n) times alpha.
-        "alpha_pattern": {
-            module: alpha * math.sqrt(n) if lora_config.variant == "rslora" else n * alpha
-            for module, n in fused.items()
-        },
+        "alpha_pattern": {module: variant.alpha_for_rank_times(alpha, n) for module, n in fused.items()},
         "bias": "none",
         "fan_in_fan_out": False,
-        "use_rslora": lora_config.variant == "rslora",
-        "use_dora": lora_config.variant == "dora",
-        "init_lora_weights": True,
+        **variant.peft_config(),
         "modules_to_save": None,
         "inference_mode": True,
     }

@@ -19,7 +19,7 @@ from litsft.checkpoint.model_source import resolve_checkpoint
 from litsft.data.tokenizer import Tokenizer, check_tokenizer_fits
 from litsft.errors import LitsftError
 from litsft.model.config import Config
-from litsft.model.lora import apply_lora, base_weight_name
+from litsft.model.lora import apply_lora, base_weight_name, load_adapters
 from litsft.model.network import Transformer, long_rope_length
 from litsft.model.quantization import is_quantized_weight, nf4_round_trip
 
@@ -234,10 +234,9 @@ def load_model(checkpoint_dir: Path, device: torch.device, dtype: torch.dtype) -
     if is_lora_folder(checkpoint_dir):
         folder = read_lora_folder(checkpoint_dir)
         model = _load_full_model(folder.base_dir, check_base=folder.check_base)
-        apply_lora(model, folder.config)
+        apply_lora(model, folder.config, initialize=False)
+        load_adapters(model, folder.adapters)
         with torch.no_grad():
-            for name, tensor in folder.adapters.items():
-                model.get_parameter(name).copy_(tensor)
             if folder.base_quantization == "nf4":  # the adapters were trained on the dequantized NF4 weights
                 for name, param in model.named_parameters():
                     stored = base_weight_name(name)

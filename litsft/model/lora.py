@@ -2,18 +2,9 @@
 
 A projection `W` becomes `W x + B A dropout(x) * scaling`, with A (rank, in) and B (out, rank), dropout's
 masks drawn per sample (`litsft.model.sample_dropout`); B starts at zero, so a fresh adapter leaves the
-model's outputs unchanged. Three variants, as PEFT defines them
-(https://github.com/huggingface/peft/blob/main/src/peft/tuners/lora/layer.py):
-
-| variant | scaling             | output                                                              |
-|---------|---------------------|---------------------------------------------------------------------|
-| lora    | alpha / rank        | W x + s B A x                                                       |
-| rslora  | alpha / sqrt(rank)  | W x + s B A x (rank-stabilized, Kalajdzievski 2023)                 |
-| dora    | alpha / rank        | m / ||W + s B A||_row * (W x + s B A x) (Liu et al. 2024)           |
-
-DoRA's magnitude m (out,) starts as the row norms of W, so a fresh DoRA adapter changes nothing either; it
-is trained, while the row norm ||W + s B A|| is treated as a constant in the backward pass (section 4.3 of
-the DoRA paper, and PEFT).
+model's outputs unchanged. What differs between variants (LoRA, rsLoRA, DoRA: their scaling, extra modules,
+initialization, forward, merge, PEFT form and learning rates) is each variant's own module in
+litsft.model.adapters; `LoRALinear` asks its variant.
 
 Parameter names. Each adapted `nn.Linear` is wrapped in a `LoRALinear` that keeps it as a child named `base`,
 so FSDP2 can put the frozen base and the trainable adapters in separate units:
@@ -21,7 +12,8 @@ so FSDP2 can put the frozen base and the trainable adapters in separate units:
     blocks.0.attn.q_proj.weight   ->  blocks.0.attn.q_proj.base.weight     (frozen)
                                       blocks.0.attn.q_proj.lora_A.weight   (rank, in)
                                       blocks.0.attn.q_proj.lora_B.weight   (out, rank)
-                                      blocks.0.attn.q_proj.lora_magnitude_vector.weight  (out,) DoRA only
+                                      blocks.0.attn.q_proj.<a variant's module>...  (e.g. DoRA's
+                                                                           lora_magnitude_vector.weight)
 
 `model.load_state_dict(plain_litsft_state_dict)` still works: `LoRALinear` renames `weight`/`bias` to
 `base.weight`/`base.bias` while loading and leaves its adapters as they are when the state dict has none.
@@ -39,9 +31,10 @@ from dataclasses import replace
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from litsft.errors import LitsftError
+from litsft.model.adapters import VARIANT_NAMES, adapter_variant
+from litsft.model.adapters.spec import lora_delta
 from litsft.model.config import Config
 from litsft.model.lora_config import LORA_TARGETS, LoRAConfig
 from litsft.model.network import Transformer
@@ -96,114 +89,43 @@ class NarrowInputLinear(torch.autograd.Function):
 
 
 class LoRALinear(nn.Module):
-    """A frozen `nn.Linear` plus a trainable low-rank update: base(x) + B(A(dropout(x))) * scaling, or its
-    DoRA form (module docstring) when built with `dora=True`."""
+    """A frozen `nn.Linear` plus a trainable low-rank update: base(x) + B(A(dropout(x))) * scaling, or what
+    the adapter variant (`variant`, a name of litsft.model.adapters) makes of it."""
 
     def __init__(
         self, base: nn.Linear, rank: int, alpha: float, dropout: float, scaling: float | None = None,
-        dora: bool = False,
+        variant: str = "lora", initialize: bool = True,
     ) -> None:  # fmt: skip
         super().__init__()
         self.base = base
+        self.variant = adapter_variant(variant)
         # An NF4 base weight's dtype is the one it dequantizes to: the adapters' dtype too.
         factory = dict(device=base.weight.device, dtype=base.weight.dtype)
         self.lora_A = nn.Linear(base.in_features, rank, bias=False, **factory)
         self.lora_B = LoRAUp(rank, base.out_features, bias=False, **factory)
-        self.lora_magnitude_vector = DoRAMagnitude(base.out_features, **factory) if dora else None
+        self.variant.add_modules(self)
         self.dropout = SampleDropout(dropout) if dropout > 0 else nn.Identity()
-        self.scaling = alpha / rank if scaling is None else scaling
-        if base.weight.device.type != "meta":
+        self.scaling = self.variant.scaling(alpha, rank) if scaling is None else scaling
+        if initialize and base.weight.device.type != "meta":
             self.reset_lora_parameters()
         self.register_load_state_dict_pre_hook(_load_plain_names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base(x)
         h = self.dropout(x)
-        # Scaling the rank-wide intermediate costs out_features / rank times less than scaling the output.
-        update = self.lora_B(self.lora_A(h) * self.scaling)
-        if self.lora_magnitude_vector is None:
-            return result + update
-        # DoRA, computed as PEFT does: W x is the base output without its bias (recomputed on the dropped-out
-        # input when dropout is active), the row norms of W + s B A come from B A through the adapters' own
-        # forward (so a sharded adapter is gathered the way FSDP gathers it) and are held constant.
-        weight = base_weight(self.base).to(x.dtype)
-        eye = torch.eye(self.lora_A.in_features, device=x.device, dtype=x.dtype)
-        delta = self.lora_B(self.lora_A(eye)).t() * self.scaling  # (out, in)
-        row_norm = torch.linalg.vector_norm(weight + delta.detach(), dim=1).detach()
-        if isinstance(self.dropout, nn.Identity) or not self.training:
-            bias = self.base.bias
-            plain = result if bias is None else result - bias
-        else:
-            plain = nn.functional.linear(h, weight)
-        return result + self.lora_magnitude_vector(plain, update, row_norm)
+        return result + self.variant.update(self, x, h, result)
 
     @torch.no_grad()
     def reset_lora_parameters(self) -> None:
-        """A as PEFT and the LoRA paper initialize it (nn.Linear's default), B zero, DoRA's magnitude the
-        row norms of the base weight."""
+        """A as PEFT and the LoRA paper initialize it (nn.Linear's default), B zero, then what the variant
+        derives from the base weight (DoRA's magnitude, PiSSA's singular vectors)."""
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
-        self.reset_magnitude()
-
-    @torch.no_grad()
-    def reset_magnitude(self) -> None:
-        """DoRA's magnitude := the row norms of the base weight (with B = 0, of W + s B A), for the rows of the
-        magnitude this rank holds (FSDP2 gives the weight the same rows, or all of them when it leaves an
-        NF4 weight unsharded)."""
-        if self.lora_magnitude_vector is None:
-            return
-        magnitude, offset = _rows_held(self.lora_magnitude_vector.weight.data)
-        weight, weight_offset = _rows_held(self.base.weight.data)
-        if magnitude.numel():
-            start = offset - weight_offset
-            rows = dequantized(weight)[start : start + magnitude.shape[0]]
-            magnitude.copy_(torch.linalg.vector_norm(rows.float(), dim=1))
+        self.variant.initialize_from_base(self)
 
     def delta_weight(self) -> torch.Tensor:
         """B @ A * scaling (out, in), in fp32."""
         return lora_delta(self.lora_A.weight, self.lora_B.weight, self.scaling)
-
-
-class DoRAMagnitude(nn.Module):
-    """DoRA's trained magnitude, one value per output row; a module of its own so that, like lora_A and
-    lora_B, FSDP2 can gather it on its own and its name matches PEFT's `lora_magnitude_vector`."""
-
-    def __init__(
-        self, out_features: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-    ) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(out_features, device=device, dtype=dtype))
-
-    def reset_parameters(self) -> None:
-        # Placeholder until the base weights are loaded (`LoRALinear.reset_magnitude`).
-        nn.init.ones_(self.weight)
-
-    def forward(self, plain: torch.Tensor, update: torch.Tensor, row_norm: torch.Tensor) -> torch.Tensor:
-        """The DoRA output minus the base output: (m / n - 1) W x + (m / n) s B A x."""
-        scale = (self.weight / row_norm).to(plain.dtype)
-        return (scale - 1) * plain + scale * update
-
-
-def _rows_held(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(the rows of `tensor` this rank holds, the first one's index): a DTensor's local rows, or all."""
-    if not isinstance(tensor, DTensor):
-        return tensor, 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    return tensor.to_local(), offset[0]
-
-
-def base_weight(base: nn.Module) -> torch.Tensor:
-    """The base layer's weight as a plain tensor, dequantized when it is stored in NF4."""
-    return dequantized(base.weight)
-
-
-def dequantized(weight: torch.Tensor) -> torch.Tensor:
-    """A plain tensor: `weight` itself, or the values an NF4 weight stands for."""
-    if hasattr(weight, "get_original_weight"):  # torchao's NF4Tensor
-        return weight.get_original_weight()
-    return weight
 
 
 def _load_plain_names(
@@ -214,22 +136,19 @@ def _load_plain_names(
     for suffix in ("weight", "bias"):
         if prefix + suffix in state_dict:
             state_dict[prefix + "base." + suffix] = state_dict.pop(prefix + suffix)
-    for name, adapter in module.named_children():
-        if name.startswith("lora_"):
-            state_dict.setdefault(f"{prefix}{name}.weight", adapter.weight)
-
-
-def lora_delta(lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> torch.Tensor:
-    """The weight update B @ A * scaling (out, in), computed in fp32 so a bf16 merge rounds only once."""
-    return (lora_B.float() @ lora_A.float()) * scaling
+    for name, tensor in module.state_dict().items():
+        if _is_adapter_name(name):
+            state_dict.setdefault(prefix + name, tensor)
 
 
 # ---- applying to a model -------------------------------------------------------------------------------
-def apply_lora(model: Transformer, config: LoRAConfig) -> Transformer:
+def apply_lora(model: Transformer, config: LoRAConfig, initialize: bool = True) -> Transformer:
     """Wrap the targeted projections of `model` in LoRALinear (in place) and freeze everything but the
-    adapters. Works on a model on the meta device: after `to_empty()`, let Fabric's materialization
-    call each module's `reset_parameters()` (or draw the adapters with `initial_adapter_value`), then load the
-    base weights and, for DoRA, `reset_magnitudes`."""
+    adapters. On a model with its weights, fresh adapters are initialized from them (`initialize=False` leaves
+    that to `load_adapters`). Works on a model on the meta device: after `to_empty()`, let Fabric's
+    materialization call each module's `reset_parameters()` (or draw the adapters with
+    `initial_adapter_value`), then load the base weights and call `initialize_from_base`."""
+    adapter_variant(config.variant).check(config, model.config, None)
     expert_targets = sorted({"gate", "up", "down"} & set(config.target_list))
     if model.config.num_experts and config.targets != "all-linear" and expert_targets:
         raise LitsftError(
@@ -243,18 +162,41 @@ def apply_lora(model: Transformer, config: LoRAConfig) -> Transformer:
         for name, child in list(parent.named_children()):
             if name in module_names and type(child) is nn.Linear:
                 adapted = LoRALinear(
-                    child, config.rank, config.alpha, config.dropout, config.scaling, config.variant == "dora"
+                    child,
+                    config.rank,
+                    config.alpha,
+                    config.dropout,
+                    config.scaling,
+                    config.variant,
+                    initialize,
                 )
                 setattr(parent, name, adapted)
     mark_only_lora_trainable(model)
     return model
 
 
-def reset_magnitudes(model: nn.Module) -> None:
-    """DoRA: set every magnitude to the row norms of its (loaded) base weight, as a fresh adapter needs."""
-    for module in model.modules():
-        if isinstance(module, LoRALinear):
-            module.reset_magnitude()
+def lora_layers(model: nn.Module) -> Iterator[LoRALinear]:
+    """Every adapted projection of `model`."""
+    return (module for module in model.modules() if isinstance(module, LoRALinear))
+
+
+def initialize_from_base(model: nn.Module) -> None:
+    """Finish fresh adapters once the base weights are loaded, as each variant needs (DoRA's magnitudes from
+    the base's row norms, PiSSA's singular vectors and residual base). Collective on a sharded model."""
+    for layer in lora_layers(model):
+        layer.variant.initialize_from_base(layer)
+
+
+@torch.no_grad()
+def load_adapters(model: nn.Module, adapters: Mapping[str, torch.Tensor]) -> None:
+    """Copy a run's saved adapters (litsft names) into `model`, a LoRA model over the original base weights
+    (`apply_lora(..., initialize=False)`), and let each variant make it the model that run trained (PiSSA's
+    residual base)."""
+    for name, tensor in adapters.items():
+        owner, _, attribute = name.rpartition(".")
+        getattr(model.get_submodule(owner), attribute).copy_(tensor)
+    for layer in lora_layers(model):
+        layer.variant.adapters_loaded(layer)
 
 
 def mark_only_lora_trainable(model: nn.Module) -> None:
@@ -262,7 +204,10 @@ def mark_only_lora_trainable(model: nn.Module) -> None:
         param.requires_grad = _is_adapter_name(name)
 
 
-ADAPTER_MODULES = ("lora_A", "lora_B", "lora_magnitude_vector")
+ADAPTER_MODULES = ("lora_A", "lora_B") + tuple(
+    module for variant in VARIANT_NAMES for module in adapter_variant(variant).extra_modules
+)
+"""The modules whose tensors are adapters: A, B and every variant's own."""
 
 
 def _is_adapter_name(name: str) -> bool:
@@ -295,16 +240,16 @@ def iter_merged_tensors(
     With tied embeddings and an lm_head adapter, `lm_head.weight` (embeddings + update) follows `embed.weight`;
     the merged checkpoint is then untied (see `merged_config`)."""
 
+    variant = adapter_variant(lora_config.variant)
+    by_module: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in adapter_state_dict.items():
+        module, tensor_name = split_adapter_name(name)
+        by_module.setdefault(module, {})[tensor_name] = tensor
+
     def merge(module: str, tensor: torch.Tensor) -> torch.Tensor:
-        lora_A = adapter_state_dict.get(f"{module}.lora_A.weight")
-        if lora_A is None:
+        if module not in by_module:
             return tensor
-        delta = lora_delta(lora_A, adapter_state_dict[f"{module}.lora_B.weight"], lora_config.scaling)
-        merged = tensor.float() + delta.to(tensor.device)
-        magnitude = adapter_state_dict.get(f"{module}.lora_magnitude_vector.weight")
-        if magnitude is not None:  # DoRA: each row rescaled to its trained magnitude, as PEFT merges it
-            merged *= (magnitude.float().to(merged.device) / torch.linalg.vector_norm(merged, dim=1))[:, None]
-        return merged.to(tensor.dtype)
+        return variant.merged_weight(tensor.float(), by_module[module], lora_config.scaling).to(tensor.dtype)
 
     for name, tensor in base_tensors:
         module, _, suffix = name.rpartition(".")
@@ -348,6 +293,14 @@ def check_adapter_shapes(
         )
 
 
+def split_adapter_name(name: str) -> tuple[str, str]:
+    """`blocks.0.attn.q_proj.lora_A.weight` -> (`blocks.0.attn.q_proj`, `lora_A.weight`): the adapted module
+    and the tensor's name under it."""
+    parts = name.split(".")
+    index = next(i for i, part in enumerate(parts) if part in ADAPTER_MODULES)
+    return ".".join(parts[:index]), ".".join(parts[index:])
+
+
 def base_weight_name(name: str) -> str | None:
     """Where a LoRA model's parameter lives in the plain base checkpoint, or None for an adapter."""
     if _is_adapter_name(name):
@@ -357,11 +310,11 @@ def base_weight_name(name: str) -> str | None:
 
 def initial_adapter_value(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
     """A fresh adapter drawn from `generator` alone, so it does not depend on how the model is sharded:
-    A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (nn.Linear's default, PEFT's choice), B = 0, DoRA's magnitude 1
-    until `reset_magnitudes` sets it from the loaded base weights."""
-    if name.endswith("lora_magnitude_vector.weight"):
-        return torch.ones(shape)
+    A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (nn.Linear's default, PEFT's choice), B = 0, and a variant's own
+    trained tensor (DoRA's magnitude) 1 until `initialize_from_base` sets it from the loaded base weights."""
+    if name.endswith("lora_A.weight"):
+        bound = 1 / math.sqrt(shape[1])
+        return (torch.rand(shape, generator=generator) * 2 - 1) * bound
     if name.endswith("lora_B.weight"):
         return torch.zeros(shape)
-    bound = 1 / math.sqrt(shape[1])
-    return (torch.rand(shape, generator=generator) * 2 - 1) * bound
+    return torch.ones(shape)

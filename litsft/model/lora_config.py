@@ -1,14 +1,14 @@
-"""LoRA and QLoRA settings: which projections get adapters, their size and variant, and how the frozen base
-is stored. Plain dataclasses with no torch, so the CLI parses `--lora.*` and `--quantize` without starting
+"""LoRA and QLoRA settings: which projections get adapters, their size and variant (one of litsft.model.adapters),
+and how the frozen base is stored. Plain dataclasses with no torch, so the CLI parses `--lora.*` and `--quantize` without starting
 anything heavy; `litsft.model.lora` builds the adapters they describe."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 from litsft.errors import LitsftError, check_number
+from litsft.model.adapters import VARIANT_NAMES, adapter_variant
 
 Quantization = Literal["nf4"]
 """How finetune_lora stores the frozen base weights of the projections it adapts: nf4 is QLoRA's 4-bit
@@ -16,7 +16,7 @@ NormalFloat with double-quantized scales (litsft.model.quantization)."""
 
 LoRATarget = Literal["q", "k", "v", "o", "gate", "up", "down", "lm_head"]
 LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
-LoRAVariant = Literal["lora", "rslora", "dora"]
+LoRAVariant = Literal[VARIANT_NAMES]  # type: ignore[valid-type]  (the modules of litsft.model.adapters)
 # PEFT's "all-linear" leaves the output layer out; so does litsft's.
 ALL_LINEAR: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -39,8 +39,9 @@ class LoRAConfig:
     (QLoRA, Dettmers et al. 2023), for a few more adapter parameters. A mixture of experts' MLP is not adapted
     (all-linear is then the attention projections; gate, up or down are refused)."""
     variant: LoRAVariant = "lora"
-    """lora (scaling alpha / rank), rslora (alpha / sqrt(rank): the update's size no longer shrinks as the
-    rank grows) or dora (LoRA on the direction of each weight row plus a trained magnitude per row)."""
+    """The adapter variant (litsft.model.adapters): lora (scaling alpha / rank), rslora (alpha / sqrt(rank):
+    the update's size no longer shrinks as the rank grows) or dora (LoRA on the direction of each weight row
+    plus a trained magnitude per row)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.targets, str):
@@ -62,9 +63,9 @@ class LoRAConfig:
             fix="the adapters' output is scaled by alpha / rank, so 0 trains nothing; use e.g. 2 x rank",
         )  # fmt: skip
         check_number("--lora.dropout", self.dropout, at_least=0, below=1, fix="use e.g. 0.05, or 0 for none")
-        if self.variant not in get_args(LoRAVariant):
+        if self.variant not in VARIANT_NAMES:
             raise LitsftError(
-                f"--lora.variant={self.variant!r} is not valid; choose one of {', '.join(get_args(LoRAVariant))}"
+                f"--lora.variant={self.variant!r} is not valid; choose one of {', '.join(VARIANT_NAMES)}"
             )
 
     @property
@@ -74,5 +75,6 @@ class LoRAConfig:
 
     @property
     def scaling(self) -> float:
-        """The factor on B A: alpha / rank, or alpha / sqrt(rank) for rsLoRA."""
-        return self.alpha / (math.sqrt(self.rank) if self.variant == "rslora" else self.rank)
+        """The factor on B A, as the variant defines it (alpha / rank; alpha / sqrt(rank) for rsLoRA). Imports
+        the variant's module, and with it torch."""
+        return adapter_variant(self.variant).scaling(self.alpha, self.rank)

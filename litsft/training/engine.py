@@ -45,7 +45,7 @@ from litsft.training.args import (
 )
 from litsft.training.checkpointer import Checkpointer, TrainState
 from litsft.training.evaluation import validate
-from litsft.training.optimizer import build_optimizer, learning_rate
+from litsft.training.optimizer import build_optimizer, learning_rate, set_learning_rate
 from litsft.training.parallel import parallelize
 from litsft.training.profiling import PROFILE_DIR, StepProfiler
 from litsft.training.recipe import Recipe
@@ -80,7 +80,7 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
     run_timer.mark("data: tokenized (or read from the cache), loaders")
     model = setup_model(fabric, recipe, run)
     run_timer.mark("model: built, weights loaded, sharded")
-    optimizer = fabric.setup_optimizers(build_optimizer(model, run.optimizer))
+    optimizer = fabric.setup_optimizers(build_optimizer(model, run.optimizer, recipe.lr_scale))
     state = TrainState(
         model,
         optimizer,
@@ -160,8 +160,7 @@ def train_loop(
                     "the training data cannot fill one optimizer step; lower --train.global_batch_size"
                 )
             lr = learning_rate(run.optimizer, state.step, total_steps)
-            for group in state.optimizer.param_groups:
-                group["lr"] = lr
+            set_learning_rate(state.optimizer, lr)  # times each group's factor (LoRA+)
             routing = RoutingTally() if run.config.num_experts else None
             loss, grad_norm, target_tokens, input_tokens = train_step(
                 fabric,

@@ -9,6 +9,7 @@ step, as in "Revisiting BFloat16 Training" (Zamirai et al., https://arxiv.org/ab
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,19 +22,27 @@ COMPENSATION = "compensation"
 """Optimizer-state key of a low-precision weight's Kahan compensation (what rounding dropped so far)."""
 
 
-def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters, fused where the device supports it."""
-    decay, no_decay = [], []
-    for param in model.parameters():
+LR_SCALE = "lr_scale"
+"""Parameter-group key: the factor on the schedule's learning rate for the group (`set_learning_rate`)."""
+
+
+def build_optimizer(
+    model: nn.Module, config: OptimizerConfig, lr_scale: Callable[[str], float] | None = None
+) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters, fused where the device supports it: one parameter group per
+    weight decay (none for biases and norms) and learning-rate factor (`lr_scale` of a parameter's name, e.g.
+    LoRA+'s ratio on B; default 1). Groups come in a fixed order, so that checkpoints find theirs."""
+    grouped: dict[tuple[bool, float], list[nn.Parameter]] = {}
+    for name, param in model.named_parameters():
         if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
-    if not decay and not no_decay:
+            scale = 1.0 if lr_scale is None else float(lr_scale(name))
+            grouped.setdefault((param.dim() >= 2, scale), []).append(param)
+    if not grouped:
         raise LitsftError("the model has no trainable parameters; check which parameters the recipe trains")
     groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": grouped[key], "weight_decay": config.weight_decay if key[0] else 0.0, LR_SCALE: key[1]}
+        for key in sorted(grouped, key=lambda key: (not key[0], key[1]))
     ]
-    groups = [g for g in groups if g["params"]]
     device = next(model.parameters()).device
     if any(p.dtype != torch.float32 for group in groups for p in group["params"]):
         return CompensatedAdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
@@ -104,6 +113,12 @@ class CompensatedAdamW(torch.optim.Optimizer):
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a (possibly FSDP-sharded) tensor, sharing its storage: the update is elementwise."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Give each parameter group the schedule's learning rate `lr` times the group's own factor."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get(LR_SCALE, 1.0)
 
 
 def warmup_steps(config: OptimizerConfig, total_steps: int) -> int:

@@ -1,9 +1,10 @@
 """Memory planner: the device memory one training step needs, per device, worked out before launching it.
 
 `plan`, the `litsft plan` command, takes a recipe's own options (litsft.training.args' FSDPConfig, TrainConfig and
-LoRAConfig), so a recipe's YAML plans the run it describes. `estimate_memory` is pure
-arithmetic over a `Config`, LoRA adapters counted by litsft.model.flops.lora_parameters on the targets the run
-adapts, modelling the engine in litsft/training/parallel.py: FSDP2 `fully_shard` on every
+LoRAConfig), so a recipe's YAML plans the run it describes. `estimate_memory` is
+arithmetic over a `Config`, LoRA adapters counted on the model built with the run's variant and targets on
+the meta device (`adapter_parameters`; a variant's untrained buffers, PiSSA's initial A and B, held whole on
+every device: `adapter_buffer_bytes`), modelling the engine in litsft/training/parallel.py: FSDP2 `fully_shard` on every
 transformer block and on the root (embeddings, final norm, output head), through Fabric's
 ModelParallelStrategy; one process runs without FSDP. The byte counts:
 
@@ -43,9 +44,11 @@ under bf16-mixed, where FSDP2 accumulates in the reduce dtype), which `litsft pl
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +56,10 @@ import torch
 
 from litsft.errors import LitsftError
 from litsft.model.config import Config, format_count
-from litsft.model.flops import lora_parameters
+from litsft.model.lora import apply_lora, base_weight_name
 from litsft.model.lora_config import LoRAConfig, Quantization
 from litsft.model.loss import FP32_BYTES_PER_LOGIT, loss_chunk_tokens
+from litsft.model.network import Transformer
 from litsft.model.quantization import NF4_BLOCK_SIZE, NF4_BYTES_PER_WEIGHT
 from litsft.model.sizes import block_saved_bytes_per_token, model_sizes, num_parameters
 from litsft.training.args import (
@@ -204,16 +208,30 @@ def block_activation_bytes_per_token(
 
 
 def adapter_parameters(config: Config, lora: LoRAConfig) -> int:
-    """Trained parameters of `lora` on `config`: A and B of each adapted projection (litsft.model.flops), plus, for
-    DoRA, a magnitude per output row of each."""
-    adapters = lora_parameters(config, lora.target_list, lora.rank)
-    if lora.variant == "dora":
-        sizes = model_sizes(config)
-        adapters += sum(
-            layer.linear[t][1] for layer in sizes.layers for t in lora.target_list if t in layer.linear
+    """Trained parameters of `lora` on `config`: A and B of each adapted projection and the variant's own (DoRA's
+    magnitude per output row), counted on the model built with them on the meta device."""
+    return _adapter_sizes(
+        json.dumps(asdict(config), sort_keys=True), json.dumps(asdict(lora), sort_keys=True)
+    )[0]
+
+
+def adapter_buffer_bytes(config: Config, lora: LoRAConfig) -> int:
+    """Bytes of the untrained tensors a variant keeps beside its adapters (PiSSA's initial A and B), which
+    every device holds whole (FSDP2 shards parameters, not buffers), fp32 like the adapters."""
+    return _adapter_sizes(
+        json.dumps(asdict(config), sort_keys=True), json.dumps(asdict(lora), sort_keys=True)
+    )[1]
+
+
+@lru_cache(maxsize=64)
+def _adapter_sizes(config_json: str, lora_json: str) -> tuple[int, int]:
+    with torch.device("meta"):
+        model = apply_lora(
+            Transformer(Config(**json.loads(config_json))), LoRAConfig(**json.loads(lora_json))
         )
-        adapters += sizes.lm_head[1] if "lm_head" in lora.target_list else 0
-    return adapters
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    buffers = sum(b.numel() * 4 for name, b in model.named_buffers() if base_weight_name(name) is None)
+    return trained, buffers
 
 
 def estimate_memory(
@@ -230,7 +248,7 @@ def estimate_memory(
     quantize: Quantization | None = None,
 ) -> MemoryEstimate:
     """Per-device bytes of one training step with AdamW; see the module docstring for the model. `lora`:
-    train adapters on its targets (litsft.model.flops.lora_parameters counts them) instead of every weight;
+    train adapters on its targets (`adapter_parameters` counts them) instead of every weight;
     `quantize`: store the adapted block projections in NF4 (QLoRA; LoRA only)."""
     if precision not in PARAMETER_BYTES:
         raise LitsftError(
@@ -264,7 +282,7 @@ def estimate_memory(
     parameters = math.ceil(
         ((num_parameters(config) - frozen) * stored + frozen * compute + adapters * stored
          - quantized * unquantized_bytes_per_nf4) / shard
-    )  # fmt: skip
+    ) + (adapter_buffer_bytes(config, lora) if lora is not None else 0)  # fmt: skip
     gradients = math.ceil(trainable * stored / shard)
     # Weights stored in fewer than 4 bytes also keep a compensation buffer of their own dtype (litsft.training.optimizer).
     state_bytes = 4 * ADAM_STATES_PER_PARAMETER + (stored if stored < 4 else 0)

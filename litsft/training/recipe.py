@@ -33,3 +33,5 @@ class Recipe:
     """Whether step checkpoints hold frozen parameters too (LoRA: no, the base is loaded again)."""
     trainable: Literal["all", "lora"] = "all"
     """What is trained; decides the FLOPs per token behind MFU."""
+    lr_scale: Callable[[str], float] | None = None
+    """The factor on the learning rate of a trained parameter, by its name (LoRA+: B's ratio); None: 1 for all."""
