@@ -238,6 +238,24 @@ CASES: dict[str, Case] = {
         "--lora.rank=0 must be at least 1; use e.g. 8 or 16",
         NO_ENV,
     ),
+    "loraplus ratio without loraplus": (
+        lambda ws, t: train(ws, t / "out", "--lora.loraplus_lr_ratio", "4", command="finetune_lora"),
+        "--lora.loraplus_lr_ratio applies to --lora.variant loraplus, not lora; drop it or pass --lora.variant loraplus",
+        NO_ENV,
+    ),
+    "loraplus ratio 0": (
+        lambda ws, t: train(
+            ws,
+            t / "out",
+            "--lora.variant",
+            "loraplus",
+            "--lora.loraplus_lr_ratio",
+            "0",
+            command="finetune_lora",
+        ),
+        "--lora.loraplus_lr_ratio=0.0 must be greater than 0; use e.g. 16",
+        NO_ENV,
+    ),
     "min_lr above lr": (
         lambda ws, t: train(ws, t / "out", "--optimizer.lr", "1e-4", "--optimizer.min_lr", "1e-3"),
         "--optimizer.min_lr=0.001 is above --optimizer.lr=0.0001, so the schedule would rise instead of decay",

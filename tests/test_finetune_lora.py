@@ -113,6 +113,7 @@ def test_resume_after_a_kill_gives_identical_adapters_and_the_base_never_changes
         ("lora", "base", ()),
         ("lora-gemma2", "base-tiny-gemma2", ()),
         ("lora-phi3", "base-tiny-phi3", ()),
+        ("loraplus", "base", ("--lora.variant", "loraplus", "--lora.loraplus_lr_ratio", "4")),
         ("qlora-dora", "base-nf4", QLORA_DORA),
     ],
 )

@@ -135,3 +135,12 @@ def test_lora_finetuning_trains_only_the_adapters_and_checkpoints_only_them(chec
     trained = sorted({name.split(".")[-2] for name, p in model.named_parameters() if p.requires_grad})
     assert trained == ["lora_A", "lora_B"]
     assert sum(p.requires_grad for p in model.parameters()) == 2 * 2 * config.num_layers  # A, B on q and v
+    assert recipe.lr_scale("blocks.0.attn.q_proj.lora_B.weight") == 1.0
+
+
+def test_lora_plus_asks_the_engine_for_b_s_learning_rate_ratio(checkpoint_dir: Path) -> None:
+    for ratio, expected in ((None, 16.0), (4.0, 4.0)):
+        lora = LoRAConfig(rank=2, targets=["q", "v"], variant="loraplus", loraplus_lr_ratio=ratio)
+        recipe = lora_finetuning(checkpoint_dir, lora, None, seed=0, run=None)
+        assert recipe.lr_scale("blocks.0.attn.q_proj.lora_B.weight") == expected
+        assert recipe.lr_scale("blocks.0.attn.q_proj.lora_A.weight") == 1.0

@@ -85,7 +85,8 @@ def save_lora_folder(
     copy_tokenizer_files(base_dir, out_dir)
     # Config last: a directory with lora_config.json is a finished LoRA folder.
     values = {
-        **asdict(lora_config),
+        # Unset options (a variant's own, such as loraplus_lr_ratio, under another variant) are left out.
+        **{key: value for key, value in asdict(lora_config).items() if value is not None},
         "base_checkpoint": str(base_dir),
         "base_weights_sha256": weights_fingerprint(base_dir),
     }

@@ -40,8 +40,10 @@ class LoRAConfig:
     (all-linear is then the attention projections; gate, up or down are refused)."""
     variant: LoRAVariant = "lora"
     """The adapter variant (litsft.model.adapters): lora (scaling alpha / rank), rslora (alpha / sqrt(rank):
-    the update's size no longer shrinks as the rank grows) or dora (LoRA on the direction of each weight row
-    plus a trained magnitude per row)."""
+    the update's size no longer shrinks as the rank grows), dora (LoRA on the direction of each weight row plus
+    a trained magnitude per row) or loraplus (B trains at a higher learning rate than A)."""
+    loraplus_lr_ratio: float | None = None
+    """LoRA+ (--lora.variant loraplus): B's learning rate over A's; default 16."""
 
     def __post_init__(self) -> None:
         if isinstance(self.targets, str):
@@ -67,6 +69,8 @@ class LoRAConfig:
             raise LitsftError(
                 f"--lora.variant={self.variant!r} is not valid; choose one of {', '.join(VARIANT_NAMES)}"
             )
+        if self.loraplus_lr_ratio is not None:
+            check_number("--lora.loraplus_lr_ratio", self.loraplus_lr_ratio, above=0, fix="use e.g. 16")
 
     @property
     def target_list(self) -> list[str]:
