@@ -60,7 +60,7 @@ def setup(
             checkpoint; false starts at step 0, refused when out_dir holds checkpoints (so that none is
             overwritten): pass another --out_dir to start over.
         seed: Seed for data order, adapter initialization, dropout and sampling.
-        lora: Rank, alpha, dropout, variant (lora, rslora, dora, loraplus: litsft.model.adapters) and
+        lora: Rank, alpha, dropout, variant (lora, rslora, dora, loraplus, pissa: litsft.model.adapters) and
             which projections get adapters.
         quantize: nf4 stores the frozen base weight of every adapted block projection in 4-bit NormalFloat
             (QLoRA): about 0.52 bytes per weight instead of 2 (bf16), sharded by FSDP like any frozen weight.

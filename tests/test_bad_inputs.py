@@ -256,6 +256,14 @@ CASES: dict[str, Case] = {
         "--lora.loraplus_lr_ratio=0.0 must be greater than 0; use e.g. 16",
         NO_ENV,
     ),
+    "pissa over an nf4 base": (
+        lambda ws, t: train(
+            ws, t / "out", "--lora.variant", "pissa", "--quantize", "nf4", command="finetune_lora"
+        ),
+        "--lora.variant pissa with --quantize nf4 is not supported: PiSSA trains on the residual of the base "
+        "weights, which would have to be quantized after the decomposition; drop --quantize or use --lora.variant lora",
+        NO_ENV,
+    ),
     "min_lr above lr": (
         lambda ws, t: train(ws, t / "out", "--optimizer.lr", "1e-4", "--optimizer.min_lr", "1e-3"),
         "--optimizer.min_lr=0.001 is above --optimizer.lr=0.0001, so the schedule would rise instead of decay",

@@ -67,13 +67,14 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize(
     "kind, steps, extra",
-    [("lora", 12, ()), ("qlora-dora", 6, QLORA_DORA)],
+    [("lora", 12, ()), ("qlora-dora", 6, QLORA_DORA), ("pissa", 6, ("--lora.variant", "pissa"))],
 )
 def test_resume_after_a_kill_gives_identical_adapters_and_the_base_never_changes(
     workspace: Path, kind: str, steps: int, extra: tuple[str, ...]
 ) -> None:
     """Killed two steps after a checkpoint and relaunched: the adapters (and DoRA magnitudes, over an NF4
-    base) are bit-identical to the uninterrupted run's."""
+    base; PiSSA's initial adapters, re-derived with its residual base from the base checkpoint) are
+    bit-identical to the uninterrupted run's."""
     base, data = workspace / ("base-nf4" if "qlora" in kind else "base"), workspace / "data.json"
     base_before = digest(base)
     save = steps // 2
@@ -114,6 +115,7 @@ def test_resume_after_a_kill_gives_identical_adapters_and_the_base_never_changes
         ("lora-gemma2", "base-tiny-gemma2", ()),
         ("lora-phi3", "base-tiny-phi3", ()),
         ("loraplus", "base", ("--lora.variant", "loraplus", "--lora.loraplus_lr_ratio", "4")),
+        ("pissa", "base", ("--lora.variant", "pissa")),
         ("qlora-dora", "base-nf4", QLORA_DORA),
     ],
 )

@@ -2,6 +2,7 @@
 the registry, so a new variant module is covered at once), then a section per variant that needs its own."""
 
 import copy
+import json
 from pathlib import Path
 from typing import get_args
 
@@ -9,8 +10,10 @@ import peft
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from test_model_lora import TOKENS, base_model, load_checkpoint_model, logits_of, save_base_checkpoint, train
 from tiny_hf import save_tiny_hf, tiny_hf_model
+from torch import nn
 from transformers import AutoModelForCausalLM
 
 from litsft.checkpoint.convert import convert_from_hf, export_lora_to_hf, export_peft_adapter, merge_lora
@@ -19,7 +22,7 @@ from litsft.errors import LitsftError
 from litsft.inference.generate import load_model
 from litsft.model.adapters import VARIANT_NAMES, adapter_variant
 from litsft.model.config import Config
-from litsft.model.lora import apply_lora, lora_state_dict
+from litsft.model.lora import LoRALinear, apply_lora, lora_state_dict
 from litsft.model.lora_config import LoRAConfig, LoRAVariant
 from litsft.training.args import OptimizerConfig
 from litsft.training.optimizer import build_optimizer, set_learning_rate
@@ -32,9 +35,9 @@ ALL_LINEAR_AND_HEAD = ["q", "k", "v", "o", "gate", "up", "down", "lm_head"]
 # ---- the registry --------------------------------------------------------------------------------------
 def test_the_variants_are_the_modules_of_the_package_and_the_only_choices():
     modules = {path.stem for path in ADAPTERS_DIR.glob("*.py")} - {"__init__", "spec"}
-    assert set(VARIANT_NAMES) == modules == {"lora", "rslora", "dora", "loraplus"}
+    assert set(VARIANT_NAMES) == modules == {"lora", "rslora", "dora", "loraplus", "pissa"}
     assert VARIANT_NAMES[0] == "lora" and get_args(LoRAVariant) == VARIANT_NAMES
-    with pytest.raises(LitsftError, match="choose one of lora, dora, loraplus, rslora$"):
+    with pytest.raises(LitsftError, match="choose one of lora, dora, loraplus, pissa, rslora$"):
         LoRAConfig(variant="vera")
 
 
@@ -44,7 +47,7 @@ def test_the_command_line_offers_the_registry_as_choices(capsys):
     with pytest.raises(SystemExit) as exit:
         main(["finetune_lora", "--help"])
     assert exit.value.code == 0
-    assert "{lora,dora,loraplus,rslora}" in capsys.readouterr().out.replace(" ", "").replace("\n", "")
+    assert "{lora,dora,loraplus,pissa,rslora}" in capsys.readouterr().out.replace(" ", "").replace("\n", "")
 
 
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
@@ -168,3 +171,126 @@ def test_one_loraplus_step_equals_torch_adamw_with_two_parameter_groups(ratio):
         assert torch.equal(param, before[name]) != (name in trained), (
             name
         )  # the adapters, and only they, moved
+
+
+# ---- PiSSA ---------------------------------------------------------------------------------------------
+class HandWrittenPiSSA(nn.Module):
+    """PiSSA as the paper writes it (section 3): W = U S V^T, A = sqrt(S_r / s) V_r^T, B = U_r sqrt(S_r / s),
+    the frozen residual W - s B A; y = W_res x + s B A x (+ bias)."""
+
+    def __init__(self, linear: nn.Linear, rank: int, scaling: float) -> None:
+        super().__init__()
+        W = linear.weight.detach().float()
+        U, S, Vh = torch.linalg.svd(W, full_matrices=False)
+        root = torch.diag(torch.sqrt(S[:rank] / scaling))
+        self.A = nn.Parameter(root @ Vh[:rank])
+        self.B = nn.Parameter(U[:, :rank] @ root)
+        self.register_buffer("residual", W - scaling * self.B.detach() @ self.A.detach())
+        self.bias, self.scaling = linear.bias, scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.residual, self.bias) + self.scaling * F.linear(F.linear(x, self.A), self.B)
+
+
+def test_one_pissa_step_equals_a_hand_written_reference():
+    base = base_model(tied=False)
+    reference = copy.deepcopy(base)
+    lora = LoRAConfig(targets=["q", "v", "down", "lm_head"], variant="pissa", rank=4, alpha=8, dropout=0.0)
+    model = apply_lora(base, lora)
+    for param in reference.parameters():
+        param.requires_grad = False
+    for parent in list(reference.modules()):
+        for name, child in list(parent.named_children()):
+            if name in ("q_proj", "v_proj", "down_proj", "lm_head"):
+                setattr(parent, name, HandWrittenPiSSA(child, rank=4, scaling=2.0))
+    hand = [m for m in reference.modules() if isinstance(m, HandWrittenPiSSA)]
+    ours = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    assert len(hand) == len(ours) == 2 * 3 + 1
+    for h, o in zip(hand, ours):  # the same start: A, B and the residual base
+        torch.testing.assert_close(o.lora_A.weight, h.A, atol=1e-6, rtol=0)
+        torch.testing.assert_close(o.lora_B.weight, h.B, atol=1e-6, rtol=0)
+        torch.testing.assert_close(o.base.weight, h.residual, atol=1e-6, rtol=0)
+    torch.testing.assert_close(logits_of(model), logits_of(reference), atol=1e-5, rtol=0)
+
+    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(3))
+    for network in (model, reference):
+        optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad], lr=1e-2)
+        logits = network(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        optimizer.step()
+    for h, o in zip(hand, ours):
+        torch.testing.assert_close(o.lora_A.weight, h.A, atol=1e-5, rtol=0)
+        torch.testing.assert_close(o.lora_B.weight, h.B, atol=1e-5, rtol=0)
+    stepped = logits_of(model)
+    torch.testing.assert_close(stepped, logits_of(reference), atol=1e-5, rtol=0)
+    assert (stepped - logits_of(base_model(tied=False))).abs().max() > 1e-3  # the step moved the model
+
+
+def test_pissa_starts_where_peft_starts_and_exports_peft_s_conversion(tmp_path):
+    """litsft's PiSSA initialization is PEFT's (`init_lora_weights="pissa"`) on the same weights; the PEFT export
+    is PEFT's own PiSSA-to-LoRA conversion (`save_pretrained(path_initial_model_for_weight_conversion=...)`):
+    rank 2r, alpha 2 alpha, loaded as a plain LoRA on the original base."""
+    hf_model = tiny_hf_model("llama")
+    save_tiny_hf(hf_model, tmp_path / "hf", tokenizer=False)
+    convert_from_hf(tmp_path / "hf", tmp_path / "base")
+    lora = LoRAConfig(targets=["q", "down"], rank=4, alpha=8, dropout=0.0, variant="pissa")
+    model = apply_lora(load_checkpoint_model(tmp_path / "base"), lora)
+    peft_config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], init_lora_weights="pissa"
+    )
+    peft_model = peft.get_peft_model(copy.deepcopy(hf_model), peft_config)
+    peft_q = peft_model.base_model.model.model.layers[1].self_attn.q_proj
+    ours = model.blocks[1].attn.q_proj
+    torch.testing.assert_close(ours.lora_A.weight, peft_q.lora_A["default"].weight, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours.lora_B.weight, peft_q.lora_B["default"].weight, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours.base.weight, peft_q.base_layer.weight, atol=1e-6, rtol=0)
+
+    # PEFT's conversion of the same adapters after the same training, done by PEFT.
+    peft_model.save_pretrained(tmp_path / "peft-initial")
+    train(model)
+    with torch.no_grad():
+        for name, tensor in lora_state_dict(model).items():
+            if ".pissa_initial." in name:
+                continue
+            module, _, kind = name.rpartition(".lora_")
+            peft_module = peft_model.base_model.model.get_submodule(_hf_module(module))
+            getattr(peft_module, f"lora_{kind.removesuffix('.weight')}")["default"].weight.copy_(tensor)
+    peft_model.save_pretrained(
+        tmp_path / "peft-converted", path_initial_model_for_weight_conversion=str(tmp_path / "peft-initial")
+    )
+    save_lora_folder(lora_state_dict(model), lora, tmp_path / "base", tmp_path / "lora")
+    export_peft_adapter(tmp_path / "lora", tmp_path / "peft")
+
+    ours_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    theirs_config = json.loads((tmp_path / "peft-converted" / "adapter_config.json").read_text())
+    for key in ("r", "lora_alpha", "init_lora_weights", "use_rslora", "use_dora"):
+        assert ours_config[key] == theirs_config[key], key
+    assert (ours_config["r"], ours_config["lora_alpha"]) == (8, 16)
+    ours_tensors = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    theirs_tensors = load_file(tmp_path / "peft-converted" / "adapter_model.safetensors")
+    assert ours_tensors.keys() == theirs_tensors.keys()
+    for name, tensor in ours_tensors.items():
+        torch.testing.assert_close(tensor, theirs_tensors[name], atol=1e-6, rtol=0)
+    loaded = peft.PeftModel.from_pretrained(tiny_hf_model("llama"), tmp_path / "peft").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(TOKENS).logits, logits_of(model), atol=1e-5, rtol=0)
+
+
+def _hf_module(litsft_module: str) -> str:
+    """blocks.1.attn.q_proj -> model.layers.1.self_attn.q_proj (Llama's names), for the two targets used here."""
+    return litsft_module.replace("blocks.", "model.layers.").replace(".attn.", ".self_attn.")
+
+
+def test_pissa_refuses_an_nf4_base_and_a_tied_lm_head():
+    pissa = adapter_variant("pissa")
+    with pytest.raises(LitsftError) as err:
+        pissa.check(LoRAConfig(variant="pissa"), Config.from_name("tiny-llama"), "nf4")
+    assert str(err.value) == (
+        "--lora.variant pissa with --quantize nf4 is not supported: PiSSA trains on the residual of the base "
+        "weights, which would have to be quantized after the decomposition; drop --quantize or use "
+        "--lora.variant lora"
+    )
+    tied = Config.from_name("tiny-llama", tie_word_embeddings=True)
+    with pytest.raises(LitsftError, match="ties lm_head to the input embeddings"):
+        apply_lora(base_model(tied=True), LoRAConfig(variant="pissa", targets=["q", "lm_head"]))
+    pissa.check(LoRAConfig(variant="pissa", targets=["q"]), tied, None)  # without lm_head: fine

@@ -154,7 +154,8 @@ def test_rslora_scales_by_the_square_root_of_the_rank():
     )
     assert layer.scaling == 2.0
     with pytest.raises(
-        LitsftError, match="--lora.variant='qlora' is not valid; choose one of lora, dora, loraplus, rslora"
+        LitsftError,
+        match="--lora.variant='qlora' is not valid; choose one of lora, dora, loraplus, pissa, rslora",
     ):
         LoRAConfig(variant="qlora")
 

@@ -1,5 +1,6 @@
 import dataclasses
 import inspect
+import math
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from litsft.__main__ import main
 from litsft.errors import LitsftError
+from litsft.model.adapters import VARIANT_NAMES
 from litsft.model.config import Config
 from litsft.model.flops import lora_parameters
 from litsft.model.lora import LoRAConfig, apply_lora
@@ -18,6 +20,7 @@ from litsft.training.plan import (
     NF4_DEQUANTIZE_BYTES,
     NF4_QUANTIZE_CHUNK_VALUES,
     PREFETCHED_BLOCKS,
+    adapter_buffer_bytes,
     adapter_parameters,
     block_activation_bytes_per_token,
     block_parameters,
@@ -294,14 +297,22 @@ def test_lora_base_in_bf16_on_one_gpu():
     assert full.total - lora.total > N * 4
 
 
-@pytest.mark.parametrize("variant", ["lora", "rslora", "dora"])
-def test_adapter_parameters_match_the_model(variant):
-    """DoRA adds a magnitude per output row of each adapted projection; the count is the model's."""
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+def test_adapter_parameters_and_buffers_of_every_variant(variant):
+    """A and B per adapted projection (litsft.model.flops' formula), plus DoRA's magnitude per output row; PiSSA
+    also keeps its initial A and B, fp32 buffers that FSDP2 does not shard: on every device, in full."""
     config = Config.from_name("tiny-llama")
-    lora = LoRAConfig(rank=4, targets=["q", "v", "down", "lm_head"], variant=variant)
-    with torch.device("meta"):
-        model = apply_lora(Transformer(config), lora)
-    assert adapter_parameters(config, lora) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    targets = ["q", "v", "down"]
+    lora = LoRAConfig(rank=4, targets=targets, variant=variant)
+    a_and_b = lora_parameters(config, targets, 4)
+    rows = sum(layer.linear[t][1] for layer in model_sizes(config).layers for t in targets)
+    assert adapter_parameters(config, lora) == a_and_b + (rows if variant == "dora" else 0)
+    assert adapter_buffer_bytes(config, lora) == (4 * a_and_b if variant == "pissa" else 0)
+    plain = estimate_memory(config, devices=2, lora=LoRAConfig(rank=4, targets=targets))
+    estimate = estimate_memory(config, devices=2, lora=lora)
+    assert estimate.parameters - plain.parameters == (
+        4 * a_and_b if variant == "pissa" else math.ceil(4 * (rows if variant == "dora" else 0) / 2)
+    )
 
 
 def test_qlora_stores_the_adapted_projections_in_4_bits_plus_scales():

@@ -3,7 +3,9 @@
     lora_config.json      LoRAConfig, plus "base_checkpoint" (the litsft model folder the adapters were trained
                           on), "base_weights_sha256" (that folder's weights fingerprint at the time) and, for
                           QLoRA, "base_quantization" ("nf4": the base's adapted projections were 4-bit)
-    adapter.safetensors   adapter tensors in litsft names (`blocks.0.attn.q_proj.lora_A.weight`)
+    adapter.safetensors   adapter tensors in litsft names (`blocks.0.attn.q_proj.lora_A.weight`), with the
+                          variant's own (DoRA's magnitudes; PiSSA's initial A and B, from which its residual
+                          base is rebuilt: litsft.model.adapters)
     tokenizer files       copied from the base model folder
 
 Whatever uses the adapters with base weights (merging, exporting, generating) checks the base's

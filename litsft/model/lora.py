@@ -2,7 +2,7 @@
 
 A projection `W` becomes `W x + B A dropout(x) * scaling`, with A (rank, in) and B (out, rank), dropout's
 masks drawn per sample (`litsft.model.sample_dropout`); B starts at zero, so a fresh adapter leaves the
-model's outputs unchanged. What differs between variants (LoRA, rsLoRA, DoRA, LoRA+: their scaling, extra modules,
+model's outputs unchanged. What differs between variants (LoRA, rsLoRA, DoRA, LoRA+, PiSSA: their scaling, extra modules,
 initialization, forward, merge, PEFT form and learning rates) is each variant's own module in
 litsft.model.adapters; `LoRALinear` asks its variant.
 

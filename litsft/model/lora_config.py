@@ -41,7 +41,8 @@ class LoRAConfig:
     variant: LoRAVariant = "lora"
     """The adapter variant (litsft.model.adapters): lora (scaling alpha / rank), rslora (alpha / sqrt(rank):
     the update's size no longer shrinks as the rank grows), dora (LoRA on the direction of each weight row plus
-    a trained magnitude per row) or loraplus (B trains at a higher learning rate than A)."""
+    a trained magnitude per row), loraplus (B trains at a higher learning rate than A) or pissa (A and B start
+    as the principal singular vectors of each weight, the base as the rest)."""
     loraplus_lr_ratio: float | None = None
     """LoRA+ (--lora.variant loraplus): B's learning rate over A's; default 16."""
 
