@@ -60,8 +60,8 @@ def setup(
             checkpoint; false starts at step 0, refused when out_dir holds checkpoints (so that none is
             overwritten): pass another --out_dir to start over.
         seed: Seed for data order, adapter initialization, dropout and sampling.
-        lora: Rank, alpha, dropout, variant (lora, rslora, dora, loraplus, pissa: litsft.model.adapters) and
-            which projections get adapters.
+        lora: Rank, alpha, dropout, variant (a module of litsft/model/adapters/: --lora.variant's
+            choices) and which projections get adapters.
         quantize: nf4 stores the frozen base weight of every adapted block projection in 4-bit NormalFloat
             (QLoRA): about 0.52 bytes per weight instead of 2 (bf16), sharded by FSDP like any frozen weight.
         fsdp: Sharding strategy and memory options (used with more than one process).

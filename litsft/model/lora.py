@@ -2,9 +2,9 @@
 
 A projection `W` becomes `W x + B A dropout(x) * scaling`, with A (rank, in) and B (out, rank), dropout's
 masks drawn per sample (`litsft.model.sample_dropout`); B starts at zero, so a fresh adapter leaves the
-model's outputs unchanged. What differs between variants (LoRA, rsLoRA, DoRA, LoRA+, PiSSA: their scaling, extra modules,
-initialization, forward, merge, PEFT form and learning rates) is each variant's own module in
-litsft.model.adapters; `LoRALinear` asks its variant.
+model's outputs unchanged. What differs between variants (their scaling, extra modules, initialization,
+forward, merge, PEFT form and learning rates) is each variant's own module in litsft.model.adapters;
+`LoRALinear` asks its variant and names none.
 
 Parameter names. Each adapted `nn.Linear` is wrapped in a `LoRALinear` that keeps it as a child named `base`,
 so FSDP2 can put the frozen base and the trainable adapters in separate units:

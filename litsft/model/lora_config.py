@@ -39,10 +39,9 @@ class LoRAConfig:
     (QLoRA, Dettmers et al. 2023), for a few more adapter parameters. A mixture of experts' MLP is not adapted
     (all-linear is then the attention projections; gate, up or down are refused)."""
     variant: LoRAVariant = "lora"
-    """The adapter variant (litsft.model.adapters): lora (scaling alpha / rank), rslora (alpha / sqrt(rank):
-    the update's size no longer shrinks as the rank grows), dora (LoRA on the direction of each weight row plus
-    a trained magnitude per row), loraplus (B trains at a higher learning rate than A) or pissa (A and B start
-    as the principal singular vectors of each weight, the base as the rest)."""
+    """The adapter variant, one module of litsft/model/adapters/ each: lora (scaling alpha / rank), or one that
+    changes it, e.g. rslora (alpha / sqrt(rank)) or dora (a trained magnitude per weight row);
+    tutorials/finetune_lora.md describes each."""
     loraplus_lr_ratio: float | None = None
     """LoRA+ (--lora.variant loraplus): B's learning rate over A's; default 16."""
 
