@@ -126,8 +126,9 @@ def test_cumulative_lengths():
 
 
 # ---- the kernel choice -------------------------------------------------------------------------------------
-ALL_VARLEN = frozenset({"enable_gqa", "window_size"})
-TORCH_2_11_VARLEN = frozenset({"is_causal"})  # no enable_gqa, no window_size
+ALL_VARLEN = frozenset({"enable_gqa", "window_size", "scale"})  # torch 2.12 and newer
+TORCH_2_11_VARLEN = frozenset({"window_size", "scale"})  # no enable_gqa
+TORCH_2_10_VARLEN = frozenset({"is_causal"})  # no window_size, no enable_gqa, no scale
 
 
 H100, A100, T4, V100, P100 = (9, 0), (8, 0), (7, 5), (7, 0), (6, 0)
@@ -138,22 +139,15 @@ H100, A100, T4, V100, P100 = (9, 0), (8, 0), (7, 5), (7, 0), (6, 0)
     [
         ("cpu", torch.bfloat16, False, 0.0, ALL_VARLEN, True, H100, "segmented"),
         ("cuda", torch.bfloat16, False, 0.0, ALL_VARLEN, True, H100, "varlen"),
-        (
-            "cuda",
-            torch.bfloat16,
-            False,
-            0.0,
-            TORCH_2_11_VARLEN,
-            True,
-            H100,
-            "varlen",
-        ),  # GQA: kv heads repeated
+        ("cuda", torch.bfloat16, False, 0.0, TORCH_2_11_VARLEN, True, H100, "varlen"),  # kv heads repeated
+        ("cuda", torch.bfloat16, True, 0.0, TORCH_2_11_VARLEN, True, H100, "varlen"),
+        ("cuda", torch.bfloat16, False, 0.0, TORCH_2_10_VARLEN, True, H100, "varlen"),
         ("cuda", torch.float16, True, 0.0, ALL_VARLEN, True, H100, "varlen"),
-        ("cuda", torch.bfloat16, True, 0.0, TORCH_2_11_VARLEN, True, H100, "flex"),  # no window in varlen
+        ("cuda", torch.bfloat16, True, 0.0, TORCH_2_10_VARLEN, True, H100, "flex"),  # no window in varlen
         ("cuda", torch.float32, False, 0.0, ALL_VARLEN, True, H100, "flex"),  # flash needs 16-bit inputs
         ("cuda", torch.bfloat16, False, 0.0, None, True, H100, "flex"),  # no torch.nn.attention.varlen
         ("cuda", torch.bfloat16, False, 0.0, None, False, H100, "mask"),
-        ("cuda", torch.bfloat16, True, 0.0, TORCH_2_11_VARLEN, False, H100, "mask"),
+        ("cuda", torch.bfloat16, True, 0.0, TORCH_2_10_VARLEN, False, H100, "mask"),
         ("cuda", torch.bfloat16, False, 0.1, ALL_VARLEN, True, H100, "mask"),  # only SDPA applies dropout
         ("mps", torch.float32, False, 0.0, None, False, H100, "mask"),
         # flash attention runs on sm80 to sm121 only, Triton (flex) on sm70 and newer
@@ -173,16 +167,9 @@ def test_choose_kernel(device, dtype, windowed, dropout, varlen, flex, capabilit
 
 
 def test_varlen_features_come_from_the_signature():
-    def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, scale=None):
-        pass
-
-    def varlen_2_13(
-        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False
-    ):
-        pass
-
-    assert varlen_features(varlen_2_11) == {"is_causal"}
-    assert varlen_features(varlen_2_13) == {"window_size", "enable_gqa"}
+    assert varlen_features(varlen_2_10) == TORCH_2_10_VARLEN
+    assert varlen_features(varlen_2_11) == TORCH_2_11_VARLEN
+    assert varlen_features(varlen_2_13) == ALL_VARLEN
 
 
 @pytest.mark.parametrize(
@@ -320,10 +307,23 @@ def varlen_2_13(
     return _varlen_op(query, key, value, cu_seq_q, max_q, window_size[0], enable_gqa)
 
 
-def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False):
-    """torch 2.11's signature: no enable_gqa, no window."""
-    assert query.dtype in (torch.bfloat16, torch.float16) and is_causal
+def varlen_2_11(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+):
+    """torch 2.11.0's signature (torch/nn/attention/varlen.py of its wheel): a window and a scale, no
+    enable_gqa; causal when window_size == (-1, 0), as its body decides."""
+    assert query.dtype in (torch.bfloat16, torch.float16) and window_size[1] == 0
+    assert window_size == (-1, 0) or window_size[0] >= 0
     assert query.shape[1] == key.shape[1], "torch 2.11's varlen_attn has no enable_gqa"
+    if scale is not None:
+        query = query * (scale * query.shape[-1] ** 0.5)
+    return _varlen_op(query, key, value, cu_seq_q, max_q, window_size[0], False)
+
+
+def varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.10.0's signature: causal or not, no window, no scale, no enable_gqa."""
+    assert query.dtype in (torch.bfloat16, torch.float16) and is_causal
+    assert query.shape[1] == key.shape[1], "torch 2.10's varlen_attn has no enable_gqa"
     return _varlen_op(query, key, value, cu_seq_q, max_q, -1, False)
 
 
@@ -367,8 +367,11 @@ def _assert_same(mine, reference, atol, rtol):
         torch.testing.assert_close(mine[1][name], reference[1][name], atol=atol, rtol=rtol, msg=name)
 
 
-# torch 2.11's varlen_attn takes no window: choose_kernel picks flex for windows there (tested above).
-@pytest.mark.parametrize(("varlen", "window"), [(varlen_2_13, None), (varlen_2_13, 8), (varlen_2_11, None)])
+# torch 2.10's varlen_attn takes no window: choose_kernel picks flex for windows there (tested above).
+@pytest.mark.parametrize(
+    ("varlen", "window"),
+    [(varlen_2_13, None), (varlen_2_13, 8), (varlen_2_11, None), (varlen_2_11, 8), (varlen_2_10, None)],
+)
 def test_varlen_glue_equals_the_mask_path_on_the_cpu(monkeypatch, varlen, window):
     """The varlen kernel's glue (bf16 inputs, (N, H, D) layout, GQA by repeating kv heads where varlen_attn
     has no enable_gqa, flash's window convention) against the mask path, through a reference varlen_attn."""
@@ -546,6 +549,20 @@ def test_scale_and_softcap_on_every_kernel_equal_attention_written_out(monkeypat
             q[row : row + 1], k[row : row + 1], v[row : row + 1], [7], window, scale, softcap
         )
         torch.testing.assert_close(got[row : row + 1], row_expected, atol=5e-2 if bf16 else 1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("varlen", [varlen_2_10, varlen_2_11])
+def test_an_explicit_scale_reaches_a_varlen_attn_with_or_without_a_scale_argument(monkeypatch, varlen):
+    """torch 2.10's varlen_attn takes no scale: the glue scales the queries instead (torch 2.11's takes it)."""
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: varlen)
+    torch.manual_seed(0)
+    lengths, scale = [9, 1, 14], 0.7
+    q, k, v = torch.randn(1, 4, 24, 8), torch.randn(1, 2, 24, 8), torch.randn(1, 2, 24, 8)
+    prepared = prepare("varlen", (1, 24), CPU, Documents(cumulative_lengths(lengths), max(lengths)))
+    with torch.autocast("cpu", torch.bfloat16):
+        got = attention.attend(q, k, v, prepared, scale=scale)
+    expected = _reference_attention(q, k, v, lengths, None, scale, None)
+    torch.testing.assert_close(got.float(), expected, atol=5e-2, rtol=0)
 
 
 @pytest.mark.parametrize("softcap", [None, 0.5])

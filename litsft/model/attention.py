@@ -112,10 +112,12 @@ def _varlen_attn() -> Any | None:
 
 
 def varlen_features(function: Any) -> set[str]:
-    """Which optional keyword arguments this torch's varlen_attn takes ("enable_gqa", "window_size",
-    "is_causal"): torch 2.11's has no enable_gqa, so features are read from the signature, not the version."""
+    """Which optional arguments this torch's varlen_attn takes ("enable_gqa", "window_size", "is_causal",
+    "scale"), read from the signature, not the version: torch 2.10's takes is_causal only; 2.11's takes
+    window_size (causal when it is (-1, 0)) and scale, but no enable_gqa; 2.12's adds enable_gqa
+    (torch/nn/attention/varlen.py of each release's wheel)."""
     parameters = inspect.signature(function).parameters
-    return {name for name in ("enable_gqa", "window_size", "is_causal") if name in parameters}
+    return {name for name in ("enable_gqa", "window_size", "is_causal", "scale") if name in parameters}
 
 
 FLASH_CAPABILITIES = ((8, 0), (12, 1))
@@ -450,7 +452,11 @@ def _varlen(
     H, K = q.shape[1], k.shape[1]
     dtype = _compute_dtype(q)
     query, key, value = (x[0].transpose(0, 1).to(dtype) for x in (q, k, v))  # (N, H or K, D)
-    options: dict[str, Any] = {} if scale is None else {"scale": scale}
+    options: dict[str, Any] = {}
+    if scale is not None and "scale" in features:
+        options["scale"] = scale
+    elif scale is not None:  # the same scores as under the default 1/sqrt(D)
+        query = query * (scale * query.shape[-1] ** 0.5)
     if "window_size" in features:
         # flash's window counts the keys left of the query; transformers' window counts the query too.
         options["window_size"] = (-1 if prepared.window is None else prepared.window - 1, 0)
