@@ -329,6 +329,21 @@ CASES: dict[str, Case] = {
         "--precision 16-mixed needs a CUDA GPU",
         NO_ENV,
     ),
+    "float8 on cpu": (
+        lambda ws, t: train(ws, t / "out", "--train.float8", "tensorwise"),
+        "--train.float8 tensorwise needs a CUDA GPU with float8 tensor cores (compute capability 8.9 or newer",
+        NO_ENV,
+    ),
+    "float8 for lora": (
+        lambda ws, t: train(ws, t / "out", "--train.float8", "rowwise", command="finetune_lora"),
+        "--train.float8 rowwise is for finetune_full and pretrain: finetune_lora's base weights are frozen",
+        NO_ENV,
+    ),
+    "float8 misspelled": (
+        lambda ws, t: train(ws, t / "out", "--train.float8", "rowise"),
+        "--train.float8=rowise is not one of 'tensorwise', 'rowwise'",
+        NO_ENV,
+    ),
     "devices disagree with torchrun": (
         lambda ws, t: train(ws, t / "out", "--devices", "1"),
         "torchrun started 4 processes (2 per node) but --devices 1 x --num_nodes 1 = 1",

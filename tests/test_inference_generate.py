@@ -266,7 +266,10 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused_at_load(tmp_path, capsy
         "cpu",
         pytest.param(
             "cuda",
-            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA variant needs a GPU"),
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA variant needs a GPU"),
+            ],
         ),
     ],
 )

@@ -480,6 +480,7 @@ needs_cuda = pytest.mark.skipif(
 )
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("kernel", ["varlen", "flex"])
 @pytest.mark.parametrize("window", [None, 8])

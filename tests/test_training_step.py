@@ -228,10 +228,13 @@ def _packed_micro_batch(seed: int) -> dict[str, torch.Tensor]:
         "cpu",
         pytest.param(
             "cuda",
-            marks=pytest.mark.skipif(
-                not torch.cuda.is_available(),
-                reason="CUDA's own sync checker needs a GPU; the CPU run counts calls",
-            ),
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(
+                    not torch.cuda.is_available(),
+                    reason="CUDA's own sync checker needs a GPU; the CPU run counts calls",
+                ),
+            ],
         ),
     ],
 )

@@ -52,8 +52,9 @@ def launch(recipe_name: str, build_recipe: Callable[[], Recipe], run: RunConfig)
     spawned = processes.is_spawned_rank()
     with RunLock(run.out_dir) if processes.is_first_process() else nullcontext() as lock:
         fabric = build_fabric(
-            run.devices, run.num_nodes, run.precision, run.fsdp, run.accelerator, run.train.compile
-        )
+            run.devices, run.num_nodes, run.precision, run.fsdp, run.accelerator, run.train.compile,
+            run.train.float8,
+        )  # fmt: skip
         if processes.will_spawn(fabric):
             os.environ[processes.LAUNCHER_PID_ENV] = str(os.getpid())
         try:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from litsft.checkpoint.checkpoint_dirs import FINAL_DIR, STEP_PREFIX, read_trainer_state, resume_checkpoint
 from litsft.errors import LitsftError, check_number
+from litsft.model.float8 import check_float8_device, check_float8_recipe
 from litsft.runtime.processes import check_world_size, is_first_process
 from litsft.training.args import FSDPConfig, RunConfig, describe
 from litsft.training.devices import check_devices, gpu_has_bf16
@@ -30,6 +31,7 @@ def check_run(run: RunConfig, recipe_name: str) -> None:
     """Everything about a run's arguments and files that can be known wrong before launch, cheapest first."""
     check_positive(run)
     check_world_size(run.devices, run.num_nodes)
+    check_float8_recipe(run.train.float8, recipe_name)
     max_length = run.config.max_position_embeddings
     if run.train.max_seq_length is not None and run.train.max_seq_length > max_length:
         raise LitsftError(
@@ -56,6 +58,13 @@ def check_machine(run: RunConfig, gpus: int) -> None:
     check_devices(run.accelerator, run.devices, gpus)
     check_precision(run.precision, run.accelerator)
     check_fsdp_options(run.devices * run.num_nodes, run.precision, run.fsdp, run.accelerator)
+    if run.train.float8 is not None:
+        capability, name = None, ""
+        if run.accelerator == "cuda":
+            import torch
+
+            capability, name = torch.cuda.get_device_capability(), torch.cuda.get_device_name()
+        check_float8_device(run.train.float8, run.precision, run.accelerator, capability, name)
 
 
 def check_fsdp_options(world_size: int, precision: str, fsdp: FSDPConfig, accelerator: str) -> None:

@@ -19,8 +19,10 @@ multiple of 64 x 256 values (`check_nf4_shardable`).
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -66,23 +68,24 @@ class NF4Linear(nn.Linear):
 
 def to_nf4(weight: torch.Tensor) -> torch.Tensor:
     """`weight` (out, in) quantized to torchao's NF4Tensor, in weight's dtype."""
-    return _torchao_to_nf4()(weight.contiguous(), NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE)
+    to_nf4 = import_torchao("torchao.quantization").to_nf4
+    return to_nf4(weight.contiguous(), NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE)
 
 
 @functools.cache
-def _torchao_to_nf4() -> Callable[..., torch.Tensor]:
-    # Importing torchao logs a warning per CUDA kernel library it cannot load (on a CPU build) and one from
-    # torch's pytree about an enum it registers; NF4 needs none of those kernels, so the import is quiet.
+def import_torchao(module: str) -> ModuleType:
+    """A torchao module (NF4 here, float8 in litsft.model.float8), imported quietly: importing torchao logs a
+    warning per CUDA kernel library it cannot load (on a CPU build) and one from torch's pytree about an enum
+    it registers; neither NF4 nor float8 training needs those kernels."""
     loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        from torchao.quantization import to_nf4
+        return importlib.import_module(module)
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
-    return to_nf4
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from litsft.errors import LitsftError, check_number
 from litsft.model.config import Config
+from litsft.model.float8 import Float8Recipe
 
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
 Precision = Literal["bf16-mixed", "bf16-true", "16-mixed", "32-true"]
@@ -65,6 +66,11 @@ class TrainConfig:
     router_aux_loss_coef: float | None = None
     """Weight of a mixture of experts' load-balancing loss in the training loss. Default: the model's own
     (its config.json's router_aux_loss_coef: OLMoE 0.01, Qwen3-MoE 0.001, Mixtral-8x7B 0.02); 0 turns it off."""
+    float8: Float8Recipe | None = None
+    """Run the blocks' large projections in float8 on GPUs with float8 tensor cores (compute capability 8.9+:
+    L4, RTX 4090, H100, B200), through torchao: tensorwise (one scale per tensor; with several GPUs the weights
+    are all-gathered in float8) or rowwise (one scale per row: more accurate, slower). finetune_full and
+    pretrain, bf16 precision only. Default: off."""
     deterministic: bool = False
     """Bit-identical reruns: torch.use_deterministic_algorithms(True), fixed cuBLAS workspace, no cuDNN
     autotuning. Free on CPU (already deterministic for a fixed --seed, devices and batch sizes); on GPUs

@@ -29,6 +29,7 @@ from litsft.checkpoint.checkpoint_dirs import (
 from litsft.errors import LitsftError
 from litsft.model.attention import choose_kernel, describe_kernel
 from litsft.model.config import Config
+from litsft.model.float8 import precompute_float8_scales
 from litsft.model.quantization import is_nf4, stored_bytes
 from litsft.model.sizes import num_parameters
 from litsft.runtime.faults import fault_point
@@ -150,6 +151,8 @@ def train_loop(
     )
     first_step = state.step + 1
     batches = iter(state.train_loader)
+    # Tensorwise float8 weights that FSDP2 all-gathers in float8 need their scales after every update.
+    after_update = functools.partial(precompute_float8_scales, state.model) if run.train.float8 else None
     while state.step < total_steps:
         with profiler.step(state.step + 1):  # from fetching the step's batches to the optimizer's update
             micro_batches, state.epoch, batches = next_micro_batches(
@@ -172,6 +175,7 @@ def train_loop(
                 seed=run.seed,
                 step=state.step + 1,
                 routing=routing,
+                after_update=after_update,
             )
         state.step += 1
         step = state.step
@@ -267,7 +271,7 @@ def setup_model(fabric: Fabric, recipe: Recipe, run: RunConfig) -> nn.Module:
     )
     compile_blocks = compile_enabled(run.train.compile, fabric.device.type)
     if fabric.world_size == 1:  # with more processes, Fabric's setup_module calls parallelize
-        parallelize(model, None, run.fsdp, run.precision, compile_blocks)
+        parallelize(model, None, run.fsdp, run.precision, compile_blocks, run.train.float8)
         model.to_empty(device=fabric.device)
         model.tie_weights()
     model = fabric.setup_module(model)

@@ -28,6 +28,7 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from litsft.model.float8 import Float8Recipe, convert_to_float8
 from litsft.model.quantization import is_nf4
 from litsft.training.args import FSDPConfig, Precision, ShardingStrategy
 from litsft.training.devices import Device
@@ -40,6 +41,7 @@ def build_fabric(
     fsdp: FSDPConfig,
     accelerator: Device,
     compile_blocks: bool = False,
+    float8: Float8Recipe | None = None,
 ) -> Fabric:
     """A Fabric for `devices` x `num_nodes` processes on `accelerator` (CPU processes talk over gloo). With
     more than one, `fabric.setup_module` runs `parallelize` (FSDP2-sharded as `fsdp` says); one process
@@ -49,7 +51,7 @@ def build_fabric(
 
     def parallelize_for_strategy(model: nn.Module, fabric_mesh: DeviceMesh) -> nn.Module:
         mesh = data_parallel_mesh(fsdp.sharding_strategy, fabric_mesh, num_nodes, devices)
-        return parallelize(model, mesh, fsdp, precision, compile_blocks)
+        return parallelize(model, mesh, fsdp, precision, compile_blocks, float8)
 
     # Every rank is a data-parallel replica (no tensor parallelism), which is also what Fabric's
     # distributed-sampler arguments are then computed from.
@@ -99,11 +101,16 @@ def parallelize(
     fsdp: FSDPConfig,
     precision: Precision,
     compile_blocks: bool = False,
+    float8: Float8Recipe | None = None,
 ) -> nn.Module:
-    """Prepare `model` (in place; parameter names do not change) for training: activation checkpointing on
-    each block if asked, then each block and the loss's cross-entropy compiled if asked, then FSDP2 on `mesh`
-    (None: one process, no FSDP). The order matters: compile sees the recomputation, and FSDP wraps the
-    compiled blocks."""
+    """Prepare `model` (in place; parameter names do not change) for training: its large block projections
+    swapped for float8 ones if asked (`litsft.model.float8`), activation checkpointing on each block if asked,
+    then each block and the loss's cross-entropy compiled if asked, then FSDP2 on `mesh` (None: one process,
+    no FSDP). The order matters: compile sees the float8 casts and the recomputation, and FSDP wraps the
+    compiled blocks (and all-gathers tensorwise float8 weights in float8 when it shards them)."""
+    if float8 is not None:
+        sharded = mesh is not None and mesh.size(mesh.ndim - 1) > 1
+        convert_to_float8(model, float8, fsdp_all_gather=sharded and float8 == "tensorwise")
     if fsdp.activation_checkpointing:
         for block in model.blocks:
             recompute_in_backward(block)

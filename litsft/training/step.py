@@ -6,7 +6,7 @@ device. Nothing here makes the host wait for the device."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -82,6 +82,7 @@ def train_step(
     seed: int = 0,
     step: int = 1,
     routing: RoutingTally | None = None,
+    after_update: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One optimizer step over the micro-batches of this rank. Returns (mean loss, grad norm, target tokens,
     non-padding input tokens), all global and still on the device: nothing here makes the host wait for it.
@@ -89,7 +90,7 @@ def train_step(
     without FSDP (one process) it changes nothing. LoRA's dropout masks come from (`seed`, `step`, each
     sample's position in the global batch): `dropout_samples_of`. A mixture of experts adds its load-balancing
     loss's gradient in its forward pass (litsft.model.network.Transformer.router_loss_gradient); `routing` counts
-    what its routers did, for the logs."""
+    what its routers did, for the logs. `after_update` runs after the optimizer step (float8's scales)."""
     device = fabric.device
     inputs = [to_device(mb, device) for mb in micro_batches]
     samples = dropout_samples_of(micro_batches, inputs, fabric.global_rank, seed, step)
@@ -131,6 +132,8 @@ def train_step(
         # reports it at its next synchronization (`raise_if_diverged`).
         inner_optimizer.found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
     optimizer.step()
+    if after_update is not None:
+        after_update()
     optimizer.zero_grad(set_to_none=True)
     loss = sum_over_ranks(fabric, loss_sum) / target_tokens
     return loss, grad_norm, counts[0], counts[1]
