@@ -1,6 +1,7 @@
 """litsft against a plain transformers training loop on one GPU: tokens/s, MFU and peak memory.
 
 python benchmarks/bench_gpu.py [--steps 40] [--warmup 10] [--max_seq_length 4096] [--lora_rank 16]
+    [--float8 tensorwise|rowwise|none] [--results_json results.json]
 
 In one invocation, on a randomly initialized Llama-3.2-1B shape (16 layers, hidden 2048, GQA 32/8, 128k
 vocabulary, tied embeddings), bf16-mixed, packed rows of `--max_seq_length` tokens of instruction data of
@@ -13,7 +14,13 @@ mixed lengths, micro batch 1:
    litsft's loader makes. Its attention is plain causal over the whole packed row, end padding included:
    it does not keep documents apart, so it does more attention work than litsft's per-document attention
    (and computes the padding), not the same work; its attention over whole rows is an upper bound on the
-   work the task needs.
+   work the task needs;
+4. litsft finetune_full again with `--train.float8` (tensorwise by default; `--float8 none` skips it), whose
+   loss at each logged step is compared with finetune_full's (the same data, seed and steps).
+
+Each litsft run's measured peak is compared with `litsft plan`'s estimate for the same run
+(litsft.training.plan.estimate_memory: one device, bf16-mixed, micro batch 1, --max_seq_length), and
+`--results_json` gets every figure, rewritten after each run so that a run cut short keeps what finished.
 
 Timing leaves the first `--warmup` steps out (compilation, allocator warm-up) on every side. litsft logs every
 `--warmup` steps (`--train.log_interval`), so it synchronizes with the GPU about as rarely as the plain loop;
@@ -27,6 +34,7 @@ attention over the whole row. Each run's line is printed as soon as it finishes,
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -49,6 +57,7 @@ from litsft.model.config import Config
 from litsft.model.flops import device_peak_flops, executed_training_flops, lora_parameters
 from litsft.model.lora import LoRAConfig
 from litsft.model.sizes import num_parameters
+from litsft.training.plan import estimate_memory
 
 LLAMA_3_2_1B = "Llama-3.2-1B"
 SHAPE_FIELDS = (
@@ -60,7 +69,7 @@ SHAPE_FIELDS = (
 def litsft_run(
     recipe: str, checkpoint: Path, data: Path, args: argparse.Namespace, work: list[StepWork], *extra: str
 ) -> dict:
-    out_dir = args.work_dir / recipe
+    out_dir = args.work_dir / "_".join([recipe, *extra]).replace("--", "").replace(".", "-")  # one per run
     shutil.rmtree(out_dir, ignore_errors=True)
     run_litsft(
         [
@@ -77,7 +86,23 @@ def litsft_run(
     return {
         **measured_rates(rows, work, device_peak_flops(torch.device("cuda"), "bf16-mixed")),
         "peak_mib": max(r["peak_gpu_memory_allocated_mib"] for r in rows),
+        "losses": {int(r["step"]): r["loss"] for r in rows},
     }
+
+
+def planned_peak_mib(config: Config, args: argparse.Namespace, lora: LoRAConfig | None = None) -> float:
+    """What `litsft plan` estimates for one of the benchmark's litsft runs, in MiB."""
+    estimate = estimate_memory(
+        config, devices=1, precision="bf16-mixed", micro_batch_size=1, max_seq_length=args.max_seq_length,
+        lora=lora,
+    )  # fmt: skip
+    return estimate.total / 2**20
+
+
+def loss_difference(losses: dict[int, float], reference: dict[int, float]) -> float:
+    """The largest relative difference of two runs' losses over the steps both logged."""
+    steps = sorted(set(losses) & set(reference))
+    return max(abs(losses[step] - reference[step]) / abs(reference[step]) for step in steps)
 
 
 @dataclass(frozen=True)
@@ -227,20 +252,70 @@ def main(args: argparse.Namespace) -> None:
     )
     batches = packed_batches(checkpoint, data, args)
     rank = args.lora_rank
-    adapters = lora_parameters(config, LoRAConfig().target_list, rank)
-    full = litsft_run("finetune_full", checkpoint, data, args, step_work(config, batches, "litsft"))
-    print_result("litsft finetune_full", full)
+    lora_config = LoRAConfig(rank=rank, alpha=2 * rank)
+    adapters = lora_parameters(config, lora_config.target_list, rank)
+    results: dict = {
+        "device": torch.cuda.get_device_name(),
+        "machine": machine_description(),
+        "bf16_peak_flops": device_peak_flops(torch.device("cuda"), "bf16-mixed"),
+        "settings": {name: value for name, value in vars(args).items() if name != "work_dir"},
+        "parameters": num_parameters(config),
+        "runs": {},
+    }
+
+    def record(name: str, result: dict, planned_mib: float | None = None) -> dict:
+        if planned_mib is not None:
+            result = {
+                **result,
+                "planned_peak_mib": planned_mib,
+                "plan_over_measured": planned_mib / result["peak_mib"],
+            }
+        results["runs"][name] = result
+        print_result(name, result)
+        if args.results_json:
+            Path(args.results_json).write_text(json.dumps(results, indent=1))
+        return result
+
+    litsft_work = step_work(config, batches, "litsft")
+    full = record(
+        "finetune_full",
+        litsft_run("finetune_full", checkpoint, data, args, litsft_work),
+        planned_peak_mib(config, args),
+    )
+    plain = record(
+        "transformers_loop", transformers_run(config, batches, args, step_work(config, batches, "plain"))
+    )
+    results["full_over_transformers_loop"] = full["tokens_per_second"] / plain["tokens_per_second"]
+    print(f"litsft finetune_full / transformers loop: {results['full_over_transformers_loop']:.2f}x tokens/s")
     lora_work = step_work(config, batches, "litsft", "lora", adapters)
     lora_options = ("--lora.rank", str(rank), "--lora.alpha", str(2 * rank))
-    lora = litsft_run("finetune_lora", checkpoint, data, args, lora_work, *lora_options)
-    print_result(f"litsft finetune_lora r{rank}", lora)
-    plain = transformers_run(config, batches, args, step_work(config, batches, "plain"))
-    print_result("transformers loop (causal whole rows)", plain)
-    speedup = full["tokens_per_second"] / plain["tokens_per_second"]
-    print(f"litsft finetune_full / transformers loop: {speedup:.2f}x tokens/s")
-    print(
-        f"finetune_lora / finetune_full: {lora['tokens_per_second'] / full['tokens_per_second']:.2f}x tokens/s"
+    lora = record(
+        f"finetune_lora_r{rank}",
+        litsft_run("finetune_lora", checkpoint, data, args, lora_work, *lora_options),
+        planned_peak_mib(config, args, lora_config),
     )
+    results["lora_over_full"] = lora["tokens_per_second"] / full["tokens_per_second"]
+    # The frozen base in bf16 instead of fp32 master weights with gradients and AdamW state: at least 4 bytes
+    # of each base parameter that LoRA does not hold in fp32.
+    results["full_minus_lora_peak_mib"] = full["peak_mib"] - lora["peak_mib"]
+    results["fp32_base_copy_mib"] = num_parameters(config) * 4 / 2**20
+    print(
+        f"finetune_lora / finetune_full: {results['lora_over_full']:.2f}x tokens/s, peak lower by "
+        f"{results['full_minus_lora_peak_mib']:,.0f} MiB (an fp32 copy of the base: {results['fp32_base_copy_mib']:,.0f} MiB)"
+    )
+    if args.float8 != "none":
+        float8 = record(
+            f"finetune_full_float8_{args.float8}",
+            litsft_run("finetune_full", checkpoint, data, args, litsft_work, "--train.float8", args.float8),
+        )
+        results["float8_over_full"] = float8["tokens_per_second"] / full["tokens_per_second"]
+        results["float8_loss_max_relative_difference"] = loss_difference(float8["losses"], full["losses"])
+        print(
+            f"finetune_full float8 {args.float8} / bf16: {results['float8_over_full']:.2f}x tokens/s, loss within "
+            f"{results['float8_loss_max_relative_difference']:.2%} of bf16's at every logged step"
+        )
+    if args.results_json:
+        Path(args.results_json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
@@ -249,5 +324,7 @@ if __name__ == "__main__":
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--max_seq_length", type=int, default=4096)
     parser.add_argument("--lora_rank", type=int, default=16)
+    parser.add_argument("--float8", default="tensorwise", choices=("tensorwise", "rowwise", "none"))
+    parser.add_argument("--results_json", default=None, help="write every figure here as JSON")
     parser.add_argument("--work_dir", default=None, help="default: a new temporary directory")
     main(parser.parse_args())

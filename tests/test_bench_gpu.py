@@ -77,3 +77,23 @@ def test_bench_gpu_counts_what_each_side_executes_and_times_after_the_warm_up(mo
         "tokens_per_second": 37.5,
         "mfu": 8e6 / 8 / 1e6,
     }
+
+
+def test_bench_gpu_compares_float8_losses_and_asks_the_planner_for_each_run(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import argparse
+
+    import bench_gpu
+
+    from litsft.model.config import Config
+    from litsft.model.lora import LoRAConfig
+    from litsft.training.plan import estimate_memory
+
+    assert bench_gpu.loss_difference(
+        {10: 2.02, 20: 1.5, 30: 1.0}, {10: 2.0, 20: 1.5, 25: 9.0}
+    ) == pytest.approx(0.01)
+    config, args = Config.from_name("Llama-3.2-1B"), argparse.Namespace(max_seq_length=4096)
+    lora = LoRAConfig(rank=16, alpha=32)
+    full, adapters = bench_gpu.planned_peak_mib(config, args), bench_gpu.planned_peak_mib(config, args, lora)
+    assert full == estimate_memory(config, max_seq_length=4096).total / 2**20
+    assert adapters == estimate_memory(config, max_seq_length=4096, lora=lora).total / 2**20 < full
