@@ -100,3 +100,27 @@ def test_full_tensors_casts_floating_point_only() -> None:
     cast = dict(full_tensors(named, dtype=torch.bfloat16))
     assert cast["w"].dtype == torch.bfloat16 and cast["ids"].dtype == torch.int64
     assert torch.equal(cast["w"].float(), FULL)
+
+
+def test_weights_wrapped_for_float8_all_gather_are_saved_and_loaded_as_plain_tensors(tmp_path: Path) -> None:
+    """Tensorwise float8 with FSDP2 wraps each converted weight in torchao's WeightWithDynamicFloat8CastTensor,
+    which safetensors cannot write: the rows saved and gathered are the plain tensor inside, and rows loaded
+    land in it."""
+    from torch import nn
+
+    from litsft.model.float8 import convert_to_float8
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList([nn.Module()])
+    model.blocks[0].up = nn.Linear(2048, 8192, bias=False)
+    assert convert_to_float8(model, "tensorwise", fsdp_all_gather=True) == ["blocks.0.up"]
+    weight = model.blocks[0].up.weight
+    assert type(weight).__name__ == "WeightWithDynamicFloat8CastTensor"
+    local, offset, is_writer = local_rows(weight)
+    assert type(local) in (torch.Tensor, nn.Parameter) and (offset, is_writer) == (0, True)
+    save_file({"w": local.contiguous()}, tmp_path / "rows.safetensors")  # fails on the wrapper itself
+    ((name, full),) = full_tensors({"w": weight}, dtype=torch.bfloat16)
+    assert type(full) is torch.Tensor and full.dtype == torch.bfloat16
+    new = torch.randn(8192, 2048)
+    copy_rows(weight, new)
+    assert torch.equal(local_rows(weight)[0], new)

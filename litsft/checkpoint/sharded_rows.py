@@ -16,6 +16,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from litsft.errors import LitsftError
+from litsft.model.float8 import without_float8_wrapper
 from litsft.runtime.files import first_line
 
 RowBlock = tuple[Path, str, int, int]  # (file, key in the file, first row, row count)
@@ -49,11 +50,12 @@ def first_failure(error: BaseException | None) -> tuple[int, str] | None:
 
 
 def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
-    """(rows this rank holds, their offset along dim 0, whether this rank is the one that saves them)."""
+    """(rows this rank holds, their offset along dim 0, whether this rank is the one that saves them), as a
+    plain tensor (float8 all-gather's wrapper taken off: it shares the storage)."""
     if isinstance(tensor, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        local = tensor.to_local()
+        local = without_float8_wrapper(tensor.to_local())
         _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
         coordinate = tensor.device_mesh.get_coordinate() or []
         # Replicated copies (HYBRID_SHARD, NO_SHARD) are identical: only replica 0 writes them.
@@ -61,7 +63,7 @@ def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
         if local.dim() > 0 and any(o for o in offset[1:]):
             raise NotImplementedError("only dim-0 sharding is supported")
         return local, (offset[0] if len(offset) else 0), is_writer and local.numel() > 0
-    return tensor, 0, global_rank() == 0
+    return without_float8_wrapper(tensor), 0, global_rank() == 0
 
 
 @torch.no_grad()
@@ -77,7 +79,7 @@ def full_tensors(
     """(name, full CPU tensor) one at a time. Every rank must iterate (gathering is collective)."""
     for name, tensor in named.items():
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        full = full.detach().to("cpu")
+        full = without_float8_wrapper(full).detach().to("cpu")
         yield name, full.to(dtype) if dtype is not None and full.is_floating_point() else full
 
 

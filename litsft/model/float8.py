@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Literal
 from litsft.errors import LitsftError
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 Float8Recipe = Literal["tensorwise", "rowwise"]
@@ -120,6 +121,13 @@ def convert_to_float8(model: nn.Module, recipe: Float8Recipe, fsdp_all_gather: b
         model, module_filter_fn=lambda module, name: name in chosen, config=config
     )
     return sorted(chosen)
+
+
+def without_float8_wrapper(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside the wrapper that float8 all-gather puts around a weight (torchao's
+    WeightWithDynamicFloat8CastTensor, which safetensors cannot write); any other tensor as it is. The two
+    share storage: writing into the one writes into the other."""
+    return tensor._tensor if type(tensor).__name__ == "WeightWithDynamicFloat8CastTensor" else tensor
 
 
 def precompute_float8_scales(model: nn.Module) -> None:
