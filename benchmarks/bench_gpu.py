@@ -1,7 +1,7 @@
 """litsft against a plain transformers training loop on one GPU: tokens/s, MFU and peak memory.
 
 python benchmarks/bench_gpu.py [--steps 40] [--warmup 10] [--max_seq_length 4096] [--lora_rank 16]
-    [--float8 tensorwise|rowwise|none] [--results_json results.json]
+    [--records 20000] [--float8 tensorwise|rowwise|none] [--results_json results.json]
 
 In one invocation, on a randomly initialized Llama-3.2-1B shape (16 layers, hidden 2048, GQA 32/8, 128k
 vocabulary, tied embeddings), bf16-mixed, packed rows of `--max_seq_length` tokens of instruction data of
@@ -243,7 +243,7 @@ def main(args: argparse.Namespace) -> None:
         args.work_dir / "checkpoint", **{name: getattr(shape, name) for name in SHAPE_FIELDS}
     )
     config = Config.from_checkpoint(checkpoint)
-    data = write_mixed_length_data(args.work_dir / "train.json", 20_000, max_words=4000)
+    data = write_mixed_length_data(args.work_dir / "train.json", args.records, max_words=4000)
     print(machine_description(), "|", torch.cuda.get_device_name())
     print(
         f"{num_parameters(config) / 1e9:.2f}B parameters, 1 GPU, bf16-mixed, packed rows of {args.max_seq_length}, "
@@ -324,6 +324,9 @@ if __name__ == "__main__":
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--max_seq_length", type=int, default=4096)
     parser.add_argument("--lora_rank", type=int, default=16)
+    parser.add_argument(
+        "--records", type=int, default=20_000, help="instruction records written (and tokenized)"
+    )
     parser.add_argument("--float8", default="tensorwise", choices=("tensorwise", "rowwise", "none"))
     parser.add_argument("--results_json", default=None, help="write every figure here as JSON")
     parser.add_argument("--work_dir", default=None, help="default: a new temporary directory")

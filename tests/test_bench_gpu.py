@@ -97,3 +97,74 @@ def test_bench_gpu_compares_float8_losses_and_asks_the_planner_for_each_run(monk
     full, adapters = bench_gpu.planned_peak_mib(config, args), bench_gpu.planned_peak_mib(config, args, lora)
     assert full == estimate_memory(config, max_seq_length=4096).total / 2**20
     assert adapters == estimate_memory(config, max_seq_length=4096, lora=lora).total / 2**20 < full
+
+
+def test_bench_gpu_records_every_run_its_ratios_and_targets_in_its_results_file(
+    tmp_path, monkeypatch
+) -> None:
+    """main() on a CPU with the GPU runs stood in for (each returns figures): the order of the runs, the
+    figures and ratios written to --results_json, and that the file is rewritten after each run."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import argparse
+    import json
+
+    import bench_gpu
+    import harness
+
+    from litsft.model.config import Config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(bench_gpu, "device_peak_flops", lambda device, precision: 989e12)
+    # The real checkpoint and loader, on a tiny shape with the benchmark's vocabulary rows.
+    monkeypatch.setattr(bench_gpu, "SHAPE_FIELDS", ("vocab_size",))
+    from_name = Config.from_name
+    monkeypatch.setattr(Config, "from_name", lambda name, **shape: from_name("demo-llama", **shape))
+    monkeypatch.setattr(
+        bench_gpu, "make_checkpoint", lambda directory, **shape: harness.make_checkpoint(directory)
+    )
+    results_json = tmp_path / "results.json"
+    calls = []
+
+    def fake_litsft_run(recipe, checkpoint, data, args, work, *extra):
+        calls.append((recipe, *extra))
+        assert (
+            json.loads(results_json.read_text())["runs"] if len(calls) > 1 else True
+        )  # written after each run
+        speed = {"finetune_full": 1000.0, "finetune_lora": 1500.0}[recipe] * (
+            1.2 if extra[-1:] == ("tensorwise",) else 1
+        )
+        losses = {10: 2.0, 20: 1.5} if not extra or extra[-1] != "tensorwise" else {10: 2.01, 20: 1.5}
+        return {"tokens_per_second": speed, "mfu": 0.3, "peak_mib": 3000.0 if recipe == "finetune_full" else 1000.0,
+                "losses": losses}  # fmt: skip
+
+    monkeypatch.setattr(bench_gpu, "litsft_run", fake_litsft_run)
+    monkeypatch.setattr(
+        bench_gpu,
+        "transformers_run",
+        lambda *a: {"tokens_per_second": 800.0, "mfu": 0.25, "peak_mib": 3500.0},
+    )
+    args = argparse.Namespace(
+        steps=3, warmup=1, max_seq_length=128, lora_rank=4, records=200, float8="tensorwise",
+        results_json=str(results_json), work_dir=str(tmp_path / "work"),
+    )  # fmt: skip
+    bench_gpu.main(args)
+    assert calls == [
+        ("finetune_full",),
+        ("finetune_lora", "--lora.rank", "4", "--lora.alpha", "8"),
+        ("finetune_full", "--train.float8", "tensorwise"),
+    ]
+    results = json.loads(results_json.read_text())
+    assert list(results["runs"]) == [
+        "finetune_full",
+        "transformers_loop",
+        "finetune_lora_r4",
+        "finetune_full_float8_tensorwise",
+    ]
+    assert results["device"] == "NVIDIA H100 80GB HBM3" and results["bf16_peak_flops"] == 989e12
+    assert results["full_over_transformers_loop"] == 1000 / 800 and results["lora_over_full"] == 1.5
+    assert results["float8_over_full"] == pytest.approx(1.2)
+    assert results["float8_loss_max_relative_difference"] == pytest.approx(0.005)
+    assert results["full_minus_lora_peak_mib"] == 2000.0
+    full = results["runs"]["finetune_full"]
+    assert full["plan_over_measured"] == full["planned_peak_mib"] / 3000.0

@@ -50,7 +50,7 @@ def test_the_dry_run_prints_every_step_and_budget_and_writes_nothing(tmp_path: P
     assert budgets["bench_gpu"] >= 200  # four training runs with compilation
     assert f"--results_json {out_dir}/bench_gpu.json" in result.stdout
     assert "pytest -q -p no:cacheprovider" in result.stdout and " -m gpu " in result.stdout
-    assert "--no-index --no-deps --target" in result.stdout
+    assert "--no-index --no-deps --no-compile --target" in result.stdout
     assert not out_dir.exists()
 
 

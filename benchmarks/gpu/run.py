@@ -57,8 +57,11 @@ def steps(out_dir: Path, python: str = "python3") -> list[Step]:
             "install", 25,
             f"test -n \"$(ls {wheels}/*.whl 2>/dev/null)\" || {{ echo 'no wheels in {wheels}: run "
             f"benchmarks/gpu/prepare_wheels.py and carry .whl'; exit 1; }}; "
-            f"{python} -m pip install -q --no-index --no-deps --target {site} {wheels}/*.whl && "
-            f"{python} -m pip install -q --no-index --find-links {wheels} --no-deps --target {site} {repo} && "
+            # setuptools, wheel and packaging only build litsft's wheel (in pip's isolated build environment):
+            # installed next to the image's packages they would shadow its own.
+            f"ls {wheels}/*.whl | grep -v -E '/(setuptools|wheel|packaging)-' | xargs {python} -m pip install -q "
+            f"--no-index --no-deps --no-compile --target {site} && "
+            f"{python} -m pip install -q --no-index --find-links {wheels} --no-deps --no-compile --target {site} {repo} && "
             f"{python} -c \"import torch, litsft, jsonargparse, litdata, datasets, torchao, pytest; "
             f"assert not torch.__file__.startswith({str(out_dir / 'site')!r}), 'a carried torch'; "
             f"print('torch', torch.__version__, 'torchao', torchao.__version__, 'litsft', litsft.__file__)\"",
@@ -72,29 +75,29 @@ def steps(out_dir: Path, python: str = "python3") -> list[Step]:
             "the GPU, the driver, torch and CUDA versions",
         ),
         Step(
-            "torch_api", 30,
+            "torch_api", 25,
             f"{pytest} --junitxml {out}/junit-torch_api.xml {repo}/tests/test_torch_compatibility.py",
             "the torch and torchao functions litsft calls take its arguments (the image's versions)",
         ),
         Step(
-            "gpu_tests", 60,
+            "gpu_tests", 65,
             f"{pytest} -m gpu --junitxml {out}/junit-gpu_tests.xml {repo}/tests",
             "the tests a CPU machine skips (pytest -m gpu): flash and flex kernels, float8, CUDA generation, syncs",
         ),
         Step(
-            "cpu_subset_on_cuda", 60,
+            "cpu_subset_on_cuda", 45,
             f"{pytest} --junitxml {out}/junit-cpu_subset_on_cuda.xml "
             + " ".join(f"{repo}/{path}" for path in CPU_SUBSET),
             "test files that pass on the CPU, on the GPU machine",
         ),
         Step(
             "bench_gpu", 255,
-            f"{python} {repo}/benchmarks/bench_gpu.py --steps 30 --warmup 10 --max_seq_length 4096 "
+            f"{python} {repo}/benchmarks/bench_gpu.py --steps 30 --warmup 10 --max_seq_length 4096 --records 2000 "
             f"--float8 tensorwise --results_json {out}/bench_gpu.json --work_dir {out}/work/bench",
             "finetune_full, the compiled transformers loop, finetune_lora, finetune_full float8; plan vs peak",
         ),
         Step(
-            "demo", 40,
+            "demo", 55,
             f"{python} -m litsft demo --devices 1 --max_steps 60 --num_eval 20 --out_dir {out}/work/demo",
             "a shortened `litsft demo --devices 1` (60 steps, 20 held-out prompts)",
         ),
