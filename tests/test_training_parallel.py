@@ -24,6 +24,22 @@ def model_and_batch() -> tuple[Transformer, dict[str, torch.Tensor]]:
     return model, {"input_ids": tokens, "labels": tokens}
 
 
+def test_float8_is_applied_first_and_keeps_the_names() -> None:
+    """`parallelize` swaps the large block projections for float8 ones before compiling (compile traces the
+    float8 casts), one process: no FSDP, so no float8 all-gather wrapper on the weights."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    with torch.device("meta"):
+        model = Transformer(Config.from_name("Llama-3.2-1B", num_layers=2))
+    names = [name for name, _ in model.named_parameters()]
+    parallelize(model, None, FSDPConfig(), "bf16-mixed", compile_blocks=True, float8="tensorwise")
+    assert [name for name, _ in model.named_parameters()] == names
+    converted = [name for name, module in model.named_modules() if isinstance(module, Float8Linear)]
+    assert len(converted) == 2 * 5 and "lm_head" not in converted
+    assert type(model.blocks[0].mlp.up_proj.weight).__name__ == "Parameter"
+    assert model.loss_compiled
+
+
 def test_activation_checkpointing_recomputes_blocks_with_the_same_loss_gradients_and_names() -> None:
     reference, batch = model_and_batch()
     checkpointed, _ = model_and_batch()

@@ -104,6 +104,23 @@ def test_the_reported_norm_is_the_one_before_clipping() -> None:
     assert reported.item() == pytest.approx(unclipped.item(), rel=1e-5) and reported.item() > 1e-3
 
 
+def test_after_update_runs_once_after_the_optimizer_step_and_before_the_gradients_go() -> None:
+    """float8's scales are computed from the updated weights (`after_update`); the gradients still exist then."""
+    fabric, model, optimizer = setup(lr=1e-3)
+    before = model.lm_head.weight.detach().clone()
+    seen = []
+
+    def after_update() -> None:
+        weight = model.lm_head.weight
+        seen.append((not torch.equal(weight.detach(), before), weight.grad is not None))
+
+    train_step(
+        fabric, model, optimizer, [micro_batch(2, 16, targets=16, seed=4)], 1.0, after_update=after_update
+    )
+    assert seen == [(True, True)]
+    assert model.lm_head.weight.grad is None  # then zeroed, as every step
+
+
 class Loader:
     """An epoch of `size` numbered batches; `set_epoch` records the epochs it was asked for."""
 
