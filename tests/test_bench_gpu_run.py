@@ -49,6 +49,9 @@ def test_the_dry_run_prints_every_step_and_budget_and_writes_nothing(tmp_path: P
     assert budgets["total"] == sum(budgets[name] for name in STEP_NAMES) <= 480
     assert budgets["bench_gpu"] >= 200  # four training runs with compilation
     assert f"--results_json {out_dir}/bench_gpu.json" in result.stdout
+    assert (
+        f"--work_dir {gpu_run.WORK_DIR}/work/bench" in result.stdout
+    )  # the 5 GB checkpoint stays out of OUT_DIR
     assert "pytest -q -p no:cacheprovider" in result.stdout and " -m gpu " in result.stdout
     assert "--no-index --no-deps --no-compile --target" in result.stdout
     assert not out_dir.exists()
@@ -66,21 +69,23 @@ def test_without_an_output_folder_it_says_so_in_one_line(tmp_path: Path) -> None
 
 def test_a_step_past_its_budget_is_killed_with_its_children(tmp_path: Path) -> None:
     (tmp_path / "logs").mkdir()
-    (tmp_path / "work").mkdir()
     started = time.monotonic()
     step = gpu_run.Step("slow", 1, "echo started; sleep 30 & sleep 30; echo never", "a step that hangs")
-    result = gpu_run.run_step(step, 1, tmp_path, {"PATH": "/usr/bin:/bin"})
+    result = gpu_run.run_step(step, 1, tmp_path, {"PATH": "/usr/bin:/bin"}, tmp_path)
     assert result.status == "timed out" and time.monotonic() - started < 10
     assert (tmp_path / result.log).read_text().splitlines()[1:] == ["started"]
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert "sleep 30" not in ps  # the background child went with the group
-    failed = gpu_run.run_step(gpu_run.Step("fails", 5, "exit 3", ""), 2, tmp_path, {"PATH": "/usr/bin:/bin"})
+    failed = gpu_run.run_step(
+        gpu_run.Step("fails", 5, "exit 3", ""), 2, tmp_path, {"PATH": "/usr/bin:/bin"}, tmp_path
+    )
     assert failed.status == "failed (3)"
 
 
 def test_a_failed_install_stops_the_run_and_the_summary_says_so(tmp_path: Path, monkeypatch, capsys) -> None:
     plan = [gpu_run.Step("install", 5, "exit 1", ""), gpu_run.Step("environment", 5, "echo hi", "")]
-    monkeypatch.setattr(gpu_run, "steps", lambda out_dir, python: plan)
+    monkeypatch.setattr(gpu_run, "steps", lambda out_dir, work_dir, python: plan)
+    monkeypatch.setattr(gpu_run, "WORK_DIR", tmp_path / "work-dir")
     assert gpu_run.main([str(tmp_path)]) == 1
     summary = json.loads((tmp_path / "results.json").read_text())
     assert [(s["name"], s["status"]) for s in summary["steps"]] == [

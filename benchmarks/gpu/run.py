@@ -5,7 +5,9 @@ bash benchmarks/gpu/run.sh [--dry-run] [OUT_DIR]      (OUT_DIR: default $OUT)
 
 Made for a lent GPU machine whose image has torch but not every package litsft needs, and no network: the
 missing wheels travel with the checkout in .whl/ (benchmarks/gpu/prepare_wheels.py makes it, on a machine
-with network) and are installed with litsft into OUT_DIR/site against the image's own torch. Every step runs in
+with network) and are installed with litsft into WORK_DIR/site against the image's own torch. WORK_DIR
+($TMPDIR/litsft-gpu-run, made afresh) holds what is large (the packages, the benchmark's 5 GB checkpoint, the
+runs): OUT_DIR is carried back and gets the logs and results only. Every step runs in
 its own process group, killed when its budget runs out; the budgets add up to at most TOTAL_BUDGET_S, so the
 whole run ends within it whatever happens. A failed or timed-out step is recorded and the next one runs (only a
 failed install stops the run: everything else needs it). This file uses the standard library only: it runs
@@ -21,9 +23,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from dataclasses import asdict, dataclass
@@ -44,13 +48,18 @@ class Step:
     name: str
     budget_s: int
     command: str
-    """A bash command, run in OUT_DIR/work with the installed packages on PYTHONPATH."""
+    """A bash command, run in WORK_DIR/work with the installed packages on PYTHONPATH."""
     what: str
 
 
-def steps(out_dir: Path, python: str = "python3") -> list[Step]:
-    """The steps of a run writing under `out_dir`, in order."""
-    site, wheels, repo, out = (shlex.quote(str(p)) for p in (out_dir / "site", REPO / ".whl", REPO, out_dir))
+WORK_DIR = Path(tempfile.gettempdir()) / "litsft-gpu-run"
+
+
+def steps(out_dir: Path, work_dir: Path = WORK_DIR, python: str = "python3") -> list[Step]:
+    """The steps of a run writing its results under `out_dir` and everything else under `work_dir`, in order."""
+    site, wheels, repo, out, work = (
+        shlex.quote(str(p)) for p in (work_dir / "site", REPO / ".whl", REPO, out_dir, work_dir / "work")
+    )
     pytest = f"{python} -m pytest -q -p no:cacheprovider --rootdir {repo}"
     return [
         Step(
@@ -63,9 +72,9 @@ def steps(out_dir: Path, python: str = "python3") -> list[Step]:
             f"--no-index --no-deps --no-compile --target {site} && "
             f"{python} -m pip install -q --no-index --find-links {wheels} --no-deps --no-compile --target {site} {repo} && "
             f"{python} -c \"import torch, litsft, jsonargparse, litdata, datasets, torchao, pytest; "
-            f"assert not torch.__file__.startswith({str(out_dir / 'site')!r}), 'a carried torch'; "
+            f"assert not torch.__file__.startswith({str(work_dir / 'site')!r}), 'a carried torch'; "
             f"print('torch', torch.__version__, 'torchao', torchao.__version__, 'litsft', litsft.__file__)\"",
-            "the carried wheels and litsft from the checkout, into OUT_DIR/site, against the image's torch",
+            "the carried wheels and litsft from the checkout, into WORK_DIR/site, against the image's torch",
         ),
         Step(
             "environment", 10,
@@ -93,12 +102,12 @@ def steps(out_dir: Path, python: str = "python3") -> list[Step]:
         Step(
             "bench_gpu", 255,
             f"{python} {repo}/benchmarks/bench_gpu.py --steps 30 --warmup 10 --max_seq_length 4096 --records 2000 "
-            f"--float8 tensorwise --results_json {out}/bench_gpu.json --work_dir {out}/work/bench",
+            f"--float8 tensorwise --results_json {out}/bench_gpu.json --work_dir {work}/bench",
             "finetune_full, the compiled transformers loop, finetune_lora, finetune_full float8; plan vs peak",
         ),
         Step(
             "demo", 55,
-            f"{python} -m litsft demo --devices 1 --max_steps 60 --num_eval 20 --out_dir {out}/work/demo",
+            f"{python} -m litsft demo --devices 1 --max_steps 60 --num_eval 20 --out_dir {work}/demo",
             "a shortened `litsft demo --devices 1` (60 steps, 20 held-out prompts)",
         ),
     ]  # fmt: skip
@@ -114,8 +123,9 @@ class StepResult:
     log: str
 
 
-def run_step(step: Step, index: int, out_dir: Path, env: dict[str, str]) -> StepResult:
-    """Run `step` in its own process group, its output into its log; kill the group when the budget ends."""
+def run_step(step: Step, index: int, out_dir: Path, env: dict[str, str], cwd: Path) -> StepResult:
+    """Run `step` in `cwd`, in its own process group, its output into its log under `out_dir`; kill the group
+    when the budget ends."""
     log = out_dir / "logs" / f"{index}-{step.name}.log"
     started = time.monotonic()
     with open(log, "w") as output:
@@ -123,7 +133,7 @@ def run_step(step: Step, index: int, out_dir: Path, env: dict[str, str]) -> Step
         output.flush()
         process = subprocess.Popen(
             ["bash", "-c", step.command], stdout=output, stderr=subprocess.STDOUT, env=env,
-            cwd=out_dir / "work", start_new_session=True,
+            cwd=cwd, start_new_session=True,
         )  # fmt: skip
         try:
             code = process.wait(timeout=step.budget_s)
@@ -244,23 +254,25 @@ def main(argv: list[str]) -> int:
         print("error: no OUT_DIR given and $OUT is not set; pass the folder to write into", file=sys.stderr)
         return 2
     out_dir = Path(target).resolve()
-    plan = steps(out_dir, sys.executable)
+    plan = steps(out_dir, WORK_DIR, sys.executable)
     if sum(step.budget_s for step in plan) > TOTAL_BUDGET_S:
         raise SystemExit(f"error: the steps' budgets add up to more than {TOTAL_BUDGET_S} s")
     if dry:
         print(dry_run(plan))
         return 0
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (out_dir / "work").mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(out_dir / "site"), os.environ.get("PYTHONPATH", "")]),
-           "LITSFT_CACHE_DIR": str(out_dir / "work" / "cache"), "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
+    shutil.rmtree(WORK_DIR, ignore_errors=True)  # an earlier run's packages and checkpoints
+    (WORK_DIR / "work").mkdir(parents=True)
+    paths = [str(WORK_DIR / "site"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths),
+           "LITSFT_CACHE_DIR": str(WORK_DIR / "work" / "cache"), "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
     results = []
     for index, step in enumerate(plan, start=1):
         if results and results[0].status != "passed":
             results.append(StepResult(step.name, step.budget_s, "not run", 0.0, ""))
             continue
         print(f"[{index}/{len(plan)}] {step.name} (at most {step.budget_s} s): {step.what}", flush=True)
-        results.append(run_step(step, index, out_dir, env))
+        results.append(run_step(step, index, out_dir, env, WORK_DIR / "work"))
         print(f"    {results[-1].status} in {results[-1].seconds:.0f} s", flush=True)
     print(summarize(out_dir, results), flush=True)
     return 0 if all(result.status == "passed" for result in results) else 1
