@@ -152,7 +152,8 @@ def train_loop(
     first_step = state.step + 1
     batches = iter(state.train_loader)
     # Tensorwise float8 weights that FSDP2 all-gathers in float8 need their scales after every update.
-    after_update = functools.partial(precompute_float8_scales, state.model) if run.train.float8 else None
+    gathers_float8 = run.train.float8 == "tensorwise" and fabric.world_size > 1
+    after_update = functools.partial(precompute_float8_scales, state.model) if gathers_float8 else None
     while state.step < total_steps:
         with profiler.step(state.step + 1):  # from fetching the step's batches to the optimizer's update
             micro_batches, state.epoch, batches = next_micro_batches(
