@@ -217,6 +217,92 @@ def test_accumulation_keeps_sharded_gradients_in_one_unit_per_block(
         assert facts[rank]["frozen_grads"] == 0
 
 
+FLOAT8_SHAPE = dict(num_layers=2, hidden_size=256, intermediate_size=1040, num_heads=4, num_kv_heads=2)
+"""gate and up (1040 x 256) are large enough to become float8; the rest stays as it is."""
+
+
+def _float8_facts(rank: int, save_to: str) -> dict:
+    """Three optimizer steps of tensorwise float8 on 2 ranks, FSDP2 all-gathering the weights in float8 with
+    the scales precomputed after each update, against one process's float8 model on both ranks' data."""
+    from safetensors.torch import save_file
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from litsft.checkpoint.sharded_rows import full_tensors
+    from litsft.model.float8 import convert_to_float8, precompute_float8_scales
+
+    def build() -> Transformer:
+        torch.manual_seed(0)
+        model = Transformer(Config.from_name("tiny-llama", **FLOAT8_SHAPE))
+        model.init_weights(1)
+        return model
+
+    reference, model = build(), build()
+    convert_to_float8(reference, "tensorwise", fsdp_all_gather=False)
+    parallelize(model, init_device_mesh("cpu", (2,)), FSDPConfig(), "32-true", float8="tensorwise")
+    wrapped = type(model.blocks[0].mlp.up_proj.weight.to_local()).__name__
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference)]
+    for step in range(3):
+        loss = model(**_micro_batch(rank, step))
+        loss.backward()
+        reference_loss = sum(reference(**_micro_batch(other, step)) / 2 for other in range(2))
+        reference_loss.backward()  # FSDP averages the two ranks' gradients: so does the reference
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        precompute_float8_scales(model)
+    gathered = dict(full_tensors(model.state_dict()))  # collective: the wrapper comes off
+    if rank == 0:
+        save_file({name: tensor.contiguous() for name, tensor in gathered.items()}, save_to)
+    expected = reference.state_dict()
+    return {
+        "wrapped": wrapped,
+        "max_difference": max((gathered[name] - expected[name]).abs().max().item() for name in expected),
+        "moved": max((gathered[name] - build().state_dict()[name]).abs().max().item() for name in expected),
+    }
+
+
+def _float8_worker(rank: int, init_file: str, save_to: str, results) -> None:
+    import traceback
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+        results.put((rank, _float8_facts(rank, save_to)))
+        dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+
+
+def test_two_processes_gather_float8_weights_and_train_like_one(tmp_path) -> None:
+    """Tensorwise float8 sharded over 2 ranks (gloo on the CPU, where torch runs float8 matmuls too): the
+    weights are all-gathered in float8 (torchao's wrapper around each converted weight's shard), the scales
+    computed after each update, and after 3 steps the weights equal one process's float8 run on all the data;
+    gathered for saving, they are plain tensors that safetensors writes."""
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+
+    context = mp.get_context("fork")
+    results = context.Queue()
+    save_to = str(tmp_path / "gathered.safetensors")
+    workers = [
+        context.Process(target=_float8_worker, args=(rank, str(tmp_path / "init"), save_to, results))
+        for rank in range(2)
+    ]
+    for worker in workers:
+        worker.start()
+    facts = dict(results.get(timeout=180) for _ in workers)
+    for worker in workers:
+        worker.join(timeout=60)
+    for rank in range(2):
+        assert isinstance(facts[rank], dict), facts[rank]
+        assert facts[rank]["wrapped"] == "WeightWithDynamicFloat8CastTensor"
+        assert facts[rank]["moved"] > 1e-3  # the steps changed the weights
+        assert facts[rank]["max_difference"] < 1e-6, facts[rank]  # measured 0.0: the same float8 casts
+    assert "blocks.0.mlp.up_proj.weight" in load_file(save_to)
+
+
 @pytest.mark.parametrize(
     ("world_size", "precision", "cpu_offload", "accelerator", "refusal"),
     [
