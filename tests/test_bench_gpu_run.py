@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+import types
 import zipfile
 from pathlib import Path
 
@@ -222,3 +223,27 @@ def test_wheels_that_do_not_fit_or_do_not_belong_are_refused_in_one_line(tmp_pat
     next(tmp_path.glob("datasets-*")).unlink()
     with pytest.raises(SystemExit, match=r"lacks wheels for datasets; run this script again$"):
         prepare_wheels.check_wheels(tmp_path)
+
+
+def test_the_install_check_requires_the_image_torch_and_what_the_steps_import(monkeypatch, capsys) -> None:
+    check_install = load("benchmarks/gpu/check_install.py", "check_install")
+    modules = {
+        name: types.SimpleNamespace(__file__=f"/image/{name}/__init__.py") for name in check_install.REQUIRED
+    }
+
+    def import_module(name: str):
+        if name not in modules:
+            raise ModuleNotFoundError(f"No module named '{name}'")
+        return modules[name]
+
+    monkeypatch.setattr(check_install.importlib, "import_module", import_module)
+    assert check_install.main("/site") == 0  # litdata and datasets missing: reported only
+    assert (
+        "litdata: does not import: ModuleNotFoundError: No module named 'litdata'" in capsys.readouterr().out
+    )
+    modules["torch"] = types.SimpleNamespace(__file__="/site/torch/__init__.py")
+    assert check_install.main("/site") == 1
+    assert "torch comes from the carried wheels" in capsys.readouterr().out
+    modules["torch"] = types.SimpleNamespace(__file__="/image/torch/__init__.py")
+    del modules["torchao"]
+    assert check_install.main("/site") == 1

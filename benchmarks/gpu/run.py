@@ -71,9 +71,7 @@ def steps(out_dir: Path, work_dir: Path = WORK_DIR, python: str = "python3") -> 
             f"ls {wheels}/*.whl | grep -v -E '/(setuptools|wheel|packaging)-' | xargs {python} -m pip install -q "
             f"--no-index --no-deps --no-compile --target {site} && "
             f"{python} -m pip install -q --no-index --find-links {wheels} --no-deps --no-compile --target {site} {repo} && "
-            f"{python} -c \"import torch, litsft, jsonargparse, litdata, datasets, torchao, pytest; "
-            f"assert not torch.__file__.startswith({str(work_dir / 'site')!r}), 'a carried torch'; "
-            f"print('torch', torch.__version__, 'torchao', torchao.__version__, 'litsft', litsft.__file__)\"",
+            f"{python} {repo}/benchmarks/gpu/check_install.py {site}",
             "the carried wheels and litsft from the checkout, into WORK_DIR/site, against the image's torch",
         ),
         Step(
