@@ -10,6 +10,8 @@ Float8Linear is an nn.Linear with the same parameters.
 | tensorwise       | one per tensor                              | in float8 (half of bf16's bytes); every weight's scale computed at once after the optimizer step (`precompute_float8_scales`) |
 | rowwise          | one per row: more accurate with outliers, slower | in bf16                                      |
 
+One process (no FSDP) holds its weights whole and casts them in each forward, whichever the scaling.
+
 Published figure (torchao's docs, docs/source/workflows/training.md at v0.17.0): Llama-3-8B on 8 H100s, FSDP2,
 torch.compile, sequence length 8192: 6,150 tokens/s/GPU in bf16, 7,689.5 with tensorwise and float8
 all-gather (+25%), 6,768 with rowwise (+10%).
@@ -22,9 +24,9 @@ requirement) and the layers below the sizes where torchao's H100 microbenchmarks
 
 float8 tensor cores exist on compute capability 8.9 and newer (Ada, Hopper, Blackwell): torch's float8
 matmul `_scaled_mm` runs there only (https://github.com/pytorch/pytorch/blob/main/test/test_scaled_matmul_cuda.py:
-"FP8 is only supported on H100+, SM 8.9 and MI300+ devices"). `check_float8` refuses everything else in one line
-before a process starts (`check_float8_device`; `check_float8_recipe` refuses finetune_lora). torch is
-imported only inside the functions that need it: the checks before launch run without it.
+"FP8 is only supported on H100+, SM 8.9 and MI300+ devices"). `check_float8_device` refuses everything else in
+one line before a process starts, and `check_float8_recipe` refuses finetune_lora. torch is imported only inside
+the functions that need it: the checks before launch run without it.
 """
 
 from __future__ import annotations
