@@ -67,6 +67,32 @@ def test_the_grouped_mm_path_equals_the_per_expert_path():
     )
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+    reason="torch._grouped_mm's CUDA kernel needs an SM80+ GPU",
+)
+def test_on_a_gpu_the_experts_run_grouped_mm_and_equal_the_per_token_loop():
+    """bf16 autocast on CUDA, as training runs: the experts take torch._grouped_mm (`uses_grouped_mm`), and their
+    output and gradients equal the fp32 per-token definition within bf16 rounding."""
+    from litsft.model.moe import uses_grouped_mm
+
+    experts = _experts().cuda()
+    x = torch.randn(9, C, device="cuda", requires_grad=True)
+    chosen = torch.randint(0, E - 1, (9, 2), device="cuda")
+    chosen[:, 1] = (chosen[:, 0] + 1) % (E - 1)  # the last expert gets no token
+    weights = torch.rand(9, 2, device="cuda")
+    counts = torch.bincount(chosen.flatten(), minlength=E)
+    with torch.autocast("cuda", torch.bfloat16):
+        assert uses_grouped_mm(x, experts)
+        out = experts(x, chosen, weights, counts).float()
+    out.square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    on_cpu = _experts()  # the same seed: the same weights, on the CPU
+    reference = _per_token_reference(on_cpu, x.detach().cpu(), chosen.cpu(), weights.cpu())
+    torch.testing.assert_close(out.detach().cpu(), reference.detach(), atol=3e-2, rtol=3e-2)
+
+
 def test_tensors_without_data_split_the_assignments_evenly():
     assert slice_sizes(torch.tensor([5, 0, 1, 4]), 10) == [5, 0, 1, 4]
     assert slice_sizes(torch.empty(4, device="meta"), 10) == [3, 3, 2, 2]

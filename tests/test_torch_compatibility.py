@@ -111,6 +111,21 @@ def test_sdpa_takes_the_options_litsft_passes():
     assert out.shape == q.shape
 
 
+def test_grouped_mm_takes_offsets():
+    """torch._grouped_mm (litsft.model.moe on CUDA, `torch._grouped_mm(a, b, offs=offsets)`) is a builtin: its
+    signature is read from the stub torch ships with it, torch/_C/_VariableFunctions.pyi."""
+    import ast
+    from pathlib import Path
+
+    stub = Path(torch.__file__).parent / "_C" / "_VariableFunctions.pyi"
+    functions = [
+        node for node in ast.parse(stub.read_text()).body
+        if isinstance(node, ast.FunctionDef) and node.name == "_grouped_mm"
+    ]  # fmt: skip
+    assert functions and hasattr(torch, "_grouped_mm"), f"torch {torch.__version__} has no _grouped_mm"
+    assert [a.arg for a in functions[0].args.args][:3] == ["input", "mat2", "offs"]
+
+
 def test_autocast_queries_take_a_device_type():
     assert torch.get_autocast_dtype("cpu") in (torch.bfloat16, torch.float16)
     assert torch.is_autocast_enabled("cpu") is False

@@ -134,6 +134,7 @@ def test_on_two_processes_each_rank_writes_its_trace_with_fsdps_collectives(tmp_
         } <= inside
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the memory snapshot is CUDA's: this machine has no GPU"
 )

@@ -89,7 +89,7 @@ def steps(out_dir: Path, work_dir: Path = WORK_DIR, python: str = "python3") -> 
         Step(
             "gpu_tests", 65,
             f"{pytest} -m gpu --junitxml {out}/junit-gpu_tests.xml {repo}/tests",
-            "the tests a CPU machine skips (pytest -m gpu): flash and flex kernels, float8, CUDA generation, syncs",
+            "the tests a CPU machine skips (pytest -m gpu): flash, flex, float8, grouped_mm, generation, syncs",
         ),
         Step(
             "cpu_subset_on_cuda", 45,
