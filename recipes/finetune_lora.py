@@ -86,7 +86,7 @@ def lora_finetuning(
     # Imported here: litsft.cli.launcher calls this once the run has passed its checks, and torch takes seconds.
     from litsft.checkpoint.lora_folder import save_lora_folder
     from litsft.checkpoint.model_folder import load_model_weights
-    from litsft.checkpoint.sharded_rows import copy_rows, global_rank
+    from litsft.checkpoint.sharded_tensors import copy_local_part, global_rank
     from litsft.model.adapters import adapter_variant
     from litsft.model.lora import (
         apply_lora,
@@ -109,7 +109,7 @@ def lora_finetuning(
         load_model_weights(model, checkpoint_dir, stored_name=base_weight_name)
         for name, param in model.named_parameters():
             if param.requires_grad:
-                copy_rows(
+                copy_local_part(
                     param.data, initial_adapter_value(name, param.shape, parameter_generator(seed, name))
                 )
         initialize_from_base(model)  # what the variant derives from the loaded base (DoRA, PiSSA)

@@ -83,13 +83,15 @@ def pretraining(config: Config, tokenizer_dir: Path, seed: int) -> Recipe:
     """Fresh weights, every one trained; the final model is a full checkpoint with the tokenizer's files."""
     # Imported here: litsft.cli.launcher calls this once the run has passed its checks, and torch takes seconds.
     from litsft.checkpoint.model_folder import gather_and_save_model_folder
-    from litsft.checkpoint.sharded_rows import copy_rows
+    from litsft.checkpoint.sharded_tensors import copy_local_part
     from litsft.model.network import Transformer, parameter_generator
 
     def initialize(model: Transformer) -> None:
         # Drawn per parameter from its own generator: the same weights on 1 GPU or 64.
         for name, param in model.named_parameters():
-            copy_rows(param.data, model.initial_value(name, param.shape, parameter_generator(seed, name)))
+            copy_local_part(
+                param.data, model.initial_value(name, param.shape, parameter_generator(seed, name))
+            )
 
     return Recipe(
         name="pretrain",

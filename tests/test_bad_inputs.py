@@ -467,7 +467,7 @@ CASES: dict[str, Case] = {
     ),
     "resume a damaged shard": (
         lambda ws, t: train(ws, _damaged(copy_of(ws, t, "interrupted"))),
-        "rank-00000.safetensors is damaged",
+        "shard-00001-model-00001-of-00001.safetensors is damaged",
         NO_ENV,
     ),
     "resume an incomplete checkpoint": (
@@ -543,12 +543,12 @@ def _locked(out_dir: Path) -> Path:
 
 
 def _damaged(out_dir: Path) -> Path:
-    corrupt_header(out_dir / "step-00000002" / "shards" / "rank-00000.safetensors")
+    corrupt_header(out_dir / "step-00000002" / "shards" / "shard-00001-model-00001-of-00001.safetensors")
     return out_dir
 
 
 def _truncated(out_dir: Path) -> Path:
-    shard = out_dir / "step-00000002" / "shards" / "rank-00000.safetensors"
+    shard = out_dir / "step-00000002" / "shards" / "shard-00001-model-00001-of-00001.safetensors"
     shard.write_bytes(shard.read_bytes()[:1000])
     return out_dir / "step-00000002"
 

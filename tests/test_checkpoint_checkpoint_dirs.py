@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from litsft.checkpoint.checkpoint_dirs import (
+    CHECKPOINT_FORMAT,
     TRAINER_STATE,
     checkpoint_name,
     find_damage,
@@ -29,7 +30,8 @@ def write_checkpoint(directory: Path, files: dict[str, bytes], state: object = N
         (directory / name).parent.mkdir(parents=True, exist_ok=True)
         (directory / name).write_bytes(content)
     if state is None:
-        state = {"step": 1, "files": list(files), "file_sizes": {name: len(c) for name, c in files.items()}}
+        sizes = {name: len(c) for name, c in files.items()}
+        state = {"step": 1, "format": CHECKPOINT_FORMAT, "files": list(files), "file_sizes": sizes}
     (directory / TRAINER_STATE).write_text(json.dumps(state))
     return directory
 
@@ -110,7 +112,7 @@ def test_resume_picks_the_newest_a_given_directory_or_none(tmp_path: Path) -> No
 def test_the_trainer_state_of_a_complete_checkpoint_only(tmp_path: Path) -> None:
     checkpoint = write_checkpoint(tmp_path / checkpoint_name(5), {"a": b"1"})
     state = read_trainer_state(checkpoint)
-    assert state == {"step": 1, "files": ["a"], "file_sizes": {"a": 1}}
+    assert state == {"step": 1, "format": CHECKPOINT_FORMAT, "files": ["a"], "file_sizes": {"a": 1}}
     (checkpoint / "a").unlink()
     with pytest.raises(LitsftError, match=r"is not a complete litsft training checkpoint .*--resume auto$"):
         read_trainer_state(checkpoint)
@@ -175,3 +177,19 @@ def test_damaged_checkpoints_are_moved_aside_whole_and_the_newest_intact_one_is_
     assert len(set_aside_damaged_checkpoints(out_dir)) == 1
     assert len([p for p in out_dir.iterdir() if p.name.startswith(checkpoint_name(6))]) == 2
     assert set_aside_damaged_checkpoints(out_dir) == []
+
+
+def test_a_checkpoint_in_the_earlier_row_format_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Written before DCP: per-rank row blocks, and a trainer_state.json without `format`."""
+    files = {"shards/rank-00000.safetensors": b"x", "rank-00000.pt": b"y"}
+    old = write_checkpoint(tmp_path / checkpoint_name(3), files)
+    state = json.loads((old / TRAINER_STATE).read_text())
+    del state["format"]
+    (old / TRAINER_STATE).write_text(json.dumps(state))
+    assert latest_checkpoint(tmp_path) == old  # complete: refused for its format, not called damaged
+    with pytest.raises(
+        LitsftError,
+        match=r"^\S+step-00000003 is in litsft's earlier row-sharded checkpoint format, which this version no "
+        r"longer reads; finish that run with the litsft that wrote it, or start this one in another --out_dir$",
+    ):
+        read_trainer_state(old)

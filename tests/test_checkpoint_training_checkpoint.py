@@ -59,7 +59,8 @@ def test_a_checkpoint_holds_its_files_listed_with_their_sizes(tmp_path) -> None:
     path = save(tmp_path, 12, model, optimizer)
     assert path == tmp_path / "step-00000012" == tmp_path / checkpoint_name(12)
     state = json.loads((path / TRAINER_STATE).read_text())
-    assert state["files"] == ["rank-00000.pt", "shards/rank-00000.safetensors"]
+    assert state["files"] == ["rank-00000.pt", "shards/shard-00001-model-00001-of-00001.safetensors"]
+    assert state["format"] == "dcp-safetensors"
     assert state["file_sizes"] == {name: (path / name).stat().st_size for name in state["files"]}
     assert (state["step"], state["world_size"], state["recipe"], state["epoch"]) == (12, 1, "test", 1)
     assert [group["params"] for group in state["param_groups"]] == [
@@ -87,6 +88,34 @@ def test_loading_restores_parameters_and_optimizer_state_exactly(tmp_path) -> No
         m(torch.ones(1, 4)).sum().backward()
         o.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+
+
+def test_compensated_adamw_state_comes_back_in_the_dtype_it_was_saved_in(tmp_path) -> None:
+    """Its fp32 moments of a bf16 weight stay fp32 (Optimizer.load_state_dict, and so DCP's set_state_dict,
+    would cast them to bf16), its bf16 compensation buffers stay bf16, all bit for bit."""
+    from litsft.training.optimizer import COMPENSATION, CompensatedAdamW
+
+    def bf16_trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = nn.Linear(4, 6).to(torch.bfloat16)
+        optimizer = CompensatedAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+        model(torch.randn(5, 4, dtype=torch.bfloat16)).square().sum().backward()
+        optimizer.step()
+        return model, optimizer
+
+    model, optimizer = bf16_trained(0)
+    path = save(tmp_path, 1, model, optimizer)
+    other, other_optimizer = bf16_trained(1)
+    load_training_checkpoint(path, other, other_optimizer)
+    for param, other_param in zip(model.parameters(), other.parameters()):
+        saved, loaded = optimizer.state[param], other_optimizer.state[other_param]
+        assert {k: v.dtype for k, v in loaded.items()} == {
+            "step": torch.float32,
+            "exp_avg": torch.float32,
+            "exp_avg_sq": torch.float32,
+            COMPENSATION: torch.bfloat16,
+        }
+        assert all(torch.equal(saved[key], loaded[key]) for key in saved)
 
 
 def test_without_frozen_parameters_only_trained_ones_are_stored(tmp_path) -> None:
@@ -120,7 +149,7 @@ def test_a_crash_before_the_rename_leaves_only_a_partial_directory(tmp_path, mon
 def test_a_truncated_file_makes_a_checkpoint_incomplete(tmp_path) -> None:
     model, optimizer = trained(0)
     first, second = save(tmp_path, 1, model, optimizer), save(tmp_path, 2, model, optimizer)
-    shard = second / "shards" / "rank-00000.safetensors"
+    (shard,) = (second / "shards").glob("*.safetensors")
     shard.write_bytes(shard.read_bytes()[:-10])
     assert not is_complete(second) and latest_checkpoint(tmp_path) == first
     with pytest.raises(LitsftError, match="not a complete litsft training checkpoint"):

@@ -11,7 +11,7 @@ import pytest
 from launch import write_records
 from tiny_tokenizer import write_tiny_tokenizer
 
-from litsft.checkpoint.checkpoint_dirs import TRAINER_STATE
+from litsft.checkpoint.checkpoint_dirs import CHECKPOINT_FORMAT, TRAINER_STATE
 from litsft.cli.validation import check_machine, check_run
 from litsft.data import JSON
 from litsft.errors import LitsftError
@@ -39,6 +39,7 @@ def fake_checkpoint(out_dir: Path, run: RunConfig, **recorded: object) -> Path:
         "data": run.data.fingerprint(),
         "config": asdict(run.config),
         "files": [],
+        "format": CHECKPOINT_FORMAT,
     }
     write_json(path / TRAINER_STATE, {**state, **recorded})
     return path

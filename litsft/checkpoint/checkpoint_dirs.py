@@ -26,6 +26,9 @@ DELETING_SUFFIX = ".deleting"
 """An old checkpoint being deleted is renamed `.step-XXXXXXXX.deleting/` first."""
 TRAINER_STATE = "trainer_state.json"
 """Written last: step, config and the list of every file with its size."""
+CHECKPOINT_FORMAT = "dcp-safetensors"
+"""trainer_state.json's `format`: tensors written by torch.distributed.checkpoint's Hugging Face safetensors
+storage. Checkpoints without it were written in litsft's earlier format (rows and their offsets, per rank)."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -138,4 +141,10 @@ def read_trainer_state(checkpoint_dir: Path) -> dict[str, Any]:
             f"{checkpoint_dir} is not a complete litsft training checkpoint ({damage}); pass another one or "
             "--resume auto"
         )
-    return read_json(checkpoint_dir / TRAINER_STATE)
+    state = read_json(checkpoint_dir / TRAINER_STATE)
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise LitsftError(
+            f"{checkpoint_dir} is in litsft's earlier row-sharded checkpoint format, which this version no longer "
+            "reads; finish that run with the litsft that wrote it, or start this one in another --out_dir"
+        )
+    return state

@@ -22,13 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from litsft.checkpoint.sharded_rows import RowReader, barrier, full_tensors, global_rank
+from litsft.checkpoint.sharded_tensors import ShardedReader, barrier, full_tensors, global_rank
 from litsft.checkpoint.weight_files import (
     DEFAULT_MAX_SHARD_SIZE,
     TensorInfo,
     iter_tensors,
     tensor_infos,
-    weight_file_map,
     write_safetensors,
 )
 from litsft.errors import LitsftError
@@ -185,32 +184,33 @@ def fingerprint_of_state_dict(state_dict: dict[str, torch.Tensor], config: Confi
 def load_model_weights(
     model: nn.Module, model_dir: Path, stored_name: Callable[[str], str | None] = lambda name: name
 ) -> None:
-    """Fill `model` (materialized, possibly sharded) from a litsft model folder, each rank reading only its own
-    rows. `stored_name` maps a parameter name to its name on disk, or None for one not loaded (LoRA's
-    adapters; its frozen `...q_proj.base.weight` is stored as `...q_proj.weight`)."""
-    files = weight_file_map(model_dir)
-    reader = RowReader(
-        {
-            name: [(files[name], name, 0, shape[0] if shape else 1)]
-            for name, (shape, _) in model_tensor_shapes(model_dir).items()
-        }
-    )
-    missing = []
+    """Fill `model` (materialized, possibly sharded in any placement) from a litsft model folder, each rank
+    reading only its own part of each tensor. `stored_name` maps a parameter name to its name on disk, or
+    None for one not loaded (LoRA's adapters; its frozen `...q_proj.base.weight` is stored as
+    `...q_proj.weight`). Each rank reads on its own (the folder holds whole tensors): nothing collective."""
+    Config.from_checkpoint(model_dir)  # a clear error for a directory that is not a litsft model folder
+    reader = ShardedReader(model_dir, fix="convert the model again")
+    stored = reader.stored()
+    targets, nf4_weights, missing = {}, {}, []
     for name, param in list(model.named_parameters()):  # a tied lm_head is the embedding, listed once
-        stored = stored_name(name)
-        if stored is None:
+        name_on_disk = stored_name(name)
+        if name_on_disk is None:
             continue
-        if stored not in reader.names():
-            missing.append(stored)
-            continue
-        if is_nf4(param):  # quantized whole, then split into this rank's rows (litsft.model.quantization)
-            load_nf4_weight(
-                model.get_submodule(name.rpartition(".")[0]), reader.read(stored, 0, param.shape[0])
-            )
+        if name_on_disk not in stored:
+            missing.append(name_on_disk)
+        elif is_nf4(param):
+            nf4_weights[name] = name_on_disk
         else:
-            reader.fill(stored, param.data)
+            targets[name_on_disk] = param.data
     if missing:
         raise LitsftError(
             f"{model_dir} lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}; "
             "it was converted from a different model"
         )
+    reader.load(targets, collective=False)
+    for name, name_on_disk in nf4_weights.items():
+        # Quantized whole, then split into this rank's part (litsft.model.quantization): read one at a time.
+        shape, dtype = stored[name_on_disk]
+        full = torch.empty(shape, dtype=dtype)
+        reader.load({name_on_disk: full}, collective=False)
+        load_nf4_weight(model.get_submodule(name.rpartition(".")[0]), full)

@@ -1,7 +1,10 @@
 """Training checkpoints: sharded save, atomic publish, exact resume, rotation, and the RNG state they carry.
 
 Layout of `out_dir/step-00000012/`:
-    shards/rank-00000.safetensors ...  each rank's rows of every model parameter and optimizer state
+    shards/shard-00001-model-00001-of-00001.safetensors ...
+                                       the model parameters and optimizer state, each rank's part of every
+                                       tensor in its own file, written by torch.distributed.checkpoint (DCP)
+                                       with its Hugging Face safetensors storage (`sharded_tensors`)
     rank-00000.pt ...                  each rank's RNG states, data-loader state and (16-mixed) loss scale
     trainer_state.json                 step, epoch, optimizer hyper-parameters, the run config, file list
 
@@ -15,14 +18,17 @@ so it is not `formats.publish_atomically`, which serves outputs written by one p
 Which checkpoints an out_dir holds, which are complete and which one a run resumes from is
 `checkpoint_dirs` (no torch: the checks before launch use it).
 
-Every tensor is stored as the rows this rank holds plus their offset in the full tensor (see
-`sharded_rows`), so the same code loads a checkpoint into a different number of ranks.
+Tensors are stored under `model/<parameter name>` and `optimizer/<parameter name>/<state key>` in whatever
+placement the run holds them (FSDP2's dim-0 shards, replicas written once, any other DTensor placement),
+and DCP reads them back into any placement and number of ranks. Optimizer state is restored into tensors
+of the dtype it was saved in, not through `Optimizer.load_state_dict` (or DCP's `set_state_dict`, which
+calls it): that casts every floating state to its parameter's dtype, which would round CompensatedAdamW's
+fp32 moments of a bf16 weight to bf16.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 import random
@@ -31,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from litsft.checkpoint.checkpoint_dirs import (
+    CHECKPOINT_FORMAT,
     DELETING_SUFFIX,
     PARTIAL_SUFFIX,
     STEP_PREFIX,
@@ -44,15 +50,14 @@ from litsft.checkpoint.checkpoint_dirs import (
     latest_checkpoint,
     read_trainer_state,
 )
-from litsft.checkpoint.sharded_rows import (
-    RowBlock,
-    RowReader,
+from litsft.checkpoint.sharded_tensors import (
+    ShardedReader,
     first_failure,
     global_rank,
-    local_rows,
+    save_sharded,
     world_size,
 )
-from litsft.checkpoint.weight_files import refused_global, save_safetensors
+from litsft.checkpoint.weight_files import refused_global
 from litsft.errors import LitsftError
 from litsft.runtime.faults import fault_point
 from litsft.runtime.files import first_line, fsync_path, write_bytes, write_json
@@ -63,6 +68,21 @@ SHARDS_DIR = "shards"
 # ---- saving ---------------------------------------------------------------------------------------------
 def _trainable_named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def checkpoint_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer, with_frozen: bool = True
+) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint stores, by their names in it: `model/<name>` for every parameter (the
+    trainable ones only without `with_frozen`), `optimizer/<name>/<key>` for every optimizer state tensor."""
+    parameters = dict(model.named_parameters()) if with_frozen else _trainable_named_parameters(model)
+    tensors = {f"model/{name}": param.detach() for name, param in parameters.items()}
+    names_of = {id(p): n for n, p in model.named_parameters()}
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer/{names_of[id(param)]}/{key}"] = value
+    return tensors
 
 
 def save_training_checkpoint(
@@ -103,11 +123,17 @@ def save_training_checkpoint(
             error = err
     fail_together(error)  # also the barrier: no rank writes before the directory exists
     fault_point(f"save_{step}_started", rank)
+    error = None
     try:
         fault_point(f"save_{step}_writing", rank)
-        _write_rank_files(partial, rank, model, optimizer, rank_state, save_frozen)
-        error = None
-    except (OSError, SafetensorError, RuntimeError) as err:
+        _write_rank_state(partial, rank, rank_state)
+    except OSError as err:
+        error = err
+    # Before DCP's save, which is collective: a rank that failed already must not leave the others in it.
+    fail_together(error)
+    try:
+        save_sharded(checkpoint_tensors(model, optimizer, save_frozen), partial / SHARDS_DIR)
+    except Exception as err:  # DCP hands back the failing rank's own exception, on every rank
         error = err
     fault_point(f"save_{step}_shards_written", rank)
     fail_together(error)  # also the barrier: every rank's files are on disk
@@ -115,7 +141,7 @@ def save_training_checkpoint(
     error = None
     if rank == 0:
         try:
-            state = dict(trainer_state, step=step, world_size=world_size())
+            state = dict(trainer_state, step=step, world_size=world_size(), format=CHECKPOINT_FORMAT)
             state["param_groups"] = _param_groups_by_name(model, optimizer)
             files = {str(p.relative_to(partial)): p.stat().st_size for p in partial.rglob("*") if p.is_file()}
             state.update(files=sorted(files), file_sizes=files)
@@ -129,35 +155,8 @@ def save_training_checkpoint(
     return final
 
 
-def _write_rank_files(
-    partial: Path,
-    rank: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    rank_state: dict[str, Any],
-    save_frozen: bool,
-) -> None:
-    """This rank's rows of the parameters and optimizer state, and its own state, fsynced."""
-    tensors: dict[str, torch.Tensor] = {}
-    offsets: dict[str, int] = {}
-
-    def add(key: str, tensor: torch.Tensor) -> None:
-        local, offset, is_writer = local_rows(tensor)
-        if is_writer:
-            tensors[key] = local.detach().to("cpu").contiguous()
-            offsets[key] = offset
-
-    parameters = dict(model.named_parameters()) if save_frozen else _trainable_named_parameters(model)
-    for name, param in parameters.items():
-        add(f"model/{name}", param)
-    names_of = {id(p): n for n, p in model.named_parameters()}
-    for param, state in optimizer.state.items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                add(f"optimizer/{names_of[id(param)]}/{key}", value)
-    shard_path = partial / SHARDS_DIR / f"rank-{rank:05d}.safetensors"
-    save_safetensors(tensors, shard_path, metadata={"row_offsets": json.dumps(offsets)})
-    fsync_path(shard_path)
+def _write_rank_state(partial: Path, rank: int, rank_state: dict[str, Any]) -> None:
+    """This rank's own state (RNG, data loader, loss scale), fsynced."""
     buffer = io.BytesIO()
     torch.save(rank_state, buffer)
     write_bytes(partial / f"rank-{rank:05d}.pt", buffer.getvalue(), durable=True)
@@ -173,83 +172,79 @@ def _param_groups_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) ->
 
 
 # ---- loading ----------------------------------------------------------------------------------------------
-def training_rows(checkpoint_dir: Path, prefix: str) -> RowReader:
-    """A reader of the tensors under `prefix` ("model/", "optimizer/") in every rank's shard file."""
-    blocks: dict[str, list[RowBlock]] = {}
-    for path in sorted((checkpoint_dir / SHARDS_DIR).glob("rank-*.safetensors")):
-        try:
-            with safe_open(path, framework="pt") as f:
-                offsets = json.loads((f.metadata() or {}).get("row_offsets", "{}"))
-                for key in f.keys():
-                    if key.startswith(prefix):
-                        shape = f.get_slice(key).get_shape()
-                        rows = shape[0] if shape else 1
-                        blocks.setdefault(key[len(prefix) :], []).append((path, key, offsets[key], rows))
-        except (SafetensorError, OSError, ValueError, KeyError) as err:
-            raise LitsftError(
-                f"{path} is damaged ({first_line(err)}); move {checkpoint_dir} aside (rename it) to resume from "
-                "the checkpoint before it, or pass --resume <an older step dir>"
-            ) from None
-    return RowReader(blocks)
+def stored_tensors(checkpoint_dir: Path) -> ShardedReader:
+    """The tensors a checkpoint stores (see `checkpoint_tensors` for their names), read from file headers."""
+    fix = (
+        f"move {checkpoint_dir} aside (rename it) to resume from the checkpoint before it, or pass "
+        "--resume <an older step dir>"
+    )
+    return ShardedReader(checkpoint_dir / SHARDS_DIR, fix)
 
 
 @torch.no_grad()
 def load_training_checkpoint(
     checkpoint_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, load_frozen: bool = True
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Restore model and optimizer in place (resharding if the world size changed); return the trainer state
-    and this rank's own state (None when the checkpoint was written by a different number of ranks)."""
+    """Restore model and optimizer in place (resharding if the world size or placement changed); return the
+    trainer state and this rank's own state (None when the checkpoint was written by a different number of
+    ranks). Collective."""
     state = read_trainer_state(checkpoint_dir)
-    model_rows = training_rows(checkpoint_dir, "model/")
+    reader = stored_tensors(checkpoint_dir)
+    stored = reader.stored()
     parameters = dict(model.named_parameters()) if load_frozen else _trainable_named_parameters(model)
-    missing = sorted(set(parameters) - model_rows.names())
+    missing = sorted(name for name in parameters if f"model/{name}" not in stored)
     if missing:
         raise LitsftError(
             f"{checkpoint_dir} has no weights for {missing[:3]}; it was written for a different model"
         )
-    for name, param in parameters.items():
-        model_rows.fill(name, param.data)
-    _load_optimizer_state(checkpoint_dir, state["param_groups"], model, optimizer)
+    targets = {f"model/{name}": param.data for name, param in parameters.items()}
+    optimizer_state = _empty_optimizer_state(checkpoint_dir, state["param_groups"], model, optimizer, stored)
+    for name, param_state in optimizer_state.items():
+        targets.update({f"optimizer/{name}/{key}": value for key, value in param_state.items()})
+    reader.load(targets)
+    param_of = dict(model.named_parameters())
+    for name, param_state in optimizer_state.items():
+        optimizer.state[param_of[name]] = param_state
     rank_state = None
     if state["world_size"] == world_size():
         rank_state = load_rank_state(checkpoint_dir / f"rank-{global_rank():05d}.pt")
     return state, rank_state
 
 
-def _load_optimizer_state(
+def _empty_optimizer_state(
     checkpoint_dir: Path,
     saved_groups: list[dict[str, Any]],
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-) -> None:
-    optimizer_rows = training_rows(checkpoint_dir, "optimizer/")
+    stored: dict[str, tuple[tuple[int, ...], torch.dtype]],
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Per parameter name, a tensor for each optimizer state the checkpoint holds, of its stored dtype and
+    the parameter's placement, to be filled; the saved hyper-parameters this run does not set are taken."""
     if len(saved_groups) != len(optimizer.param_groups):
         raise LitsftError(
             f"{checkpoint_dir} holds {len(saved_groups)} optimizer parameter groups, this run has "
             f"{len(optimizer.param_groups)}; resume with the recipe and options that wrote it"
         )
     param_of = dict(model.named_parameters())
-    stored_names = optimizer_rows.names()
+    empty: dict[str, dict[str, torch.Tensor]] = {}
     for saved, group in zip(saved_groups, optimizer.param_groups):
         # This run's hyper-parameters win: a changed one is announced before launch (validation.schedule_changes).
         for key, value in saved.items():
             group.setdefault(key, value)
         for name in saved["params"]:
-            param = param_of[name]
+            param, prefix = param_of[name], f"optimizer/{name}/"
             param_state = {}
             # Every state the optimizer saved (AdamW's moments, a compensation buffer), in its saved dtype.
-            for key in sorted(n.removeprefix(f"{name}/") for n in stored_names if n.startswith(f"{name}/")):
-                stored = f"{name}/{key}"
-                if key == "step":
-                    step_tensor = optimizer_rows.read(stored, 0, 1).reshape(())
+            for stored_name in sorted(n for n in stored if n.startswith(prefix)):
+                key, (shape, dtype) = stored_name.removeprefix(prefix), stored[stored_name]
+                if not shape:  # a scalar, e.g. Adam's step count
                     fused = group.get("fused") or group.get("capturable")
-                    param_state[key] = step_tensor.to(param.device if fused else "cpu")
+                    param_state[key] = torch.zeros((), dtype=dtype, device=param.device if fused else "cpu")
                 else:
-                    value = torch.zeros_like(param.data, dtype=optimizer_rows.read(stored, 0, 1).dtype)
-                    optimizer_rows.fill(stored, value)
-                    param_state[key] = value
+                    param_state[key] = torch.zeros_like(param.data, dtype=dtype)
             if param_state:
-                optimizer.state[param] = param_state
+                empty[name] = param_state
+    return empty
 
 
 def load_rank_zero_state(checkpoint_dir: Path) -> dict[str, Any]:

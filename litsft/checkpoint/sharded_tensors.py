@@ -1,0 +1,159 @@
+"""Tensors sharded across ranks in any placement (FSDP2's dim-0 shards, a `Shard(1)` expert weight,
+replicas), saved and loaded through torch.distributed.checkpoint (DCP) with its Hugging Face safetensors
+storage, and the rank helpers that saving and loading collectively need.
+
+DCP writes each rank's pieces to its own safetensors file with their offsets in the file's header
+(`HuggingFaceStorageWriter(save_distributed=True)`), writes a replicated tensor once, and reads any
+placement back from any number of ranks (`HuggingFaceStorageReader`). Its metadata lives in those headers,
+not in DCP's pickled `.metadata` file, which nothing here reads: loading never unpickles.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from litsft.errors import LitsftError
+from litsft.runtime.files import first_line
+
+# DCP warns on every call without a process group, though running on one process is what was meant.
+_ONE_PROCESS_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
+
+
+def global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def first_failure(error: BaseException | None) -> tuple[int, str] | None:
+    """(rank, message) of the lowest rank that failed, the same on every rank; None if none failed.
+    Collective: every rank calls it, so a failure on one rank never leaves the others waiting."""
+    message = "" if error is None else first_line(error)
+    messages = [message]
+    if world_size() > 1:
+        messages = [""] * world_size()
+        dist.all_gather_object(messages, message)
+    for rank, text in enumerate(messages):
+        if text:
+            return rank, text
+    return None
+
+
+def dcp_failure(error: CheckpointException) -> BaseException:
+    """The exception of the lowest rank whose part of a DCP save or load failed (DCP gathers them all)."""
+    failures = error.failures
+    if not failures:
+        return error
+    wrapped = failures[min(failures)]
+    return wrapped[0] if isinstance(wrapped, tuple) else wrapped
+
+
+@torch.no_grad()
+def copy_local_part(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of the full tensor `full` into `target` (a plain tensor or a DTensor of any
+    placement), slicing locally: no rank sends anything."""
+    if isinstance(target, DTensor):
+        part = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(part.to_local())
+    else:
+        target.copy_(full)
+
+
+def full_tensors(
+    named: dict[str, torch.Tensor], dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full CPU tensor) one at a time. Every rank must iterate (gathering is collective)."""
+    for name, tensor in named.items():
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        full = full.detach().to("cpu")
+        yield name, full.to(dtype) if dtype is not None and full.is_floating_point() else full
+
+
+# ---- DCP with safetensors storage -------------------------------------------------------------------------
+def save_sharded(tensors: dict[str, torch.Tensor], directory: Path) -> None:
+    """Write every rank's part of `tensors` (flat name -> tensor or DTensor) into `directory`, one
+    safetensors file per rank that holds a part no other rank writes, fsynced. Collective. Raises the
+    OSError (or other exception) of the lowest rank that failed, on every rank."""
+    writer = HuggingFaceStorageWriter(str(directory), save_distributed=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_ONE_PROCESS_WARNING)
+            dcp.save(tensors, storage_writer=writer, no_dist=world_size() == 1)
+    except CheckpointException as err:
+        raise dcp_failure(err) from None
+
+
+class ShardedReader:
+    """The tensors DCP stored in a directory of safetensors files, read from the files' headers once.
+
+    `stored()` says what is there (name -> shape, dtype); `load` fills tensors of any placement with their
+    parts, each rank reading only the slices it holds. A file whose header cannot be read is a LitsftError
+    naming it and `fix`."""
+
+    def __init__(self, directory: Path, fix: str) -> None:
+        self.directory, self.fix = Path(directory), fix
+        for path in sorted(self.directory.glob("*.safetensors")):
+            try:
+                with safe_open(path, framework="pt") as handle:
+                    handle.metadata()
+            except (SafetensorError, OSError) as err:
+                raise LitsftError(f"{path} is damaged ({first_line(err)}); {fix}") from None
+        self._reader = _HeaderReader(str(self.directory))
+        self.metadata = self._reader.read_metadata()
+
+    def stored(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {
+            name: (tuple(entry.size), entry.properties.dtype)
+            for name, entry in self.metadata.state_dict_metadata.items()
+        }
+
+    def load(self, targets: dict[str, torch.Tensor], collective: bool = True) -> None:
+        """Fill `targets` (flat name -> tensor or DTensor) in place. `collective`: every rank calls this with
+        the same names; otherwise each rank reads on its own."""
+        stored = self.stored()
+        for name, target in targets.items():
+            if name not in stored:
+                raise LitsftError(f"{self.directory} has no tensor {name!r}; {self.fix}")
+            if tuple(target.shape) != stored[name][0]:
+                raise LitsftError(
+                    f"{name}: {self.directory} holds shape {stored[name][0]} but the model expects "
+                    f"{tuple(target.shape)}; it was written for a different model config"
+                )
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_ONE_PROCESS_WARNING)
+                dcp.load(targets, storage_reader=self._reader, no_dist=not collective or world_size() == 1)
+        except CheckpointException as err:
+            failure = dcp_failure(err)
+            raise LitsftError(
+                f"cannot read {self.directory} (rank {min(err.failures or [0])}: {first_line(failure)}); {self.fix}"
+            ) from None
+
+
+class _HeaderReader(HuggingFaceStorageReader):
+    """The Hugging Face reader, its metadata (parsed from every file's header) read once, not per load."""
+
+    _metadata: Metadata | None = None
+
+    def read_metadata(self) -> Metadata:
+        if self._metadata is None:
+            self._metadata = super().read_metadata()
+        return self._metadata
