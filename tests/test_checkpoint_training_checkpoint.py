@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from litsft.checkpoint.training_checkpoint import (
     remove_partial_checkpoints,
     rotate_checkpoints,
     save_training_checkpoint,
+    start_background_save,
 )
 from litsft.errors import LitsftError
 from litsft.runtime.faults import FAULT_ENV
@@ -166,6 +168,61 @@ def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path) -> None:
     assert len(list(tmp_path.iterdir())) == 2
 
 
+def test_a_background_save_holds_the_state_of_its_step_and_is_published_only_once_written(
+    tmp_path, monkeypatch
+) -> None:
+    """Training goes on while the files are written: the checkpoint holds the state at the save, not the
+    state of the steps taken meanwhile, and until every file is on disk the previous checkpoint is the
+    newest complete one (a kill then loses nothing: tests/test_fault_injection.py kills a run there)."""
+    import threading
+
+    from litsft.checkpoint import training_checkpoint
+
+    model, optimizer = trained(0)
+    earlier = save(tmp_path, 1, model, optimizer)
+    at_save = [p.detach().clone() for p in model.parameters()]
+    writing, may_write = threading.Event(), threading.Event()
+
+    def gate(name: str, rank: int = 0) -> None:
+        if name == "save_2_writing_in_background":
+            writing.set()
+            assert may_write.wait(timeout=60)
+
+    monkeypatch.setattr(training_checkpoint, "fault_point", gate)
+    background = start_background_save(
+        tmp_path, 2, model, optimizer, {"recipe": "t"}, {"loader": {}}, True, None, keep_last=None
+    )
+    assert writing.wait(timeout=60)
+    assert latest_checkpoint(tmp_path) == earlier and (tmp_path / ".step-00000002.partial").is_dir()
+    model(torch.ones(1, 4)).sum().backward()  # the next step, while the files are being written
+    optimizer.step()
+    may_write.set()
+    assert background.wait() == tmp_path / "step-00000002" == latest_checkpoint(tmp_path)
+
+    other, other_optimizer = trained(1)
+    load_training_checkpoint(tmp_path / "step-00000002", other, other_optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(at_save, other.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(at_save, model.parameters()))
+
+
+def test_a_background_save_that_fails_raises_at_the_wait_and_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch
+) -> None:
+    model, optimizer = trained(0)
+    save(tmp_path, 1, model, optimizer)
+    monkeypatch.setenv(FAULT_ENV, "save_2_writing_in_background:enospc")
+    background = start_background_save(
+        tmp_path, 2, model, optimizer, {"recipe": "t"}, {"loader": {}}, True, None, keep_last=1
+    )
+    with pytest.raises(
+        LitsftError,
+        match=r"could not write checkpoint \S+step-00000002 \(rank 0: \[Errno 28\] No space left on device: "
+        r"'\(fault injected at save_2_writing_in_background\)'\); step-00000001 is intact",
+    ):
+        background.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
+
+
 class Payload:
     def __reduce__(self):
         return (print, ("this would run on load",))
@@ -178,3 +235,122 @@ def test_a_rank_file_holding_python_objects_is_refused_unread(tmp_path) -> None:
         load_rank_state(path)
     torch.save({"epoch": 2, "rng": torch.arange(3)}, path)
     assert load_rank_state(path)["epoch"] == 2
+
+
+# ---- every layout, and elastic resume, on several processes of a CPU mesh ------------------------------------
+STAGES = [
+    # (sharding, mesh shape): each stage resumes the previous one's checkpoint, takes one step and saves.
+    ("one process", (1,)),
+    ("FULL_SHARD", (2,)),
+    ("HYBRID_SHARD", (2, 2)),  # 2 nodes x 2 devices: shards in a node, replicas across nodes
+    ("DIM_1", (4,)),  # every matrix sharded along dim 1 (as torchtitan shards experts), which rows could not
+    ("NO_SHARD", (2, 1)),
+    ("SHARD_GRAD_OP", (2,)),
+    ("one process", (1,)),
+]
+
+
+def _stage(rank: int, sharding: str, shape: tuple[int, ...], work: Path, index: int) -> list[str]:
+    """Build the tiny model in this stage's layout, resume the previous stage's checkpoint and compare every
+    parameter and optimizer state with what it saved (bit for bit), then train one step and save."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    from litsft.model.config import Config
+    from litsft.model.network import Transformer
+    from litsft.training.args import FSDPConfig, OptimizerConfig
+    from litsft.training.optimizer import build_optimizer
+    from litsft.training.parallel import parallelize
+
+    torch.manual_seed(index)  # a different start each stage: only the resume makes them agree
+    model = Transformer(Config.from_name("tiny-llama"))
+    model.init_weights(index + 1)
+    if sharding == "DIM_1":
+        mesh = init_device_mesh("cpu", shape)
+        for unit in (*model.blocks, model):
+            fully_shard(unit, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else Shard(0))
+        assert model.blocks[0].mlp.gate_proj.weight.placements == (Shard(1),)
+    elif sharding != "one process":
+        names = ("replicate", "shard") if len(shape) == 2 else None
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        parallelize(model, mesh, FSDPConfig(sharding_strategy=sharding), "32-true")
+    optimizer = build_optimizer(model, OptimizerConfig(lr=1e-2))
+
+    def full_state() -> dict[str, torch.Tensor]:
+        def whole(t: torch.Tensor) -> torch.Tensor:
+            return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+        state = {f"model/{n}": whole(p) for n, p in model.named_parameters()}
+        for n, p in model.named_parameters():
+            state |= {f"optimizer/{n}/{k}": whole(v) for k, v in optimizer.state.get(p, {}).items()}
+        return state
+
+    differences = []
+    if index > 0:
+        load_training_checkpoint(work / f"stage-{index - 1}" / "step-00000001", model, optimizer)
+        expected = torch.load(work / f"expected-{index - 1}.pt", weights_only=True)
+        loaded = full_state()
+        differences = [k for k in expected if k not in loaded or not torch.equal(expected[k], loaded[k])]
+        differences += sorted(set(loaded) - set(expected))
+    tokens = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(100 * rank + index))
+    model(input_ids=tokens, labels=tokens).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    save_training_checkpoint(work / f"stage-{index}", 1, model, optimizer, {"recipe": "t"}, {"rank": rank})
+    state = full_state()  # collective under FSDP: every rank gathers
+    if rank == 0:
+        torch.save(state, work / f"expected-{index}.pt")
+    return differences
+
+
+def _stage_worker(rank: int, ranks: int, sharding: str, shape, work: str, index: int, results) -> None:
+    import traceback
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if ranks > 1:
+            init = f"file://{work}/init-{index}"
+            dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)
+        results.put((rank, _stage(rank, sharding, shape, Path(work), index)))
+        if ranks > 1:
+            dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+
+
+def test_every_layout_resumes_every_other_bit_for_bit_and_writes_replicas_once(tmp_path) -> None:
+    """One process -> 2 (FULL_SHARD) -> 4 (HYBRID_SHARD, 2 nodes) -> 4 (dim-1 shards) -> 2 (NO_SHARD) -> 2
+    (SHARD_GRAD_OP) -> one process: each resumes the checkpoint the one before saved and finds every
+    parameter and AdamW state exactly as it was saved. Each checkpoint's files hold every tensor once: the
+    replicas of HYBRID_SHARD and NO_SHARD, and the scalars every rank holds, are written by one rank only."""
+    import math
+
+    import torch.multiprocessing as mp
+    from safetensors import safe_open
+
+    # fork, not spawn: the children reuse this process's imports and start in a fraction of a second.
+    context = mp.get_context("fork")
+    for index, (sharding, shape) in enumerate(STAGES):
+        ranks = math.prod(shape)
+        results = context.Queue()
+        args = (ranks, sharding, shape, str(tmp_path), index, results)
+        workers = [context.Process(target=_stage_worker, args=(rank, *args)) for rank in range(ranks)]
+        for worker in workers:
+            worker.start()
+        answers = dict(results.get(timeout=300) for _ in workers)
+        for worker in workers:
+            worker.join(timeout=60)
+        for rank, differences in answers.items():
+            assert differences == [], (sharding, rank, differences)
+
+        expected = torch.load(tmp_path / f"expected-{index}.pt", weights_only=True)
+        stored_elements: dict[str, int] = {}
+        for path in (tmp_path / f"stage-{index}" / "step-00000001" / "shards").glob("*.safetensors"):
+            with safe_open(path, framework="pt") as handle:
+                for key in handle.keys():
+                    shape_on_disk = handle.get_slice(key).get_shape()
+                    stored_elements[key] = stored_elements.get(key, 0) + math.prod(shape_on_disk)
+        assert stored_elements == {key: tensor.numel() for key, tensor in expected.items()}, sharding

@@ -66,6 +66,26 @@ def test_three_kills_mid_checkpoint_then_relaunch_equals_uninterrupted_run(works
     assert sorted(p.name for p in (workspace / "killed").glob("step-*")) == ["step-00000006", "step-00000008"]
 
 
+def test_kills_during_background_saves_leave_the_previous_checkpoint_newest_and_lose_nothing(
+    workspace: Path,
+) -> None:
+    """--train.async_save: killed while rank 1 writes step 4's files in the background (training has gone
+    on), then just before step 6's rename: each time the previous checkpoint is the newest complete one, and
+    the relaunches end exactly where the uninterrupted (synchronous) run did."""
+    args = args_for(workspace, "killed-async", "--train.async_save", "true")
+    out_dir = workspace / "killed-async"
+    newest = []
+    for fault in ("save_4_writing_in_background@1", "save_6_before_rename"):
+        run = run_litsft(args, workspace, fault)
+        assert run.returncode == -9, run.stderr[-3000:]
+        newest.append(latest_checkpoint(out_dir).name)
+    assert newest == ["step-00000002", "step-00000004"]
+    run = run_litsft(args, workspace)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_same_as_reference(workspace, "killed-async")
+    assert sorted(p.name for p in out_dir.glob("step-*")) == ["step-00000006", "step-00000008"]
+
+
 @pytest.fixture(scope="module")
 def data_inputs(workspace: Path) -> Path:
     root = workspace / "data-modules"

@@ -11,7 +11,8 @@ not in DCP's pickled `.metadata` file, which nothing here reads: loading never u
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -26,8 +27,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from litsft.errors import LitsftError
 from litsft.runtime.files import first_line
 
-# DCP warns on every call without a process group, though running on one process is what was meant.
-_ONE_PROCESS_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
+# DCP warns on every save and load without a process group, though one process is what litsft means then;
+# filtered for good, not around each call: a background save warns from its own thread, later.
+warnings.filterwarnings(
+    "ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized", category=UserWarning
+)
 
 
 def global_rank() -> int:
@@ -94,11 +98,46 @@ def save_sharded(tensors: dict[str, torch.Tensor], directory: Path) -> None:
     OSError (or other exception) of the lowest rank that failed, on every rank."""
     writer = HuggingFaceStorageWriter(str(directory), save_distributed=True)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_ONE_PROCESS_WARNING)
-            dcp.save(tensors, storage_writer=writer, no_dist=world_size() == 1)
+        dcp.save(tensors, storage_writer=writer, no_dist=world_size() == 1)
     except CheckpointException as err:
         raise dcp_failure(err) from None
+
+
+def save_sharded_in_background(
+    tensors: dict[str, torch.Tensor],
+    directory: Path,
+    process_group: dist.ProcessGroup | None,
+    before_write: Callable[[], None] = lambda: None,
+) -> Future:
+    """`save_sharded`, returning as soon as this rank's part is copied to host memory: the files are written
+    by a thread while training goes on. The future ends once every rank's files are on disk, or raises the
+    lowest failing rank's exception on every rank. `process_group`: a gloo group used for nothing else
+    (the write's collectives must not interleave with training's); `before_write` runs in that thread
+    first. Collective."""
+    writer = _WriterCallingFirst(str(directory), save_distributed=True)
+    writer.before_write = before_write
+    written = dcp.async_save(
+        tensors, storage_writer=writer, process_group=process_group, no_dist=world_size() == 1
+    )
+    result: Future = Future()
+
+    def unwrap(done: Future) -> None:
+        error = done.exception()
+        if error is None:
+            result.set_result(None)
+        else:
+            result.set_exception(dcp_failure(error) if isinstance(error, CheckpointException) else error)
+
+    written.add_done_callback(unwrap)
+    return result
+
+
+class _WriterCallingFirst(HuggingFaceStorageWriter):
+    before_write: Callable[[], None]
+
+    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        self.before_write()
+        return super().write_data(plan, planner)
 
 
 class ShardedReader:
@@ -138,9 +177,7 @@ class ShardedReader:
                     f"{tuple(target.shape)}; it was written for a different model config"
                 )
         try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_ONE_PROCESS_WARNING)
-                dcp.load(targets, storage_reader=self._reader, no_dist=not collective or world_size() == 1)
+            dcp.load(targets, storage_reader=self._reader, no_dist=not collective or world_size() == 1)
         except CheckpointException as err:
             failure = dcp_failure(err)
             raise LitsftError(

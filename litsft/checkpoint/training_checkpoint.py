@@ -33,6 +33,7 @@ import os
 import pickle
 import random
 import shutil
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ from litsft.checkpoint.sharded_tensors import (
     first_failure,
     global_rank,
     save_sharded,
+    save_sharded_in_background,
     world_size,
 )
 from litsft.checkpoint.weight_files import refused_global
@@ -96,63 +98,140 @@ def save_training_checkpoint(
 ) -> Path:
     """Write `out_dir/step-XXXXXXXX/` collectively (every rank calls this) and return its path. A failed
     write raises the same LitsftError on every rank and leaves the checkpoints already there as they were."""
-    final = out_dir / checkpoint_name(step)
-    partial = out_dir / f".{checkpoint_name(step)}{PARTIAL_SUFFIX}"
-    rank = global_rank()
-    previous = latest_checkpoint(out_dir)
-
-    def fail_together(error: BaseException | None) -> None:
-        failure = first_failure(error)
-        if failure is not None:
-            if rank == 0:
-                shutil.rmtree(partial, ignore_errors=True)
-            failed_rank, message = failure
-            kept = f"{previous.name} is intact" if previous else "no earlier checkpoint exists"
-            raise LitsftError(
-                f"could not write checkpoint {final} (rank {failed_rank}: {message}); {kept}: free disk space "
-                "or fix permissions, then relaunch the same command to resume"
-            )
-
-    error = None
-    if rank == 0:
-        try:
-            if partial.exists():
-                shutil.rmtree(partial)
-            (partial / SHARDS_DIR).mkdir(parents=True)
-        except OSError as err:
-            error = err
-    fail_together(error)  # also the barrier: no rank writes before the directory exists
-    fault_point(f"save_{step}_started", rank)
-    error = None
+    save = _CheckpointSave(out_dir, step, model, optimizer, trainer_state, rank_state)
     try:
-        fault_point(f"save_{step}_writing", rank)
-        _write_rank_state(partial, rank, rank_state)
-    except OSError as err:
-        error = err
-    # Before DCP's save, which is collective: a rank that failed already must not leave the others in it.
-    fail_together(error)
-    try:
-        save_sharded(checkpoint_tensors(model, optimizer, save_frozen), partial / SHARDS_DIR)
+        save_sharded(checkpoint_tensors(model, optimizer, save_frozen), save.partial / SHARDS_DIR)
+        error = None
     except Exception as err:  # DCP hands back the failing rank's own exception, on every rank
         error = err
-    fault_point(f"save_{step}_shards_written", rank)
-    fail_together(error)  # also the barrier: every rank's files are on disk
+    fault_point(f"save_{step}_shards_written", save.rank)
+    save.fail_together(error)  # also the barrier: every rank's files are on disk
+    save.fail_together(save.publish())  # also the barrier: nobody moves on before the checkpoint is published
+    return save.final
 
-    error = None
-    if rank == 0:
+
+class BackgroundSave:
+    """A checkpoint being written by a thread while training goes on (see `start_background_save`)."""
+
+    def __init__(self, save: _CheckpointSave, written: Future, keep_last: int | None) -> None:
+        self.save, self.keep_last = save, keep_last
+        self.final = save.final
+        self._published: Future = Future()
+        written.add_done_callback(self._publish)
+
+    def _publish(self, written: Future) -> None:
+        # In the writing thread, once every rank's files are on disk (rank 0's future ends last: it
+        # gathers the others' results); only rank 0 publishes, as in a synchronous save.
         try:
-            state = dict(trainer_state, step=step, world_size=world_size(), format=CHECKPOINT_FORMAT)
-            state["param_groups"] = _param_groups_by_name(model, optimizer)
-            files = {str(p.relative_to(partial)): p.stat().st_size for p in partial.rglob("*") if p.is_file()}
-            state.update(files=sorted(files), file_sizes=files)
-            write_json(partial / TRAINER_STATE, state, durable=True)
-            fault_point(f"save_{step}_before_rename", rank)
-            os.replace(partial, final)
-            fsync_path(out_dir)
+            error = written.exception()
+            if error is None:
+                fault_point(f"save_{self.save.step}_shards_written", self.save.rank)
+                error = self.save.publish()
+            if error is None:
+                rotate_checkpoints(self.save.out_dir, self.keep_last)
+        except Exception as err:  # raised here it would be lost, and wait() would wait forever
+            error = err
+        self._published.set_result(error)
+
+    def wait(self) -> Path:
+        """Wait until the checkpoint is published; a failure on any rank raises the same LitsftError on every
+        rank. Collective: every rank calls it at the same point of the loop."""
+        self.save.fail_together(self._published.result())
+        return self.final
+
+
+def start_background_save(
+    out_dir: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    rank_state: dict[str, Any],
+    save_frozen: bool,
+    process_group: Any,
+    keep_last: int | None,
+) -> BackgroundSave:
+    """`save_training_checkpoint` and then `rotate_checkpoints`, returning once this rank's tensors are
+    copied to host memory; a thread writes them and publishes the checkpoint (the same staging directory
+    and one rename) while training goes on. Until `wait()` says so, the newest complete checkpoint is the
+    previous one, also after a kill. `process_group` is a gloo group for the writes alone. Collective."""
+    save = _CheckpointSave(out_dir, step, model, optimizer, trainer_state, rank_state)
+    tensors = checkpoint_tensors(model, optimizer, save_frozen)
+    written = save_sharded_in_background(
+        tensors,
+        save.partial / SHARDS_DIR,
+        process_group,
+        before_write=lambda: fault_point(f"save_{step}_writing_in_background", save.rank),
+    )
+    return BackgroundSave(save, written, keep_last)
+
+
+class _CheckpointSave:
+    """One checkpoint's staging directory, the files every rank writes into it besides the tensors, its
+    publication, and failing on every rank together. Creating it is collective."""
+
+    def __init__(
+        self,
+        out_dir: Path,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        trainer_state: dict[str, Any],
+        rank_state: dict[str, Any],
+    ) -> None:
+        self.out_dir, self.step, self.rank = out_dir, step, global_rank()
+        self.final = out_dir / checkpoint_name(step)
+        self.partial = out_dir / f".{checkpoint_name(step)}{PARTIAL_SUFFIX}"
+        self.previous = latest_checkpoint(out_dir)
+        # Taken now, not when the files are on disk: the learning rate moves on with training.
+        self.trainer_state = dict(trainer_state, step=step, world_size=world_size(), format=CHECKPOINT_FORMAT)
+        self.trainer_state["param_groups"] = _param_groups_by_name(model, optimizer)
+        error = None
+        if self.rank == 0:
+            try:
+                if self.partial.exists():
+                    shutil.rmtree(self.partial)
+                (self.partial / SHARDS_DIR).mkdir(parents=True)
+            except OSError as err:
+                error = err
+        self.fail_together(error)  # also the barrier: no rank writes before the directory exists
+        fault_point(f"save_{step}_started", self.rank)
+        error = None
+        try:
+            fault_point(f"save_{step}_writing", self.rank)
+            _write_rank_state(self.partial, self.rank, rank_state)
         except OSError as err:
             error = err
-    fail_together(error)  # also the barrier: nobody moves on before the checkpoint is published
-    return final
+        # Before DCP's save, which is collective: a rank that failed already must not leave the others in it.
+        self.fail_together(error)
+
+    def fail_together(self, error: BaseException | None) -> None:
+        failure = first_failure(error)
+        if failure is not None:
+            if self.rank == 0:
+                shutil.rmtree(self.partial, ignore_errors=True)
+            failed_rank, message = failure
+            kept = f"{self.previous.name} is intact" if self.previous else "no earlier checkpoint exists"
+            raise LitsftError(
+                f"could not write checkpoint {self.final} (rank {failed_rank}: {message}); {kept}: free disk "
+                "space or fix permissions, then relaunch the same command to resume"
+            )
+
+    def publish(self) -> OSError | None:
+        """On rank 0, once every rank's files are on disk: trainer_state.json listing them, then the rename."""
+        if self.rank != 0:
+            return None
+        try:
+            partial = self.partial
+            files = {str(p.relative_to(partial)): p.stat().st_size for p in partial.rglob("*") if p.is_file()}
+            state = dict(self.trainer_state, files=sorted(files), file_sizes=files)
+            write_json(partial / TRAINER_STATE, state, durable=True)
+            fault_point(f"save_{self.step}_before_rename", self.rank)
+            os.replace(partial, self.final)
+            fsync_path(self.out_dir)
+        except OSError as err:
+            return err
+        return None
 
 
 def _write_rank_state(partial: Path, rank: int, rank_state: dict[str, Any]) -> None:

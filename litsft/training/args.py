@@ -58,6 +58,11 @@ class TrainConfig:
     """Write a resumable checkpoint every this many optimizer steps."""
     keep_last: int | None = None
     """Keep only the newest this-many step checkpoints (older ones are deleted after a new one is complete)."""
+    async_save: bool = False
+    """Write step checkpoints in the background: a save copies this rank's state to host memory (a copy of
+    it stays there while it is written) and training goes on; the checkpoint is published once every file
+    is on disk. A save still being written is waited for before the next one, before the final model is
+    saved and before a stop signal's checkpoint, which is written before exit like every last save."""
     log_interval: int = 1
     """Log metrics every this many optimizer steps."""
     compile: bool | None = None

@@ -3,7 +3,9 @@
 `TrainState` is everything the loop changes besides the learning-rate schedule: step, epoch, the model, the
 optimizer, the training loader's position and, under 16-mixed, the loss scale. `Checkpointer.save` writes it
 (with the run's config and this rank's random streams) through `litsft.checkpoint.training_checkpoint`;
-`Checkpointer.load` restores it in place, also into a different number of ranks.
+`Checkpointer.load` restores it in place, also into a different number of ranks. With `--train.async_save`
+a save returns once the state is copied to host memory and the files are written in the background; the
+next save, `finish` and a stop signal's save wait for it first.
 """
 
 from __future__ import annotations
@@ -61,8 +63,19 @@ class Checkpointer:
         self.fabric, self.run, self.recipe_name = fabric, run, recipe_name
         self.save_frozen = save_frozen
         """Whether checkpoints hold frozen parameters too (LoRA: no, the base is loaded again)."""
+        self.pending: checkpoint.BackgroundSave | None = None
+        """The background save still being written, if any."""
+        self.background_group = None
+        if run.train.async_save and fabric.world_size > 1:
+            import torch.distributed as dist
 
-    def save(self, state: TrainState) -> Path:
+            # The background writes' own collectives, on a CPU group of their own: on training's group
+            # they could interleave with the step's all-gathers and reduce-scatters from another thread.
+            self.background_group = dist.new_group(backend="gloo")
+
+    def save(self, state: TrainState, wait: bool = False) -> Path:
+        """Checkpoint `state`; in the background under --train.async_save unless `wait`."""
+        self.finish()
         out_dir, step = self.run.out_dir, state.step
         trainer_state = {
             "epoch": state.epoch,
@@ -73,6 +86,19 @@ class Checkpointer:
             "data": self.run.data.fingerprint(),
         }
         rank_state = {"rng": checkpoint.rng_state(), **state.state_dict()}
+        if self.run.train.async_save and not wait:
+            self.pending = checkpoint.start_background_save(
+                out_dir,
+                step,
+                state.model.module,
+                state.optimizer,
+                trainer_state,
+                rank_state,
+                save_frozen=self.save_frozen,
+                process_group=self.background_group,
+                keep_last=self.run.train.keep_last,
+            )
+            return self.pending.final
         path = checkpoint.save_training_checkpoint(
             out_dir,
             step,
@@ -84,8 +110,16 @@ class Checkpointer:
         )
         fault_point(f"save_{step}_after_rename", self.fabric.global_rank)
         checkpoint.rotate_checkpoints(out_dir, self.run.train.keep_last)
-        self.fabric.print(f"Saved checkpoint {out_dir / checkpoint.checkpoint_name(step)}")
+        self.fabric.print(f"Saved checkpoint {path}")
         return path
+
+    def finish(self) -> None:
+        """Wait for the background save, if one is being written, to be published. Collective."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            path = pending.wait()
+            fault_point(f"save_{pending.save.step}_after_rename", self.fabric.global_rank)
+            self.fabric.print(f"Saved checkpoint {path}")
 
     def load(self, path: Path, state: TrainState) -> None:
         fabric = self.fabric

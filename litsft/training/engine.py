@@ -117,6 +117,7 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
     run_timer.mark("optimizer, resume, metrics")
     with metrics:
         train_loop(fabric, run, state, metrics, checkpointer, evaluate)
+        checkpointer.finish()
         run_timer.mark("training loop (with its validations and checkpoints)")
         fault_point("before_final", fabric.global_rank)
         with metrics.paused():
@@ -205,7 +206,7 @@ def train_loop(
                 if validate_now:
                     evaluate(step)
                 if save or must_stop:
-                    checkpointer.save(state)
+                    checkpointer.save(state, wait=must_stop)
         if must_stop:
             preemption.checkpoint_published(finish=metrics.close)  # a second Ctrl-C now loses no step
             fault_point("stop_checkpoint_published", fabric.global_rank)
