@@ -470,6 +470,12 @@ CASES: dict[str, Case] = {
         "shard-00001-model-00001-of-00001.safetensors is damaged",
         NO_ENV,
     ),
+    "resume a checkpoint of the earlier row format": (
+        lambda ws, t: train(ws, _in_row_format(copy_of(ws, t, "interrupted"))),
+        "is in litsft's earlier row-sharded checkpoint format, which this version no longer reads; finish "
+        "that run with the litsft that wrote it, or start this one in another --out_dir",
+        NO_ENV,
+    ),
     "resume an incomplete checkpoint": (
         lambda ws, t: train(ws, t / "out", "--resume", str(_truncated(copy_of(ws, t, "interrupted")))),
         "is not a complete litsft training checkpoint",
@@ -544,6 +550,15 @@ def _locked(out_dir: Path) -> Path:
 
 def _damaged(out_dir: Path) -> Path:
     corrupt_header(out_dir / "step-00000002" / "shards" / "shard-00001-model-00001-of-00001.safetensors")
+    return out_dir
+
+
+def _in_row_format(out_dir: Path) -> Path:
+    """What litsft wrote before torch.distributed.checkpoint: no `format` in trainer_state.json."""
+    state_path = out_dir / "step-00000002" / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    del state["format"]
+    state_path.write_text(json.dumps(state))
     return out_dir
 
 

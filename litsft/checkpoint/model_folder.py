@@ -188,7 +188,9 @@ def load_model_weights(
     reading only its own part of each tensor. `stored_name` maps a parameter name to its name on disk, or
     None for one not loaded (LoRA's adapters; its frozen `...q_proj.base.weight` is stored as
     `...q_proj.weight`). Each rank reads on its own (the folder holds whole tensors): nothing collective."""
-    Config.from_checkpoint(model_dir)  # a clear error for a directory that is not a litsft model folder
+    # Its checks first: not a model folder, weights that are not safetensors (a pickle is refused unread),
+    # a dtype litsft does not read, a damaged header: one line each, naming the file.
+    model_tensor_shapes(model_dir)
     reader = ShardedReader(model_dir, fix="convert the model again")
     stored = reader.stored()
     targets, nf4_weights, missing = {}, {}, []
