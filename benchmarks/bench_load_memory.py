@@ -36,7 +36,7 @@ def rank_main(checkpoint_dir: Path, strategy: str, result_file: Path) -> None:
     config = Config.from_checkpoint(checkpoint_dir)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     recipe = Recipe("bench", Transformer, lambda m: load_model_weights(m, checkpoint_dir), lambda m, d: None)
-    run = RunConfig(config=config, tokenizer_dir=None, data=None, out_dir=checkpoint_dir)
+    run = RunConfig(config=config, tokenizer_dir=None, data=None, out_dir=checkpoint_dir, precision="32-true")
     run.fsdp.sharding_strategy = strategy
     setup_model(fabric, recipe, run)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
