@@ -230,6 +230,10 @@ def test_a_second_ctrl_c_once_the_checkpoint_is_written_loses_nothing_and_exits_
     assert (out_dir / "loss.png").is_file()
 
 
+RANK_1_SHARD = "shards/shard-00002-model-00001-of-00001.safetensors"
+"""The file rank 1 writes its part of the tensors to (DCP numbers them from 1)."""
+
+
 def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
@@ -237,11 +241,11 @@ def truncate(path: Path) -> None:
 @pytest.mark.parametrize(
     ("kind", "damage", "expected"),
     [
-        ("truncated-shard", lambda c: truncate(c / "shards" / "rank-00001.safetensors"),
-         "shards/rank-00001.safetensors is truncated ({half:,} of {size:,} bytes)"),
+        ("truncated-shard", lambda c: truncate(c / RANK_1_SHARD),
+         f"{RANK_1_SHARD} is truncated ({{half:,}} of {{size:,}} bytes)"),
         ("missing-rank-file", lambda c: (c / "rank-00001.pt").unlink(), "rank-00001.pt is missing"),
-        ("extra-file", lambda c: shutil.copy(c / "shards" / "rank-00001.safetensors", c / "shards" / "rank-00002.safetensors"),
-         "shards/rank-00002.safetensors is not a file it was written with"),
+        ("extra-file", lambda c: shutil.copy(c / RANK_1_SHARD, c / "shards" / "shard-00003-model-00001-of-00001.safetensors"),
+         "shards/shard-00003-model-00001-of-00001.safetensors is not a file it was written with"),
     ],
 )  # fmt: skip
 def test_a_damaged_newest_checkpoint_is_named_moved_aside_and_the_run_goes_on_from_the_one_before(
@@ -255,7 +259,7 @@ def test_a_damaged_newest_checkpoint_is_named_moved_aside_and_the_run_goes_on_fr
     shutil.copytree(workspace / "reference", out_dir)
     shutil.rmtree(out_dir / "final")
     newest = out_dir / "step-00000008"
-    size = (newest / "shards" / "rank-00001.safetensors").stat().st_size
+    size = (newest / RANK_1_SHARD).stat().st_size
     damage(newest)
     evidence = {str(p.relative_to(newest)): p.read_bytes() for p in newest.rglob("*") if p.is_file()}
 

@@ -18,7 +18,7 @@ from litsft.recipes.finetune_lora import lora_finetuning
 from litsft.recipes.pretrain import pretraining
 
 from litsft.checkpoint.model_folder import load_model_state_dict
-from litsft.checkpoint.training_checkpoint import training_rows
+from litsft.checkpoint.training_checkpoint import stored_tensors
 from litsft.model.config import Config
 from litsft.model.lora_config import LoRAConfig
 from litsft.training.recipe import Recipe
@@ -119,7 +119,11 @@ def test_a_run_builds_fills_saves_and_checkpoints_as_its_recipe_says(
     (saved_by, staging_name), *after = calls[3:]
     assert (saved_by, after) == ("save_final", [])
     assert staging_name != "final" and (out_dir / "final").is_dir()  # written aside, then published
-    saved = training_rows(out_dir / "step-00000002", "model/").names()
+    saved = {
+        name.removeprefix("model/")
+        for name in stored_tensors(out_dir / "step-00000002").stored()
+        if name.startswith("model/")
+    }
     stored = set(load_model_state_dict(checkpoint_dir))
     if checkpoint_frozen is False:
         assert saved == stored - {"embed.weight"}
