@@ -174,7 +174,7 @@ class ShardedReader:
             if tuple(target.shape) != stored[name][0]:
                 raise LitsftError(
                     f"{name}: {self.directory} holds shape {stored[name][0]} but the model expects "
-                    f"{tuple(target.shape)}; it was written for a different model config"
+                    f"{tuple(target.shape)}; the checkpoint does not belong to this model config"
                 )
         try:
             dcp.load(targets, storage_reader=self._reader, no_dist=not collective or world_size() == 1)
