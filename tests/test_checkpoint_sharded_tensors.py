@@ -18,6 +18,7 @@ from litsft.checkpoint.sharded_tensors import (
     first_failure,
     full_tensors,
     global_rank,
+    plain,
     save_sharded,
     world_size,
 )
@@ -163,3 +164,30 @@ def test_full_tensors_casts_floating_point_only() -> None:
     assert cast["w"].dtype == torch.bfloat16 and cast["ids"].dtype == torch.int64
     assert torch.equal(cast["w"].float(), FULL)
     assert math.prod(cast["w"].shape) == FULL.numel()
+
+
+def test_weights_wrapped_for_float8_all_gather_are_saved_and_loaded_as_plain_tensors(tmp_path: Path) -> None:
+    """Tensorwise float8 with FSDP2 wraps each converted weight in torchao's WeightWithDynamicFloat8CastTensor,
+    which safetensors cannot write: what is saved and gathered is the plain tensor inside, and what is loaded
+    lands in it (they share storage)."""
+    from torch import nn
+
+    from litsft.model.float8 import convert_to_float8
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList([nn.Module()])
+    model.blocks[0].up = nn.Linear(2048, 8192, bias=False)
+    assert convert_to_float8(model, "tensorwise", fsdp_all_gather=True) == ["blocks.0.up"]
+    weight = model.blocks[0].up.weight
+    assert type(weight).__name__ == "WeightWithDynamicFloat8CastTensor"
+    saved = weight.detach().clone()
+    save_sharded({"w": weight}, tmp_path / "shards")  # safetensors refuses the wrapper itself
+    ((_, full),) = full_tensors({"w": weight}, dtype=torch.bfloat16)
+    assert type(full) is torch.Tensor and full.dtype == torch.bfloat16
+    with torch.no_grad():
+        weight.zero_()
+    ShardedReader(tmp_path / "shards", fix="save it again").load({"w": weight})
+    assert torch.equal(plain(weight), plain(saved))
+    new = torch.randn(8192, 2048)
+    copy_local_part(weight, new)
+    assert torch.equal(plain(weight), new)

@@ -227,7 +227,7 @@ def _float8_facts(rank: int, save_to: str) -> dict:
     from safetensors.torch import save_file
     from torch.distributed.device_mesh import init_device_mesh
 
-    from litsft.checkpoint.sharded_rows import full_tensors
+    from litsft.checkpoint.sharded_tensors import full_tensors
     from litsft.model.float8 import convert_to_float8, precompute_float8_scales
 
     def build() -> Transformer:

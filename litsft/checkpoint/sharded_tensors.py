@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from litsft.errors import LitsftError
+from litsft.model.float8 import without_float8_wrapper
 from litsft.runtime.files import first_line
 
 # DCP warns on every save and load without a process group, though one process is what litsft means then;
@@ -70,10 +71,31 @@ def dcp_failure(error: CheckpointException) -> BaseException:
     return wrapped[0] if isinstance(wrapped, tuple) else wrapped
 
 
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with float8 all-gather's weight wrapper taken off its local part (torchao's
+    WeightWithDynamicFloat8CastTensor, which safetensors cannot write), sharing its storage: what is saved is the
+    weight, and what is loaded lands in it. Any other tensor as it is."""
+    if isinstance(tensor, DTensor):
+        local = tensor.to_local()
+        inner = without_float8_wrapper(local)
+        if inner is local:
+            return tensor
+        return DTensor.from_local(
+            inner,
+            tensor.device_mesh,
+            tensor.placements,
+            run_check=False,
+            shape=tensor.shape,
+            stride=tensor.stride(),
+        )
+    return without_float8_wrapper(tensor)
+
+
 @torch.no_grad()
 def copy_local_part(target: torch.Tensor, full: torch.Tensor) -> None:
     """Copy this rank's part of the full tensor `full` into `target` (a plain tensor or a DTensor of any
     placement), slicing locally: no rank sends anything."""
+    target = plain(target)
     if isinstance(target, DTensor):
         part = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
         target.to_local().copy_(part.to_local())
@@ -86,6 +108,7 @@ def full_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full CPU tensor) one at a time. Every rank must iterate (gathering is collective)."""
     for name, tensor in named.items():
+        tensor = plain(tensor)
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         full = full.detach().to("cpu")
         yield name, full.to(dtype) if dtype is not None and full.is_floating_point() else full
@@ -98,7 +121,11 @@ def save_sharded(tensors: dict[str, torch.Tensor], directory: Path) -> None:
     OSError (or other exception) of the lowest rank that failed, on every rank."""
     writer = HuggingFaceStorageWriter(str(directory), save_distributed=True)
     try:
-        dcp.save(tensors, storage_writer=writer, no_dist=world_size() == 1)
+        dcp.save(
+            {name: plain(tensor) for name, tensor in tensors.items()},
+            storage_writer=writer,
+            no_dist=world_size() == 1,
+        )
     except CheckpointException as err:
         raise dcp_failure(err) from None
 
@@ -117,7 +144,10 @@ def save_sharded_in_background(
     writer = _WriterCallingFirst(str(directory), save_distributed=True)
     writer.before_write = before_write
     written = dcp.async_save(
-        tensors, storage_writer=writer, process_group=process_group, no_dist=world_size() == 1
+        {name: plain(tensor) for name, tensor in tensors.items()},
+        storage_writer=writer,
+        process_group=process_group,
+        no_dist=world_size() == 1,
     )
     result: Future = Future()
 
@@ -177,7 +207,11 @@ class ShardedReader:
                     f"{tuple(target.shape)}; the checkpoint does not belong to this model config"
                 )
         try:
-            dcp.load(targets, storage_reader=self._reader, no_dist=not collective or world_size() == 1)
+            dcp.load(
+                {name: plain(target) for name, target in targets.items()},
+                storage_reader=self._reader,
+                no_dist=not collective or world_size() == 1,
+            )
         except CheckpointException as err:
             failure = dcp_failure(err)
             raise LitsftError(
