@@ -91,6 +91,7 @@ def lora_finetuning(
     from litsft.model.lora import (
         apply_lora,
         base_weight_name,
+        check_expert_targets,
         initial_adapter_value,
         initialize_from_base,
         lora_state_dict,
@@ -100,7 +101,9 @@ def lora_finetuning(
     from litsft.training.plan import shard_group_size
 
     variant = adapter_variant(lora.variant)
-    variant.check(lora, Config.from_checkpoint(checkpoint_dir), quantize)  # before any process starts
+    base_config = Config.from_checkpoint(checkpoint_dir)
+    variant.check(lora, base_config, quantize)  # before any process starts
+    check_expert_targets(lora, base_config, quantize)
     if quantize is not None:
         shard_group = shard_group_size(run.devices, run.num_nodes, run.fsdp.sharding_strategy)
         check_nf4_shardable(run.config, shard_group if run.world_size > 1 else 1, lora.target_list)

@@ -16,6 +16,7 @@ from litsft.model.lora import (
     NarrowInputLinear,
     apply_lora,
     base_weight_name,
+    check_expert_targets,
     iter_merged_tensors,
     lora_state_dict,
     merged_config,
@@ -265,12 +266,12 @@ def test_unknown_target_is_rejected():
     with pytest.raises(LitsftError) as err:
         LoRAConfig(targets=["q", "query"])
     assert str(err.value) == (
-        "lora targets ['query'] are not valid; choose from q, k, v, o, gate, up, down, lm_head or use 'all-linear'"
+        "lora targets ['query'] are not valid; choose from q, k, v, o, gate, up, down, experts, lm_head or use 'all-linear'"
     )
     with pytest.raises(LitsftError) as err:
         LoRAConfig(targets="all")
     assert str(err.value) == (
-        "lora targets='all' is not valid; use 'all-linear' or a list of q, k, v, o, gate, up, down, lm_head"
+        "lora targets='all' is not valid; use 'all-linear' or a list of q, k, v, o, gate, up, down, experts, lm_head"
     )
 
 
@@ -364,14 +365,31 @@ def test_engine_stores_the_lora_base_in_bf16_under_bf16_mixed(tmp_path):
     )
 
 
-def test_lora_on_a_mixture_of_experts_adapts_attention_and_refuses_the_experts():
-    """all-linear adapts q, k, v and o of an MoE model and leaves its router and experts frozen; naming the
-    experts' projections is refused in one line."""
+def test_lora_on_a_mixture_of_experts_adapts_the_experts_only_when_named():
+    """all-linear adapts q, k, v and o of an MoE model and leaves its router and experts frozen; 'experts'
+    (or gate, up and down) adds per-expert adapters; what cannot be trained on the experts is refused in one
+    line: gate without up, another variant, dropout, QLoRA (torchao's NF4 is 2D only), 'experts' on a dense model."""
     config = Config.from_name(
         "tiny-llama", hf_architecture="MixtralForCausalLM", num_experts=4, experts_per_token=2
     )
     model = apply_lora(Transformer(config), LoRAConfig(rank=2))
     trained = {name.split(".")[3] for name, p in model.named_parameters() if p.requires_grad}
     assert trained == {"q_proj", "k_proj", "v_proj", "o_proj"}
-    with pytest.raises(LitsftError, match=r"lora targets \['up'\]: .* mixtures of experts"):
-        apply_lora(Transformer(config), LoRAConfig(rank=2, targets=["q", "up"]))
+    for targets in (["q", "experts"], ["gate", "up", "down"]):
+        model = apply_lora(Transformer(config), LoRAConfig(rank=2, dropout=0.0, targets=targets))
+        trained = {name.split(".", 3)[3] for name, p in model.named_parameters() if p.requires_grad}
+        assert {"experts.gate_up_lora.lora_A.weight", "experts.down_lora.lora_B.weight"} <= trained
+        assert not any("router" in name or name.endswith("_proj") for name in trained)
+    refusals = {
+        "fuse gate and up": LoRAConfig(rank=2, dropout=0.0, targets=["q", "up"]),
+        "variant dora does not adapt": LoRAConfig(rank=2, dropout=0.0, targets=["experts"], variant="dora"),
+        "have no dropout": LoRAConfig(rank=2, targets=["experts"]),
+    }
+    for message, lora in refusals.items():
+        with pytest.raises(LitsftError, match=message):
+            apply_lora(Transformer(config), lora)
+    with pytest.raises(LitsftError, match="NF4 stores 2D weights only"):
+        check_expert_targets(LoRAConfig(rank=2, dropout=0.0, targets=["experts"]), config, "nf4")
+    check_expert_targets(LoRAConfig(rank=2, dropout=0.0, targets=["q"]), config, "nf4")
+    with pytest.raises(LitsftError, match="is not a mixture of experts"):
+        apply_lora(Transformer(Config.from_name("tiny-llama")), LoRAConfig(rank=2, targets=["experts"]))

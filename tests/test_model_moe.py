@@ -205,3 +205,85 @@ def test_balancing_loss_is_off_in_evaluation_and_at_coefficient_zero(tmp_path):
     plain = router_grad(0.0, True)
     assert torch.equal(router_grad(0.3, False), plain)
     assert (router_grad(0.3, True) - plain).abs().max() > 1e-4
+
+
+# ---- LoRA on the experts ---------------------------------------------------------------------------------
+def _adapted_experts(seed: int = 0):
+    from litsft.model.lora import ExpertLoRA
+
+    experts = _experts(seed)
+    experts.gate_up_lora = ExpertLoRA(experts.gate_up_proj, 4, 2.0)
+    experts.down_lora = ExpertLoRA(experts.down_proj, 4, 2.0)
+    for adapter in (experts.gate_up_lora, experts.down_lora):
+        torch.nn.init.normal_(adapter.lora_B.weight, std=0.1)  # a trained adapter, not a fresh (zero) one
+    return experts
+
+
+def test_expert_lora_equals_the_per_token_loop_over_merged_weights_on_both_paths():
+    """(x A_e) B_e through the sorted slices equals the definition with W_e + s B_e A_e merged in, and so does
+    the grouped_mm path; A's and B's gradients equal the merged reference's, expert 3 (routed nothing) zero."""
+    experts = _adapted_experts()
+    merged = _experts()
+    with torch.no_grad():
+        merged.gate_up_proj += experts.gate_up_lora.delta_weight()
+        merged.down_proj += experts.down_lora.delta_weight()
+    x = torch.randn(9, C)
+    chosen = torch.randint(0, 3, (9, 2))
+    chosen[:, 1] = (chosen[:, 0] + 1) % 3
+    weights = torch.rand(9, 2)
+    counts = torch.bincount(chosen.flatten(), minlength=E)
+    reference = _per_token_reference(merged, x, chosen, weights)
+    out = experts(x, chosen, weights, counts)
+    assert (out - reference).abs().max() < 1e-5
+    order = chosen.flatten().argsort(stable=True)
+    grouped = experts._grouped(x[order // 2], counts) * weights.flatten()[order, None]
+    grouped = torch.zeros_like(x).index_add_(0, order // 2, grouped)
+    assert (grouped - reference).abs().max() < 1e-5
+    adapters = [experts.gate_up_lora.lora_A.weight, experts.gate_up_lora.lora_B.weight]
+    adapters += [experts.down_lora.lora_A.weight, experts.down_lora.lora_B.weight]
+    grads = torch.autograd.grad(out.square().sum(), adapters)
+    # The reference's gradients: the per-token definition over the merged weights, as functions of A and B.
+    leaves = [a.detach().clone().requires_grad_() for a in adapters]
+    with torch.enable_grad():
+        g_up = _experts().gate_up_proj.detach() + 2.0 * leaves[1] @ leaves[0]
+        down = _experts().down_proj.detach() + 2.0 * leaves[3] @ leaves[2]
+        rows = []
+        for token in range(9):
+            total = torch.zeros(C)
+            for expert, weight in zip(chosen[token].tolist(), weights[token]):
+                gate, up = (g_up[expert] @ x[token]).chunk(2)
+                total = total + weight * (down[expert] @ (F.silu(gate) * up))
+            rows.append(total)
+        expected = torch.autograd.grad(torch.stack(rows).square().sum(), leaves)
+    for grad, want in zip(grads, expected):
+        assert (grad - want).abs().max() < 1e-4
+        assert torch.equal(grad[3], torch.zeros_like(grad[3]))
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_expert_lora_model_merges_into_the_unmerged_models_logits(kind, tmp_path):
+    """apply_lora with target 'experts' on each family: fresh adapters change nothing, and after training the
+    merged base tensors (iter_merged_tensors, what the merged export writes) give the adapted model's logits."""
+    from litsft.model.lora import apply_lora, iter_merged_tensors, lora_state_dict
+    from litsft.model.lora_config import LoRAConfig
+
+    _, base = _converted(kind, tmp_path)
+    config = base.config
+    base_state = {name: t.clone() for name, t in base.state_dict().items()}
+    lora = LoRAConfig(rank=4, alpha=8, dropout=0.0, targets=["q", "v", "experts"])
+    model = apply_lora(Transformer(config), lora)
+    model.load_state_dict(base_state, strict=False)
+    tokens = torch.randint(0, config.vocab_size, (2, 12))
+    assert torch.equal(model(tokens), base(tokens))
+    adapters = lora_state_dict(model)
+    E = config.num_experts
+    assert adapters["blocks.0.mlp.experts.gate_up_lora.lora_A.weight"].shape == (E, 4, config.hidden_size)
+    assert adapters["blocks.0.mlp.experts.down_lora.lora_B.weight"].shape == (E, config.hidden_size, 4)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name.endswith("lora_B.weight"):
+                tensor.normal_(std=0.05)
+    merged = Transformer(config)
+    merged.load_state_dict(dict(iter_merged_tensors(base_state.items(), lora_state_dict(model), lora)))
+    with torch.no_grad():
+        assert (model(tokens) - merged(tokens)).abs().max() < 1e-5

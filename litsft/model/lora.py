@@ -15,6 +15,14 @@ so FSDP2 can put the frozen base and the trainable adapters in separate units:
                                       blocks.0.attn.q_proj.<a variant's module>...  (e.g. DoRA's
                                                                            lora_magnitude_vector.weight)
 
+A mixture of experts' fused expert weights (litsft.model.moe.GroupedExperts) get per-expert adapters, an
+`ExpertLoRA` beside each weight, which the experts' forward runs on the same sorted token slices:
+
+    blocks.0.mlp.experts.gate_up_proj  (E, 2I, C)  ->  blocks.0.mlp.experts.gate_up_lora.lora_A.weight (E, r, C)
+                                                       blocks.0.mlp.experts.gate_up_lora.lora_B.weight (E, 2I, r)
+    blocks.0.mlp.experts.down_proj     (E, C, I)   ->  blocks.0.mlp.experts.down_lora.lora_A.weight    (E, r, I)
+                                                       blocks.0.mlp.experts.down_lora.lora_B.weight    (E, C, r)
+
 `model.load_state_dict(plain_litsft_state_dict)` still works: `LoRALinear` renames `weight`/`bias` to
 `base.weight`/`base.bias` while loading and leaves its adapters as they are when the state dict has none.
 
@@ -37,11 +45,18 @@ from litsft.model.adapters import VARIANT_NAMES, adapter_variant
 from litsft.model.adapters.spec import lora_delta
 from litsft.model.config import Config
 from litsft.model.lora_config import LORA_TARGETS, LoRAConfig
+from litsft.model.moe import GroupedExperts
 from litsft.model.network import Transformer
 from litsft.model.sample_dropout import SampleDropout
 
 # Target -> the attribute name of the nn.Linear it adapts (the same name Hugging Face and PEFT use).
-MODULE_OF_TARGET: dict[str, str] = {t: t if t == "lm_head" else f"{t}_proj" for t in LORA_TARGETS}
+MODULE_OF_TARGET: dict[str, str] = {
+    t: t if t == "lm_head" else f"{t}_proj" for t in LORA_TARGETS if t != "experts"
+}
+EXPERT_TARGETS = ("experts", "gate", "up", "down")
+"""The targets that, on a mixture of experts, name its experts' fused projections."""
+EXPERT_ADAPTERS: dict[str, str] = {"gate_up_proj": "gate_up_lora", "down_proj": "down_lora"}
+"""A fused expert weight of GroupedExperts -> the name of the ExpertLoRA beside it."""
 
 
 class LoRAUp(nn.Linear):
@@ -128,6 +143,84 @@ class LoRALinear(nn.Module):
         return lora_delta(self.lora_A.weight, self.lora_B.weight, self.scaling)
 
 
+class ExpertWeight(nn.Module):
+    """One 3D adapter tensor, `weight` (E, rows, cols), as a module so that its name ends like LoRALinear's
+    (`lora_A.weight`); `reset_parameters` draws A like each expert's nn.Linear would, and zeroes B."""
+
+    def __init__(self, experts: int, rows: int, cols: int, zero: bool, **factory: object) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, rows, cols, **factory))  # type: ignore[arg-type]
+        self.zero = zero
+        if self.weight.device.type != "meta":
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        if self.zero:
+            nn.init.zeros_(self.weight)
+        else:
+            bound = 1 / math.sqrt(self.weight.shape[-1])
+            nn.init.uniform_(self.weight, -bound, bound)
+
+
+class ExpertLoRA(nn.Module):
+    """Per-expert LoRA on one fused expert weight (E, out, in): A (E, rank, in), B (E, out, rank), scaling
+    alpha / rank. litsft.model.moe.GroupedExperts runs it as (x A_e^T * scaling) B_e^T per assignment."""
+
+    def __init__(self, weight: torch.Tensor, rank: int, scaling: float) -> None:
+        super().__init__()
+        experts, out_features, in_features = weight.shape
+        factory = dict(device=weight.device, dtype=weight.dtype)
+        self.lora_A = ExpertWeight(experts, rank, in_features, zero=False, **factory)
+        self.lora_B = ExpertWeight(experts, out_features, rank, zero=True, **factory)
+        self.scaling = scaling
+
+    def delta_weight(self) -> torch.Tensor:
+        """B_e @ A_e * scaling for every expert (E, out, in), in fp32: for merging, never in the forward."""
+        return lora_delta(self.lora_A.weight, self.lora_B.weight, self.scaling)
+
+
+def _check_expert_targets(config: LoRAConfig, model_config: Config) -> bool:
+    """Whether `config` adapts the experts of `model_config`; refuses, in one line, what cannot be done."""
+    named = [t for t in EXPERT_TARGETS if t in config.target_list]
+    if config.targets == "all-linear" or not named:
+        return False
+    if not model_config.num_experts:
+        if "experts" in named:
+            raise LitsftError(
+                f"lora target 'experts': {model_config.name} is not a mixture of experts; "
+                "name its MLP projections gate, up, down instead"
+            )
+        return False
+    if ("gate" in named) != ("up" in named):
+        raise LitsftError(
+            f"lora targets {named}: {model_config.name}'s experts fuse gate and up into one projection; "
+            "name both gate and up, or 'experts' for every expert projection"
+        )
+    if config.variant != "lora":
+        raise LitsftError(
+            f"--lora.variant {config.variant} does not adapt a mixture of experts' experts (plain LoRA does); "
+            "pass --lora.variant lora, or leave gate, up, down and experts out of --lora.targets"
+        )
+    if config.dropout > 0:
+        raise LitsftError(
+            f"--lora.dropout {config.dropout}: adapters on {model_config.name}'s experts have no dropout; "
+            "pass --lora.dropout 0, or leave gate, up, down and experts out of --lora.targets"
+        )
+    return True
+
+
+def check_expert_targets(config: LoRAConfig, model_config: Config, quantize: str | None) -> None:
+    """Refuse, in one line and before any process starts, expert targets litsft cannot train: with another
+    variant than plain LoRA, with dropout, with a gate without its up, and under QLoRA, since torchao's NF4Tensor
+    takes 1D and 2D weights only (`to_nf4` on an (E, out, in) weight fails with "expect input tensor dim <= 2")."""
+    if _check_expert_targets(config, model_config) and quantize is not None:
+        raise LitsftError(
+            f"--quantize {quantize} with lora targets on {model_config.name}'s experts: torchao's NF4 stores "
+            "2D weights only, not the fused 3D experts; drop --quantize, or leave the experts out of --lora.targets"
+        )
+
+
 def _load_plain_names(
     module: LoRALinear, state_dict: dict[str, torch.Tensor], prefix: str, *_: object
 ) -> None:
@@ -149,15 +242,15 @@ def apply_lora(model: Transformer, config: LoRAConfig, initialize: bool = True) 
     materialization call each module's `reset_parameters()` (or draw the adapters with
     `initial_adapter_value`), then load the base weights and call `initialize_from_base`."""
     adapter_variant(config.variant).check(config, model.config, None)
-    expert_targets = sorted({"gate", "up", "down"} & set(config.target_list))
-    if model.config.num_experts and config.targets != "all-linear" and expert_targets:
-        raise LitsftError(
-            f"lora targets {expert_targets}: {model.config.name}'s MLPs are mixtures of experts, which litsft "
-            "does not adapt yet; choose from q, k, v, o, lm_head, or all-linear (every attention projection)"
-        )
-    module_names = {MODULE_OF_TARGET[t] for t in config.target_list}
+    adapt_experts = _check_expert_targets(config, model.config)
+    module_names = {MODULE_OF_TARGET[t] for t in config.target_list if t != "experts"}
     for parent in list(model.modules()):
         if isinstance(parent, LoRALinear):
+            continue
+        if isinstance(parent, GroupedExperts):
+            if adapt_experts:
+                parent.gate_up_lora = ExpertLoRA(parent.gate_up_proj, config.rank, config.scaling)
+                parent.down_lora = ExpertLoRA(parent.down_proj, config.rank, config.scaling)
             continue
         for name, child in list(parent.named_children()):
             if name in module_names and type(child) is nn.Linear:
@@ -253,6 +346,9 @@ def iter_merged_tensors(
 
     for name, tensor in base_tensors:
         module, _, suffix = name.rpartition(".")
+        if suffix in EXPERT_ADAPTERS:  # a fused expert weight (E, out, in): B_e A_e added expert by expert
+            yield name, merge(f"{module}.{EXPERT_ADAPTERS[suffix]}", tensor)
+            continue
         yield name, merge(module, tensor) if suffix == "weight" else tensor
         if name == "embed.weight" and tie_word_embeddings and "lm_head.lora_A.weight" in adapter_state_dict:
             yield "lm_head.weight", merge("lm_head", tensor)
@@ -313,7 +409,9 @@ def initial_adapter_value(name: str, shape: torch.Size, generator: torch.Generat
     A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (nn.Linear's default, PEFT's choice), B = 0, and a variant's own
     trained tensor (DoRA's magnitude) 1 until `initialize_from_base` sets it from the loaded base weights."""
     if name.endswith("lora_A.weight"):
-        bound = 1 / math.sqrt(shape[1])
+        bound = 1 / math.sqrt(
+            shape[-1]
+        )  # the input features: (rank, in), or an expert adapter's (E, rank, in)
         return (torch.rand(shape, generator=generator) * 2 - 1) * bound
     if name.endswith("lora_B.weight"):
         return torch.zeros(shape)

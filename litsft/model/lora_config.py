@@ -14,7 +14,7 @@ Quantization = Literal["nf4"]
 """How finetune_lora stores the frozen base weights of the projections it adapts: nf4 is QLoRA's 4-bit
 NormalFloat with double-quantized scales (litsft.model.quantization)."""
 
-LoRATarget = Literal["q", "k", "v", "o", "gate", "up", "down", "lm_head"]
+LoRATarget = Literal["q", "k", "v", "o", "gate", "up", "down", "experts", "lm_head"]
 LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
 LoRAVariant = Literal[VARIANT_NAMES]  # type: ignore[valid-type]  (the modules of litsft.model.adapters)
 # PEFT's "all-linear" leaves the output layer out; so does litsft's.
@@ -34,10 +34,11 @@ class LoRAConfig:
     its place in the global batch, so one process and N give the same result, and so does a resume on
     another number of processes."""
     targets: list[LoRATarget] | Literal["all-linear"] = "all-linear"
-    """Projections to adapt: a list of q, k, v, o, gate, up, down, lm_head, or all-linear (every attention
+    """Projections to adapt: a list of q, k, v, o, gate, up, down, experts, lm_head, or all-linear (every attention
     and MLP projection, not lm_head). Adapting the MLP too is what lets LoRA approach full fine-tuning
-    (QLoRA, Dettmers et al. 2023), for a few more adapter parameters. A mixture of experts' MLP is not adapted
-    (all-linear is then the attention projections; gate, up or down are refused)."""
+    (QLoRA, Dettmers et al. 2023), for a few more adapter parameters. On a mixture of experts all-linear is
+    the attention projections; `experts` (or gate, up, down) adds per-expert adapters on every expert's fused
+    gate_up projection (gate and up together) and its down projection (plain LoRA, no dropout, no QLoRA)."""
     variant: LoRAVariant = "lora"
     """The adapter variant, one module of litsft/model/adapters/ each: lora (scaling alpha / rank), or one that
     changes it, e.g. rslora (alpha / sqrt(rank)) or dora (a trained magnitude per weight row);

@@ -15,6 +15,11 @@ Dropless: every assignment is computed, none is dropped for capacity. The assign
 that each expert's tokens are one contiguous slice: on CUDA in bf16 both projections are one
 `torch._grouped_mm` each over those slices; elsewhere (CPU, fp32) each expert with tokens runs one matmul over
 its slice, exact and without padding.
+
+LoRA on the experts (litsft.model.lora.ExpertLoRA, when `--lora.targets` names them) gives a projection
+per-expert A (E, r, in) and B (E, out, r), set here as `gate_up_lora` / `down_lora`; each assignment adds
+(x A_e^T) B_e^T * scaling through the same sorted slices and kernels as its expert's base weight, so no
+per-expert delta B_e A_e (E, out, in) is ever built.
 """
 
 from __future__ import annotations
@@ -82,6 +87,10 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # Per-expert low-rank adapters on each projection (litsft.model.lora.ExpertLoRA): modules with
+        # `lora_A.weight` (E, r, in), `lora_B.weight` (E, out, r) and `scaling`, or None.
+        self.gate_up_lora: nn.Module | None = None
+        self.down_lora: nn.Module | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -114,9 +123,16 @@ class GroupedExperts(nn.Module):
         dtype = compute_dtype(self.gate_up_proj)
         gate_up = self.gate_up_proj.to(dtype).transpose(-2, -1)  # (E, C, 2I)
         down = self.down_proj.to(dtype).transpose(-2, -1)  # (E, I, C)
-        hidden = torch._grouped_mm(sorted_x.to(dtype), gate_up, offs=offsets)  # (A, 2I)
+        sorted_x = sorted_x.to(dtype)
+        hidden = torch._grouped_mm(sorted_x, gate_up, offs=offsets)  # (A, 2I)
+        if self.gate_up_lora is not None:
+            hidden = hidden + _grouped_low_rank(self.gate_up_lora, sorted_x, offsets, dtype)
         gate, up = hidden.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, down, offs=offsets)  # (A, C)
+        activated = F.silu(gate) * up  # (A, I)
+        out = torch._grouped_mm(activated, down, offs=offsets)  # (A, C)
+        if self.down_lora is not None:
+            out = out + _grouped_low_rank(self.down_lora, activated, offsets, dtype)
+        return out
 
     def _per_expert(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # One matmul per expert over its contiguous slice. The counts are read on the host: free on a CPU,
@@ -125,13 +141,52 @@ class GroupedExperts(nn.Module):
         # (E, 2I, C) tensor, where each indexing adds a zero-filled full-size gradient of its own (64 per
         # projection for OLMoE: 36x slower at 128 tokens, forward and backward; benchmarks/bench_moe_cpu.py).
         gate_ups, downs = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        gate_up_lora, down_lora = (
+            _per_expert_adapters(self.gate_up_lora),
+            _per_expert_adapters(self.down_lora),
+        )
         outputs = []
         for expert, rows in enumerate(sorted_x.split(slice_sizes(counts, sorted_x.shape[0]))):
             if rows.shape[0] == 0:
                 continue
-            gate, up = F.linear(rows, gate_ups[expert]).chunk(2, dim=-1)  # (n_e, I) each
-            outputs.append(F.linear(F.silu(gate) * up, downs[expert]))  # (n_e, C)
+            hidden = F.linear(rows, gate_ups[expert])  # (n_e, 2I)
+            if gate_up_lora is not None:
+                hidden = hidden + _low_rank(gate_up_lora, expert, rows)
+            gate, up = hidden.chunk(2, dim=-1)  # (n_e, I) each
+            activated = F.silu(gate) * up
+            out = F.linear(activated, downs[expert])  # (n_e, C)
+            if down_lora is not None:
+                out = out + _low_rank(down_lora, expert, activated)
+            outputs.append(out)
         return torch.cat(outputs)
+
+
+def _per_expert_adapters(
+    adapter: nn.Module | None,
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], float] | None:
+    """An expert adapter's A and B, each unbound into its E experts' slices (one gradient for all of them, as
+    for the base weights), and its scaling; None without an adapter."""
+    if adapter is None:
+        return None
+    return adapter.lora_A.weight.unbind(0), adapter.lora_B.weight.unbind(0), adapter.scaling
+
+
+def _low_rank(
+    adapter: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], float], expert: int, rows: torch.Tensor
+) -> torch.Tensor:
+    """(rows A_e^T * scaling) B_e^T for one expert's rows (n_e, in) -> (n_e, out): rank-wide intermediates only."""
+    lora_A, lora_B, scaling = adapter
+    return F.linear(F.linear(rows, lora_A[expert]) * scaling, lora_B[expert])
+
+
+def _grouped_low_rank(
+    adapter: nn.Module, sorted_rows: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The adapter's term for every sorted assignment (A, in) -> (A, out), as two grouped matmuls."""
+    lora_A = adapter.lora_A.weight.to(dtype).transpose(-2, -1)  # (E, in, r)
+    lora_B = adapter.lora_B.weight.to(dtype).transpose(-2, -1)  # (E, r, out)
+    narrow = torch._grouped_mm(sorted_rows, lora_A, offs=offsets) * adapter.scaling  # (A, r)
+    return torch._grouped_mm(narrow.to(dtype), lora_B, offs=offsets)
 
 
 def compute_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -144,7 +199,7 @@ def compute_dtype(weight: torch.Tensor) -> torch.dtype:
 def uses_grouped_mm(x: torch.Tensor, experts: GroupedExperts) -> bool:
     """Whether the experts run as `torch._grouped_mm`: on CUDA in bf16 where the kernel exists (torch 2.9+
     on SM80+, Hopper only before; transformers' `_can_use_grouped_mm` in integrations/moe.py keeps the same
-    table) and every row it reads is 16-byte aligned, as the kernel needs (C and I multiples of 8)."""
+    table) and every row it reads is 16-byte aligned, as the kernel needs (C, I and a LoRA rank multiples of 8)."""
     weight = experts.gate_up_proj
     if (
         x.device.type != "cuda"
@@ -152,7 +207,13 @@ def uses_grouped_mm(x: torch.Tensor, experts: GroupedExperts) -> bool:
         or not hasattr(torch, "_grouped_mm")
     ):
         return False
-    aligned = all(size % 8 == 0 for size in (weight.shape[-1], experts.down_proj.shape[-1]))
+    sizes = [weight.shape[-1], experts.down_proj.shape[-1]]
+    sizes += [
+        adapter.lora_A.weight.shape[1]
+        for adapter in (experts.gate_up_lora, experts.down_lora)
+        if adapter is not None
+    ]
+    aligned = all(size % 8 == 0 for size in sizes)
     return aligned and torch.cuda.get_device_capability(x.device) >= (8, 0)
 
 
