@@ -204,3 +204,45 @@ def test_lora_on_a_mixture_of_experts_exports_a_peft_adapter_equal_to_the_merged
     base_model = load_model(base, torch.device("cpu"), torch.float32)
     experts = merged.model.layers[0].mlp.experts.gate_up_proj
     assert torch.equal(experts, base_model.blocks[0].mlp.experts.gate_up_proj)
+
+
+def test_lora_on_the_experts_saves_every_experts_complete_adapter_on_two_processes(
+    workspace: Path, capsys
+) -> None:
+    """--lora.targets experts on two FULL_SHARD processes (experts sharded along the expert dimension) saves
+    every expert's complete A and B: each expert's slice in the file equals the one-process run's (the
+    reference, whose weights are whole), and every expert's B was trained. The merged export gives the adapted
+    model's logits in transformers; the PEFT export is refused in one line."""
+    from transformers import AutoModelForCausalLM
+
+    base, data = workspace / "base-tiny-moe", workspace / "data.json"
+    write_tiny_checkpoint(base, seed=1, **TINY_MOE)
+    targets = ("--lora.targets", "[q, experts]")
+    single, double = workspace / "experts-1", workspace / "experts-2"
+    litsft_in_process(lora_args(base, data, single, 4, 3, *targets, dropout=0.0), workspace, capsys)
+    litsft(lora_args(base, data, double, 2, 3, "--devices", "2", *targets, dropout=0.0), workspace)
+    a = load_file(single / "final" / "adapter.safetensors")
+    b = load_file(double / "final" / "adapter.safetensors")
+    assert a.keys() == b.keys()
+    expert_names = [name for name in a if ".experts." in name]
+    layers = {name.split(".")[1] for name in a}
+    assert len(expert_names) == 4 * len(layers)  # gate_up and down, A and B, in every block
+    for name in expert_names:
+        assert a[name].shape == b[name].shape and a[name].shape[0] == TINY_MOE["num_experts"], name
+        for expert in range(TINY_MOE["num_experts"]):
+            assert (a[name][expert] - b[name][expert]).abs().max() < 1e-5, (name, expert)
+            if name.endswith("lora_B.weight"):
+                assert b[name][expert].abs().sum() > 0, (name, expert)
+
+    model = load_model(single / "final", torch.device("cpu"), torch.float32)
+    export = ["convert_to_hf", str(single / "final"), "--out_dir", str(workspace / "experts-hf")]
+    litsft_in_process(export, workspace, capsys)
+    tokens = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hf_logits = AutoModelForCausalLM.from_pretrained(workspace / "experts-hf").eval()(tokens).logits
+        assert (hf_logits - model(tokens)).abs().max() < 1e-4
+    peft_export = [*export[:3], str(workspace / "experts-peft"), "--lora_format", "peft"]
+    result = litsft_in_process(peft_export, workspace, capsys, check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "does not export as a PEFT adapter yet" in result.stdout + result.stderr
+    assert not (workspace / "experts-peft").exists()

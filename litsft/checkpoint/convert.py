@@ -43,7 +43,7 @@ from litsft.errors import LitsftError
 from litsft.model.adapters import adapter_variant
 from litsft.model.config import Config, DType
 from litsft.model.families import FAMILIES, WeightMap, family_of
-from litsft.model.lora import iter_merged_tensors, merged_config, split_adapter_name
+from litsft.model.lora import EXPERT_ADAPTERS, iter_merged_tensors, merged_config, split_adapter_name
 from litsft.model.lora_config import LoRAConfig
 from litsft.model.network import Transformer
 from litsft.model.quantization import iter_nf4_base
@@ -335,6 +335,14 @@ def export_peft_adapter(lora_checkpoint_dir: Path, out_dir: Path, base_model_nam
     """
     folder = read_lora_folder(lora_checkpoint_dir)
     folder.check_base_manifest()
+    if any(split_adapter_name(name)[0].endswith(tuple(EXPERT_ADAPTERS.values())) for name in folder.adapters):
+        # peft 0.21's `target_parameters` (ParamWrapper) stores per-expert adapters as A (r*E, in) and
+        # B (out, r*E) with its own reading of which axis of a 3D weight is the input; litsft does not yet
+        # write that form, nor check it against PEFT, so it refuses rather than write an unverified adapter.
+        raise LitsftError(
+            f"--lora_format peft: {lora_checkpoint_dir} adapts a mixture of experts' experts, which litsft "
+            "does not export as a PEFT adapter yet; export with --lora_format merged (exact) instead"
+        )
     out_dir = Path(out_dir)
     base_name = base_model_name_or_path or _hf_source_of(folder.base_dir)
     with publish_atomically(out_dir, "the PEFT adapter") as tmp_dir:
