@@ -454,3 +454,29 @@ def test_a_plan_made_on_a_gpu_without_bf16_says_so(gpu, precision, expected, cap
         assert "no bf16" not in out
     else:
         assert expected in out
+
+
+def test_plan_counts_lora_on_a_mixture_of_experts_experts(capsys):
+    """Naming the experts adds their adapters to the plan: the method line says so, the model the planner
+    measures has E x r x (C + 2I + I + C) more trained parameters per block (A and B of both fused
+    projections), and the optimizer states grow by their fp32 AdamW moments, sharded over 8."""
+    from litsft.model.lora import apply_lora
+    from litsft.model.network import Transformer
+
+    config = Config.from_name("Qwen3-30B-A3B")
+    attention = LoRAConfig(rank=16, targets=["q", "k", "v", "o"])
+    experts = LoRAConfig(rank=16, dropout=0.0, targets=["q", "k", "v", "o", "experts"])
+
+    def trained(lora: LoRAConfig) -> int:
+        with torch.device("meta"):
+            model = apply_lora(Transformer(config), lora)
+        return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    per_block = config.num_experts * 16 * (2 * config.hidden_size + 3 * config.expert_intermediate)
+    assert trained(experts) - trained(attention) == per_block * config.num_layers
+    grown = estimate_memory(config, devices=8, lora=experts).optimizer_states
+    grown -= estimate_memory(config, devices=8, lora=attention).optimizer_states
+    assert grown == pytest.approx(per_block * config.num_layers * 8 / 8, rel=0.01)
+    main(["plan", "Qwen3-30B-A3B", "--devices", "8", "--lora.rank", "16", "--lora.dropout", "0",
+          "--lora.targets", "[q, k, v, o, experts]", "--device_memory", "80GB"])  # fmt: skip
+    assert "LoRA rank 16 on q, k, v, o, experts, bf16-mixed" in capsys.readouterr().out

@@ -56,7 +56,7 @@ import torch
 
 from litsft.errors import LitsftError
 from litsft.model.config import Config, format_count
-from litsft.model.lora import apply_lora, base_weight_name
+from litsft.model.lora import EXPERT_TARGETS, apply_lora, base_weight_name
 from litsft.model.lora_config import LoRAConfig, Quantization
 from litsft.model.loss import FP32_BYTES_PER_LOGIT, loss_chunk_tokens
 from litsft.model.network import Transformer
@@ -440,8 +440,11 @@ def plan(
     )  # fmt: skip
     shard = shard_group_size(devices, num_nodes, fsdp.sharding_strategy) if world_size > 1 else 1
     sizes = model_sizes(config)
-    # An MoE block has no gate, up or down projection: all-linear adapts what it has.
+    # An MoE block has no gate, up or down projection: all-linear adapts what it has, and naming the
+    # experts (or gate, up, down) adapts the fused experts.
     targets = [t for t in lora.target_list if t == "lm_head" or t in sizes.layers[0].linear] if lora else []
+    if lora is not None and config.num_experts and lora.targets != "all-linear":
+        targets += ["experts"] if set(EXPERT_TARGETS) & set(lora.target_list) else []
     method = f"LoRA rank {lora.rank} on {', '.join(targets)}" if lora is not None else "full fine-tuning"
     if quantize is not None:
         method = f"Q{method}, base in {quantize.upper()}"
