@@ -317,6 +317,31 @@ def peft_adapter_tensors(
     return tensors, fused
 
 
+def _is_expert_adapter(name: str) -> bool:
+    return split_adapter_name(name)[0].endswith(tuple(EXPERT_ADAPTERS.values()))
+
+
+def peft_expert_tensors(adapters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Expert adapters (litsft names: A (E, r, in), B (E, out, r)) -> the tensors of PEFT's `target_parameters`
+    adapter on transformers' fused experts `model.layers.{i}.mlp.experts` (peft 0.21's ParamWrapper): A (E * r,
+    in), row e * r + j = A[e, j]; B (out, r * E), column j * E + e = B[e, :, j] (its `get_delta_factors`).
+    With target_parameters [gate_up_proj, down_proj] PEFT wraps gate_up_proj first, so its adapter sits under
+    the outer wrapper's `base_layer`."""
+    inner = {"gate_up_lora": ".base_layer", "down_lora": ""}
+    tensors = {}
+    for name, tensor in adapters.items():
+        module, tensor_name = split_adapter_name(name)  # blocks.{i}.mlp.experts.gate_up_lora, lora_A.weight
+        layer, projection = module.split(".")[1], module.rpartition(".")[2]
+        prefix = f"base_model.model.model.layers.{layer}.mlp.experts{inner[projection]}"
+        if tensor_name == "lora_A.weight":
+            tensors[f"{prefix}.lora_A.weight"] = tensor.reshape(-1, tensor.shape[-1]).contiguous()
+        else:
+            tensors[f"{prefix}.lora_B.weight"] = (
+                tensor.permute(1, 2, 0).reshape(tensor.shape[1], -1).contiguous()
+            )
+    return tensors
+
+
 def _module_name(hf_weight: str) -> str:
     """`model.layers.0.self_attn.qkv_proj.weight` -> `qkv_proj`: what PEFT's target_modules match."""
     return hf_weight.removesuffix(".weight").rpartition(".")[2]
@@ -335,14 +360,6 @@ def export_peft_adapter(lora_checkpoint_dir: Path, out_dir: Path, base_model_nam
     """
     folder = read_lora_folder(lora_checkpoint_dir)
     folder.check_base_manifest()
-    if any(split_adapter_name(name)[0].endswith(tuple(EXPERT_ADAPTERS.values())) for name in folder.adapters):
-        # peft 0.21's `target_parameters` (ParamWrapper) stores per-expert adapters as A (r*E, in) and
-        # B (out, r*E) with its own reading of which axis of a 3D weight is the input; litsft does not yet
-        # write that form, nor check it against PEFT, so it refuses rather than write an unverified adapter.
-        raise LitsftError(
-            f"--lora_format peft: {lora_checkpoint_dir} adapts a mixture of experts' experts, which litsft "
-            "does not export as a PEFT adapter yet; export with --lora_format merged (exact) instead"
-        )
     out_dir = Path(out_dir)
     base_name = base_model_name_or_path or _hf_source_of(folder.base_dir)
     with publish_atomically(out_dir, "the PEFT adapter") as tmp_dir:
@@ -357,12 +374,19 @@ def export_peft_adapter(lora_checkpoint_dir: Path, out_dir: Path, base_model_nam
         peft_adapters, peft_lora = adapter_variant(folder.config.variant).peft_form(
             folder.adapters, folder.config
         )
+        experts = {name: t for name, t in peft_adapters.items() if _is_expert_adapter(name)}
         adapters, fused = peft_adapter_tensors(
-            peft_adapters, Config.from_checkpoint(folder.base_dir), peft_lora
+            {name: t for name, t in peft_adapters.items() if name not in experts},
+            Config.from_checkpoint(folder.base_dir),
+            peft_lora,
         )
-        save_safetensors(adapters, tmp_dir / PEFT_ADAPTER_NAME)
         modules = sorted({name.split(".")[-3] for name in adapters if name.endswith(".lora_A.weight")})
-        write_json(tmp_dir / PEFT_CONFIG_NAME, _peft_config(peft_lora, base_name, modules, fused))
+        adapters.update(peft_expert_tensors(experts))
+        save_safetensors(adapters, tmp_dir / PEFT_ADAPTER_NAME)
+        peft_config = _peft_config(peft_lora, base_name, modules, fused)
+        if experts:
+            peft_config["target_parameters"] = [f"mlp.experts.{weight}" for weight in EXPERT_ADAPTERS]
+        write_json(tmp_dir / PEFT_CONFIG_NAME, peft_config)
         copy_tokenizer_files(Path(lora_checkpoint_dir), tmp_dir)
     if folder.base_quantization is not None:
         print(quantized_base_notice(lora_checkpoint_dir, out_dir, base_name, folder.base_quantization))
