@@ -336,7 +336,14 @@ def test_fsdp_options_that_would_not_do_what_they_ask_are_refused(
 
 
 # ---- a mixture of experts, sharded along the expert dimension -------------------------------------------------
-MOE_MESHES = {"FULL_SHARD": (2,), "SHARD_GRAD_OP": (2,), "HYBRID_SHARD": (2, 2)}
+MOE_MESHES = {
+    "FULL_SHARD on 2": ("FULL_SHARD", (2,)),
+    "FULL_SHARD on 4": ("FULL_SHARD", (4,)),
+    "SHARD_GRAD_OP on 2": ("SHARD_GRAD_OP", (2,)),
+    "SHARD_GRAD_OP on 4": ("SHARD_GRAD_OP", (4,)),
+    "HYBRID_SHARD on 2 x 2": ("HYBRID_SHARD", (2, 2)),
+}
+"""Test id -> (strategy, device mesh): 2 and 4 ranks, the 4 experts sharded 2 or 1 to a rank."""
 
 
 def tiny_moe() -> Transformer:
@@ -370,13 +377,13 @@ def _moe_micro_batch(rank: int, index: int) -> dict[str, torch.Tensor]:
     return {"input_ids": tokens, "labels": tokens}
 
 
-def _moe_sharded_facts(rank: int, strategy: str) -> dict:
+def _moe_sharded_facts(rank: int, case: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from litsft.model.moe import expert_load
     from litsft.training.parallel import synchronize_gradients
 
-    shape = MOE_MESHES[strategy]
+    strategy, shape = MOE_MESHES[case]
     ranks = math.prod(shape)
     reference, model = tiny_moe(), tiny_moe()
     names = ("replicate", "shard") if len(shape) == 2 else None
@@ -400,24 +407,24 @@ def _moe_sharded_facts(rank: int, strategy: str) -> dict:
     return facts
 
 
-def _moe_worker(rank: int, init_file: str, strategy: str, results) -> None:
+def _moe_worker(rank: int, init_file: str, case: str, results) -> None:
     import traceback
 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        world_size = math.prod(MOE_MESHES[strategy])
+        world_size = math.prod(MOE_MESHES[case][1])
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-        results.put((rank, _moe_sharded_facts(rank, strategy)))
+        results.put((rank, _moe_sharded_facts(rank, case)))
         dist.destroy_process_group()
     except BaseException:
         results.put((rank, traceback.format_exc()))
 
 
-@pytest.mark.parametrize("strategy", MOE_MESHES)
-def test_sharded_experts_with_an_unrouted_expert_equal_one_process(tmp_path, strategy: str) -> None:
-    """Experts sharded along the expert dimension (2 of the 4 on each rank of a shard group), the load-balancing
+@pytest.mark.parametrize("case", MOE_MESHES)
+def test_sharded_experts_with_an_unrouted_expert_equal_one_process(tmp_path, case: str) -> None:
+    """Experts sharded along the expert dimension (4 over each shard group of 2 or 4 ranks), the load-balancing
     loss on, and rank 1 routing no token to 2 experts of each layer in its first micro-batch: nothing waits
     forever (each rank's fused expert weights get a gradient, zero rows for the unrouted experts), and the
     accumulated gradients equal one process's over every micro-batch within 1e-5."""
@@ -425,9 +432,10 @@ def test_sharded_experts_with_an_unrouted_expert_equal_one_process(tmp_path, str
 
     context = mp.get_context("fork")
     results = context.Queue()
-    ranks = range(math.prod(MOE_MESHES[strategy]))
+    _, shape = MOE_MESHES[case]
+    ranks = range(math.prod(shape))
     workers = [
-        context.Process(target=_moe_worker, args=(rank, str(tmp_path / "init"), strategy, results))
+        context.Process(target=_moe_worker, args=(rank, str(tmp_path / "init"), case, results))
         for rank in ranks
     ]
     for worker in workers:
@@ -437,7 +445,7 @@ def test_sharded_experts_with_an_unrouted_expert_equal_one_process(tmp_path, str
         worker.join(timeout=60)
     for rank in ranks:
         assert isinstance(facts[rank], dict), facts[rank]
-        assert facts[rank]["expert_rows"] == 2
+        assert facts[rank]["expert_rows"] == 4 // shape[-1]  # the experts split over the shard group
         assert facts[rank]["max_difference"] < 1e-5, facts[rank]
         assert facts[rank]["router_gradient"] > 1e-3  # the routers learn: the check above compares something
     assert facts[1]["unrouted"][0] == 2 * 2  # 2 experts in each of the 2 layers
