@@ -23,6 +23,7 @@ the reply is the newest, which is what the model sees when it writes that reply.
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass, field
 from itertools import chain
@@ -30,7 +31,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from litsft.data.tokenizer import Tokenizer, render_chat_template
+from litsft.data.tokenizer import Tokenizer, render_template_messages, template_messages
 from litsft.errors import LitsftError
 
 Message = dict[str, Any]
@@ -189,14 +190,21 @@ class ChatFormat:
     ) -> str:
         """The conversation as text; with add_generation_prompt, ready for the model to write the reply.
         `tools` defaults to the conversation's own (a `Conversation`'s `tools`)."""
-        return render_chat_template(
+        tools = tools if tools is not None else tools_of(messages)
+        return self._render(template_messages(messages), add_generation_prompt, tools)
+
+    def _render(
+        self, prepared: list[Message], add_generation_prompt: bool, tools: list[dict[str, Any]] | None
+    ) -> str:
+        """`render` of messages prepared by `template_messages`: a conversation's prefixes share them."""
+        return render_template_messages(
             self.template,
-            messages,
+            prepared,
             add_generation_prompt,
             self._variables,
             source=f"the {self.name} chat template",
             fix="choose another --data.prompt_style",
-            tools=tools if tools is not None else tools_of(messages),
+            tools=tools,
         )
 
     def encode_prompt(self, messages: list[Message]) -> list[int]:
@@ -233,28 +241,7 @@ class ChatFormat:
             report.opening_replies_dropped += _opens_with_a_reply(messages)
             texts.extend(text for text, _ in samples)
             spans.extend(text_spans for _, text_spans in samples)
-        encoded = _encode_batch_with_offsets(self.tokenizer, texts)
-        lengths = np.fromiter((len(ids) for ids, _ in encoded), dtype=np.int64, count=len(encoded))
-        tokens = np.fromiter(
-            chain.from_iterable(ids for ids, _ in encoded), dtype=np.int32, count=lengths.sum()
-        )
-        starts = np.fromiter(
-            (start for _, offsets in encoded for start, _ in offsets), dtype=np.int64, count=lengths.sum()
-        )
-        # Place every text at its own base in one long line, so one sorted array holds all spans.
-        bases = np.zeros(len(texts), dtype=np.int64)
-        np.cumsum([len(text) + 1 for text in texts[:-1]], out=bases[1:])
-        bounds = np.fromiter(
-            (
-                base + bound
-                for base, text_spans in zip(bases.tolist(), spans)
-                for span in text_spans
-                for bound in span
-            ),
-            dtype=np.int64,
-        )
-        # A token is a target when its first character lies inside a span [start, end).
-        targets = np.searchsorted(bounds, starts + np.repeat(bases, lengths), side="right") % 2 == 1
+        tokens, targets, lengths = _tokens_and_targets(self.tokenizer, texts, spans)
         if self.tokenizer.add_bos:
             # A template that writes bos itself (Llama 3) has it already; add it where it is missing.
             firsts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
@@ -281,9 +268,9 @@ class ChatFormat:
             text = messages[0]["content"] + self._eos_text()
             return [(text, [(0, len(text))])]
         tools = tools_of(messages)
-        messages = _without_opening_replies(messages)
+        messages = template_messages(_without_opening_replies(messages))
         _check_trainable(messages)
-        text = self.render(messages, tools=tools)
+        text = self._render(messages, False, tools)
         if not self.mask_prompt:
             return [(text, [(0, len(text))])]
         spans = self._assistant_spans(messages, text, tools)
@@ -294,13 +281,13 @@ class ChatFormat:
     def _assistant_spans(
         self, messages: list[Message], text: str, tools: list[dict[str, Any]] | None
     ) -> list[tuple[int, int]] | None:
-        """Each reply's span in `text`; None when an earlier render is not a prefix of the whole."""
+        """Each reply's span in `text` (messages prepared by `template_messages`); None when an earlier render is not a prefix of the whole."""
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt = self.render(messages[:i], add_generation_prompt=True, tools=tools)
-            turn = text if i + 1 == len(messages) else self.render(messages[: i + 1], tools=tools)
+            prompt = self._render(messages[:i], True, tools)
+            turn = text if i + 1 == len(messages) else self._render(messages[: i + 1], False, tools)
             if not (text.startswith(prompt) and text.startswith(turn) and len(prompt) <= len(turn)):
                 return None
             spans.append(_reply_span(prompt, turn))
@@ -315,8 +302,8 @@ class ChatFormat:
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt = self.render(messages[:i], add_generation_prompt=True, tools=tools)
-            turn = self.render(messages[: i + 1], tools=tools)
+            prompt = self._render(messages[:i], True, tools)
+            turn = self._render(messages[: i + 1], False, tools)
             if not turn.startswith(prompt):
                 return None
             samples.append((turn, [_reply_span(prompt, turn)]))
@@ -407,12 +394,40 @@ def _reply_span(prompt: str, turn: str) -> tuple[int, int]:
     return len(prompt), max(len(turn.rstrip()), len(prompt))
 
 
-def _encode_batch_with_offsets(
-    tokenizer: Tokenizer, texts: list[str]
-) -> list[tuple[list[int], list[tuple[int, int]]]]:
-    """(ids, offsets) of each text, without bos or eos: one parallel call into `tokenizers`."""
-    batch = getattr(tokenizer, "encode_batch_with_offsets", None)
-    if batch is not None:
-        return batch(texts)
+def _tokens_and_targets(
+    tokenizer: Tokenizer, texts: list[str], spans: list[list[tuple[int, int]]]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token ids of `texts` back to back (without bos or eos, one parallel call into `tokenizers`), the
+    target flags (a token is a target when its first character lies inside one of its text's `spans`), and
+    each text's token count."""
     encodings = tokenizer._tokenizer.encode_batch(texts, add_special_tokens=False)
-    return [(encoding.ids, encoding.offsets) for encoding in encodings]
+    lengths = np.fromiter((len(encoding) for encoding in encodings), dtype=np.int64, count=len(encodings))
+    total = int(lengths.sum())
+    tokens = np.fromiter(
+        chain.from_iterable(encoding.ids for encoding in encodings), dtype=np.int32, count=total
+    )
+    targets = np.zeros(total, dtype=bool)
+    base = 0
+    for encoding, text, text_spans in zip(encodings, texts, spans):
+        for start, end in text_spans:
+            first = _first_token_at(encoding, start, len(text))
+            targets[base + first : base + _first_token_at(encoding, end, len(text))] = True
+        base += len(encoding)
+    return tokens, targets, lengths
+
+
+def _first_token_at(encoding: Any, position: int, text_length: int) -> int:
+    """The index of the first token of `encoding` whose first character is at or after `position` (the
+    number of tokens when there is none). Asks `tokenizers` for the token at that character and steps over
+    its neighbours, instead of reading every token's offsets (building those lists took a third of
+    tokenizing a chunk). Token start offsets never decrease along an encoding: a span of characters is a
+    run of tokens."""
+    token = encoding.char_to_token(position) if position < text_length else len(encoding)
+    if token is None:  # a character no token covers (one the normalizer removed): search the offsets
+        return bisect.bisect_left([start for start, _ in encoding.offsets], position)
+    # Tokens of one character's bytes share its offsets: step back to the first, or past one that starts before.
+    while token > 0 and encoding.token_to_chars(token - 1)[0] >= position:
+        token -= 1
+    while token < len(encoding) and encoding.token_to_chars(token)[0] < position:
+        token += 1
+    return token

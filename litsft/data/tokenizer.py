@@ -227,9 +227,31 @@ def render_chat_template(
     """Render a chat template the way transformers does. `source` names the template and `fix` says what to
     do instead, for the one-line error a broken template gives. `tools` are JSON schemas, passed as
     transformers' `apply_chat_template(tools=...)` passes them."""
+    return render_template_messages(
+        template, template_messages(messages), add_generation_prompt, variables, source, fix, tools
+    )
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as transformers hands them to a template. Preparing them once lets the renders of a
+    conversation's prefixes (chat.py renders several) share the work."""
     # Like transformers: keys whose value is None are dropped, many templates print "None" otherwise.
-    messages = [{key: value for key, value in message.items() if value is not None} for message in messages]
-    messages = [_with_reasoning_aliases(message) for message in messages]
+    return [
+        _with_reasoning_aliases({key: value for key, value in message.items() if value is not None})
+        for message in messages
+    ]
+
+
+def render_template_messages(
+    template: str,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    variables: dict[str, str],
+    source: str,
+    fix: str,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """`render_chat_template` of messages already prepared by `template_messages`."""
     try:
         return _compile_chat_template(template).render(
             messages=messages,
@@ -253,8 +275,12 @@ def _with_reasoning_aliases(message: dict[str, Any]) -> dict[str, Any]:
     (what gpt-oss's reads), whichever name it came under, as transformers' apply_chat_template hands it
     (`_alias_reasoning_fields` in transformers/utils/chat_template_utils.py): a `thinking` or `reasoning`
     field would otherwise reach Qwen3's template as an empty <think></think>."""
-    reasoning = next((message[key] for key in REASONING_FIELDS if message.get(key) is not None), None)
-    if reasoning is None:
+    # A loop, not next() over a generator: this runs for every message of every record.
+    for key in REASONING_FIELDS:
+        reasoning = message.get(key)
+        if reasoning is not None:
+            break
+    else:
         return message
     return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
