@@ -6,8 +6,9 @@ python benchmarks/bench_prepare_hf_dataset.py [--sizes 100000 500000] [--out ben
 
 Each measurement runs in a fresh process, so its peak resident memory is its own; litsft's forked tokenizing
 workers are reported separately (their largest, not their sum), as are `datasets.map`'s. Both tokenize with all
-the cores this process may use. `datasets.map` computes token ids only (no loss masks) and writes them into
-its arrow cache; litsft renders, tokenizes, masks and writes its memory-mapped cache.
+the cores this process may use (litsft's `--data.tokenize_processes`, `datasets.map`'s `num_proc`).
+`datasets.map` computes token ids only (no loss masks) and writes them into its arrow cache; litsft renders,
+tokenizes, masks and writes its memory-mapped cache.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def peaks() -> dict[str, float]:
     }
 
 
-def litsft_prepare(parquet: str, tokenizer_dir: str, cache_dir: str) -> None:
+def litsft_prepare(parquet: str, tokenizer_dir: str, cache_dir: str, processes: str) -> None:
     """Child process: what rank 0 does before training, timed; one JSON line."""
     import datasets  # noqa: F401 (imported before the clock starts, as datasets_map imports it)
 
@@ -81,7 +82,9 @@ def litsft_prepare(parquet: str, tokenizer_dir: str, cache_dir: str) -> None:
     from litsft.data.tokenizer import Tokenizer
 
     start = time.perf_counter()
-    data = HFDataset(path=parquet, cache_dir=Path(cache_dir), val_split_fraction=0.0)
+    data = HFDataset(
+        path=parquet, cache_dir=Path(cache_dir), val_split_fraction=0.0, tokenize_processes=int(processes)
+    )
     data.connect(Tokenizer(tokenizer_dir), max_seq_length=256, seed=0)
     data.prepare()
     seconds = time.perf_counter() - start
@@ -155,7 +158,7 @@ def measure(num_rows: int, processes: int) -> list[str]:
         build_demo_tokenizer(root / "tokenizer")
         env = {**os.environ, "HF_HOME": str(root / "hf-home"), "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
         paths = [str(root / "rows.parquet"), str(root / "tokenizer")]
-        ours = run_child("litsft_prepare", *paths, str(root / "cache"), env=env)
+        ours = run_child("litsft_prepare", *paths, str(root / "cache"), str(processes), env=env)
         loaded = run_child("litsft_load", *paths, str(root / "cache"), env=env)
         theirs = run_child("datasets_map", *paths, str(root / "map-cache"), str(processes), env=env)
     return [

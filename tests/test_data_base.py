@@ -61,6 +61,7 @@ def test_the_cache_is_the_option_then_the_environment_then_the_home_cache(tmp_pa
     [
         ({"num_workers": -1}, "--data.num_workers=-1 must be at least 0; 0 builds batches in the training process"),
         ({"val_split_fraction": 1.0}, "--data.val_split_fraction=1.0 must be at least 0 and less than 1; use e.g. 0.05, or 0 for no validation"),
+        ({"tokenize_processes": 0}, "--data.tokenize_processes=0 must be at least 1; leave it unset for one per core"),
     ],
 )  # fmt: skip
 def test_options_every_module_has_are_checked_when_it_is_made(tmp_path, options, message) -> None:

@@ -122,7 +122,7 @@ def test_chunks_are_joined_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_tokenizing_to_the_cache_equals_tokenizing_in_memory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """Written a chunk at a time, on two forked workers, with a progress bar: the same samples."""
     monkeypatch.setattr(samples_module, "CHUNK_SIZE", 3)
-    monkeypatch.setattr(samples_module, "tokenizing_processes", lambda count: 2)
+    monkeypatch.setattr(samples_module, "tokenizing_processes", lambda count, requested: 2)
     conversations = [[n] for n in range(20)]
     report = tokenize_to_cache(conversations, CountingFormat(), tmp_path / "entry", "Tokenizing", True)
     assert report.conversations == 20
@@ -205,7 +205,7 @@ def test_tokenizing_uses_worker_processes_while_other_threads_run(
     """A training run has threads (the launcher's, the lock's heartbeat): forking then could deadlock, so the
     workers start from a fresh server process; the samples are the same, and none is tokenized here."""
     monkeypatch.setattr(samples_module, "CHUNK_SIZE", 3)
-    monkeypatch.setattr(samples_module, "tokenizing_processes", lambda count: 2)
+    monkeypatch.setattr(samples_module, "tokenizing_processes", lambda count, requested: 2)
     stop = threading.Event()
     thread = threading.Thread(target=stop.wait)
     thread.start()
@@ -218,3 +218,16 @@ def test_tokenizing_uses_worker_processes_while_other_threads_run(
     assert [tokens[0] for tokens, _ in as_lists(samples)] == list(range(10))
     pids = {tokens[1] for tokens, _ in as_lists(samples)}
     assert os.getpid() not in pids and len(pids) >= 1
+
+
+def test_tokenize_processes_sets_how_many_processes_tokenize(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """--data.tokenize_processes: 1 tokenizes here, 2 in workers; never more processes than chunks."""
+    assert samples_module.tokenizing_processes(25_000, requested=8) == 3
+    assert samples_module.tokenizing_processes(25_000, requested=2) == 2
+    monkeypatch.setattr(samples_module, "CHUNK_SIZE", 3)
+    for processes in (1, 2):
+        tokenize_to_cache(
+            [[n] for n in range(10)], PidFormat(), tmp_path / str(processes), processes=processes
+        )
+        pids = {tokens[1] for tokens, _ in as_lists(Samples.load(tmp_path / str(processes)))}
+        assert (pids == {os.getpid()}) == (processes == 1), pids

@@ -136,8 +136,14 @@ class SFTDataModule(DataOptions, DataModule):
     """Skip the records that cannot be trained on as they are (the chat template refuses them, a tool call
     is malformed), counted and the first reasons printed; false stops at the first such record instead."""
 
+    tokenize_processes: int | None = None
+    """Processes that tokenize the records when their cache is prepared (by rank 0 of a run, or by
+    `litsft prepare`); None: one per core this process may run on, at most 16. Leaves the cache unchanged."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_number("--data.tokenize_processes", self.tokenize_processes, at_least=1,
+                     fix="leave it unset for one per core")  # fmt: skip
         check_number("--data.val_split_fraction", self.val_split_fraction, at_least=0, below=1,
                      fix="use e.g. 0.05, or 0 for no validation")  # fmt: skip
 
@@ -227,7 +233,12 @@ class SFTDataModule(DataOptions, DataModule):
 
             def tokenize(staging: Path, split: str = split) -> dict[str, Any]:
                 report = tokenize_to_cache(
-                    conversations[split], self.chat_format, staging, f"Tokenizing the {split} records", True
+                    conversations[split],
+                    self.chat_format,
+                    staging,
+                    f"Tokenizing the {split} records",
+                    show_progress=True,
+                    processes=self.tokenize_processes,
                 )
                 if report.conversations and len(report.skipped) == report.conversations:
                     raise LitsftError(

@@ -209,16 +209,19 @@ def tokenize_to_cache(
     directory: Path,
     description: str = "Tokenizing",
     show_progress: bool = False,
+    processes: int | None = None,
 ) -> TokenizeReport:
     """Render and tokenize every conversation (no truncation) into the cache entry files of `directory`,
     one chunk at a time (memory holds a chunk per process, never the whole set), with a progress bar
-    (records/s and time left) when `show_progress`; report what was left out."""
+    (records/s and time left) when `show_progress`; report what was left out. `processes` tokenize
+    (see `tokenizing_processes`)."""
     with SamplesWriter(directory) as writer:
         report = _tokenize_in_chunks(
             conversations,
             chat_format,
             lambda part: writer.append(part.tokens, part.targets, part.lengths),
             description if show_progress else None,
+            processes,
         )
     return report
 
@@ -228,6 +231,7 @@ def _tokenize_in_chunks(
     chat_format: ChatFormat,
     consume: Callable[[Tokenized], None],
     progress: str | None = None,
+    processes: int | None = None,
 ) -> TokenizeReport:
     """Tokenize chunk by chunk, in worker processes for large sets, handing each chunk to `consume` in
     order. A conversation that cannot be trained on is named by its record (`Conversations.where`, file
@@ -240,7 +244,7 @@ def _tokenize_in_chunks(
     bar = _progress_bar(len(conversations), progress) if progress else None
     reports = []
     try:
-        for part in _chunks(conversations, chat_format):
+        for part in _chunks(conversations, chat_format, processes):
             consume(part)
             reports.append(part.report)
             if bar is not None:
@@ -276,17 +280,21 @@ def _progress_bar(total: int, description: str):  # noqa: ANN202 (tqdm is import
     )
 
 
-def tokenizing_processes(num_conversations: int) -> int:
-    """How many processes tokenize `num_conversations`: one per chunk, at most one per core this process
-    may run on, and at most MAX_PROCESSES."""
+def tokenizing_processes(num_conversations: int, requested: int | None = None) -> int:
+    """How many processes tokenize `num_conversations`: `requested` (--data.tokenize_processes) when
+    given, else one per core this process may run on, at most MAX_PROCESSES; never more than one per chunk."""
     num_chunks = -(-num_conversations // CHUNK_SIZE)
+    if requested is not None:
+        return max(1, min(num_chunks, requested))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(num_chunks, cores, MAX_PROCESSES))
 
 
-def _chunks(conversations: Sequence[list[Message]], chat_format: ChatFormat) -> Iterator[Tokenized]:
+def _chunks(
+    conversations: Sequence[list[Message]], chat_format: ChatFormat, requested: int | None
+) -> Iterator[Tokenized]:
     num_chunks = -(-len(conversations) // CHUNK_SIZE)
-    processes = tokenizing_processes(len(conversations))
+    processes = tokenizing_processes(len(conversations), requested)
     if processes == 1:
         for index in range(num_chunks):
             yield _tokenize_chunk_of(conversations, index, chat_format)
