@@ -22,6 +22,7 @@ raised before anything is written.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,12 +239,18 @@ def check_columns(columns: list[str], where: str, record_format: RecordFormat = 
 
 
 def _detect_shape(record: dict, where: str) -> RecordShape:
-    present = {key for key, value in record.items() if value is not None}
-    shape = shape_of_fields(present)
+    present = frozenset(key for key, value in record.items() if value is not None)
+    shape = _shape_of_fields_cached(present)
     if shape is None:
         fields = ", ".join(repr(key) for key in sorted(present)) or "none"
         raise LitsftError(f"{where}: the record fits no record shape (its fields: {fields}); {_SHAPES}")
     return shape
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_of_fields_cached(present: frozenset[str]) -> RecordShape | None:
+    # A dataset's records share their fields: decided once per set of fields, not for each of millions.
+    return shape_of_fields(present)
 
 
 def _alpaca(record: dict, where: str) -> list[Message]:
