@@ -464,3 +464,17 @@ def test_records_a_template_refuses_or_with_malformed_tool_calls_are_skipped_and
         assert_samples_are_transformers_renders(tokenizer, hf, part, conversation)
     with pytest.raises(LitsftError, match=r"^conversation 1: message 1 tool_calls\[0\] has no function name"):
         ChatFormat(tokenizer).tokenize_many(conversations[:1] + conversations[3:])
+
+
+@pytest.mark.parametrize("text", ["It is 5.<|im_end|>\n", "Grüße, 猫 🐈 and  two  spaces\n\n", ""])
+def test_the_first_token_at_a_position_is_the_one_the_offsets_give(template_tokenizer, text):
+    """Targets are found from the tokens at the spans' bounds: for every position, the same token as the
+    first whose start offset is at or after it (multi-byte characters split into several byte tokens)."""
+    from litsft.data.chat import _first_token_at
+
+    _, tokenizer = template_tokenizer
+    encoding = tokenizer._tokenizer.encode(text, add_special_tokens=False)
+    starts = [start for start, _ in encoding.offsets]
+    for position in range(len(text) + 1):
+        expected = next((i for i, start in enumerate(starts) if start >= position), len(starts))
+        assert _first_token_at(encoding, position, len(text)) == expected, position
