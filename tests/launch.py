@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -198,6 +199,15 @@ def max_difference(dir_a: Path, dir_b: Path) -> float:
     a, b = load_model_state_dict(dir_a), load_model_state_dict(dir_b)
     assert a.keys() == b.keys()
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def stopped_copy(out_dir: Path, copy: Path, last_step: int) -> Path:
+    """A copy of a finished run's out_dir as a stop before its last checkpoint leaves it: the checkpoint of
+    `last_step` and the final folder gone, the earlier checkpoints there to resume from."""
+    shutil.copytree(out_dir, copy)
+    shutil.rmtree(copy / f"step-{last_step:08d}")
+    shutil.rmtree(copy / "final")
+    return copy
 
 
 def state_dict(directory: Path) -> dict[str, torch.Tensor]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from launch import (
     litsft,
     litsft_in_process,
     litsft_two_nodes,
+    stopped_copy,
     write_records,
     write_tiny_checkpoint,
 )
@@ -167,9 +167,7 @@ def test_elastic_resume_with_dropout_equals_the_uninterrupted_run(
     litsft(
         lora_args(base, data, uninterrupted, 2, 4, "--devices", "2", "--train.save_interval", "2"), workspace
     )
-    shutil.copytree(uninterrupted, resumed)
-    shutil.rmtree(resumed / "step-00000004")
-    shutil.rmtree(resumed / "final")
+    stopped_copy(uninterrupted, resumed, last_step=4)
     result = litsft_in_process(
         lora_args(base, data, resumed, 2, 4, "--train.save_interval", "2"), workspace, capsys
     )

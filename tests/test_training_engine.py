@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from launch import (
     litsft_two_nodes,
     max_difference,
     state_dict,
+    stopped_copy,
     write_records,
     write_tiny_checkpoint,
 )
@@ -107,9 +107,7 @@ def test_resume_is_exact_with_two_processes_and_dropout(workspace: Path) -> None
     args = ["--devices", "2", "--train.save_interval", "6"]
     uninterrupted, resumed = workspace / "uninterrupted", workspace / "resumed"
     litsft(finetune_args(base, data, uninterrupted, 2, 12, *args), workspace)
-    shutil.copytree(uninterrupted, resumed)
-    shutil.rmtree(resumed / "step-00000012")
-    shutil.rmtree(resumed / "final")
+    stopped_copy(uninterrupted, resumed, last_step=12)
     result = litsft(finetune_args(base, data, resumed, 2, 12, *args), workspace)
     assert "Resumed from" in result.stdout + result.stderr
     a, b = state_dict(uninterrupted / "final"), state_dict(resumed / "final")
@@ -126,17 +124,13 @@ def test_a_mixture_of_experts_resumes_exactly_with_two_processes_and_on_one(work
     args = ["--devices", "2", "--train.save_interval", "2"]
     uninterrupted, resumed = workspace / "moe-uninterrupted", workspace / "moe-resumed"
     litsft(finetune_args(base, data, uninterrupted, 2, 4, *args), workspace)
-    shutil.copytree(uninterrupted, resumed)
-    shutil.rmtree(resumed / "step-00000004")
-    shutil.rmtree(resumed / "final")
+    stopped_copy(uninterrupted, resumed, last_step=4)
     result = litsft(finetune_args(base, data, resumed, 2, 4, *args), workspace)
     assert "Resumed from" in result.stdout + result.stderr
     a, b = state_dict(uninterrupted / "final"), state_dict(resumed / "final")
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
     # Elastic: the same checkpoint resumed by one process, which reassembles each rank's half of the experts.
-    shutil.copytree(resumed, elastic := workspace / "moe-elastic")
-    shutil.rmtree(elastic / "step-00000004")
-    shutil.rmtree(elastic / "final")
+    elastic = stopped_copy(resumed, workspace / "moe-elastic", last_step=4)
     one = litsft_in_process(
         finetune_args(base, data, elastic, 2, 4, "--train.save_interval", "2"), workspace, capsys
     )
