@@ -9,6 +9,9 @@ the one-test demo file last again; `--no-loadscope-reorder` is set here so the R
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import pytest
 
 LONGEST_FIRST = (
@@ -32,3 +35,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: the order inside a file, and of the other files, is unchanged
+
+
+@pytest.fixture(autouse=True)
+def logs_to_a_live_stream() -> None:
+    """Lightning and torchmetrics give their loggers a handler bound to the sys.stderr of the moment they are
+    first imported. Imported during a test that captures output (capsys), that stream is closed when the test
+    ends, and a later test's log line ("Seed set to ...") prints "--- Logging error ---" and a traceback into
+    that test's output. Before each test such a handler is pointed at the stream of the moment."""
+    for logger in list(logging.Logger.manager.loggerDict.values()):
+        for handler in getattr(logger, "handlers", []):
+            if isinstance(handler, logging.StreamHandler) and getattr(handler.stream, "closed", False):
+                handler.stream = sys.stderr  # not setStream: it flushes the closed one first
