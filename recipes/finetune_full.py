@@ -73,14 +73,14 @@ def setup(
 def full_finetuning(checkpoint_dir: Path, config: Config) -> Recipe:
     """Every weight trains, starting from the checkpoint's; the final model is a full checkpoint."""
     # Imported here: litsft.cli.launcher calls this once the run has passed its checks, and torch takes seconds.
-    from litsft.checkpoint.model_folder import gather_and_save_model_folder, load_model_weights
+    from litsft.checkpoint.model_folder import load_model_weights, save_model_folder_from_ranks
     from litsft.model.network import Transformer
 
     return Recipe(
         name="finetune_full",
         build_model=Transformer,
         initialize=lambda model: load_model_weights(model, checkpoint_dir),
-        save_final=lambda model, final_dir: gather_and_save_model_folder(
+        save_final=lambda model, final_dir: save_model_folder_from_ranks(
             model, final_dir, config, checkpoint_dir
         ),
     )

@@ -82,7 +82,7 @@ def setup(
 def pretraining(config: Config, tokenizer_dir: Path, seed: int) -> Recipe:
     """Fresh weights, every one trained; the final model is a full checkpoint with the tokenizer's files."""
     # Imported here: litsft.cli.launcher calls this once the run has passed its checks, and torch takes seconds.
-    from litsft.checkpoint.model_folder import gather_and_save_model_folder
+    from litsft.checkpoint.model_folder import save_model_folder_from_ranks
     from litsft.checkpoint.sharded_tensors import copy_local_part
     from litsft.model.network import Transformer, parameter_generator
 
@@ -97,7 +97,7 @@ def pretraining(config: Config, tokenizer_dir: Path, seed: int) -> Recipe:
         name="pretrain",
         build_model=Transformer,
         initialize=initialize,
-        save_final=lambda model, final_dir: gather_and_save_model_folder(
+        save_final=lambda model, final_dir: save_model_folder_from_ranks(
             model, final_dir, config, tokenizer_dir
         ),
     )

@@ -10,7 +10,10 @@ import shutil
 import socket
 import subprocess
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -229,3 +232,36 @@ def write_records(path: Path, count: int = 48, seed: int = 0) -> Path:
     ]
     path.write_text(json.dumps(records))
     return path
+
+
+def on_ranks(
+    ranks: int, job: Callable[..., Any], tmp_path: Path, *args: Any, timeout: int = 180
+) -> dict[int, Any]:
+    """rank -> what `job(*args)` returned on each of `ranks` processes forked from this one and joined in a gloo
+    process group. A rank that raised fails the test with its traceback."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    def run(rank: int, init_file: str, results: Any) -> None:
+        torch.set_num_threads(1)
+        try:
+            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ranks)
+            answer = job(*args)
+            dist.destroy_process_group()
+            results.put((rank, answer, None))
+        except BaseException:
+            results.put((rank, None, traceback.format_exc()))
+
+    # fork, not spawn: the children reuse this process's imports and start in a fraction of a second.
+    context = mp.get_context("fork")
+    results = context.Queue()
+    init_file = tmp_path / f"init-{job.__name__}-{free_port()}"
+    workers = [context.Process(target=run, args=(rank, str(init_file), results)) for rank in range(ranks)]
+    for worker in workers:
+        worker.start()
+    answers = [results.get(timeout=timeout) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=60)
+    failures = [error for _, _, error in answers if error]
+    assert not failures, failures[0]
+    return {rank: answer for rank, answer, _ in answers}

@@ -3,22 +3,23 @@ through DCP's safetensors storage (dim-1 shards, replicas written once), its ref
 
 from __future__ import annotations
 
-import math
+import json
 import pickle
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
+from launch import on_ranks
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from litsft.checkpoint.sharded_tensors import (
     ShardedReader,
     copy_local_part,
     first_failure,
-    full_tensors,
     global_rank,
     plain,
+    save_consolidated,
     save_sharded,
     world_size,
 )
@@ -47,47 +48,16 @@ def _distributed(kind: str, full: torch.Tensor) -> torch.Tensor:
     return target
 
 
-def _worker(rank: int, ranks: int, init_file: str, job: str, directory: str, results) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ranks)
-        if job == "save":
-            tensors = {kind: _distributed(kind, FULL) for kind in ("dim0", "dim1", "replicated")}
-            tensors["step"] = STEP.clone()
-            save_sharded(tensors, Path(directory))
-            results.put((rank, "saved"))
-        else:  # load every saved tensor into a dim-0 shard, whatever it was saved as
-            targets = {
-                kind: _distributed("dim0", torch.zeros_like(FULL)) for kind in ("dim0", "dim1", "replicated")
-            }
-            ShardedReader(Path(directory), fix="").load(targets)
-            results.put((rank, {kind: t.full_tensor().tolist() for kind, t in targets.items()}))
-        dist.destroy_process_group()
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
+def _save_every_placement(directory: Path) -> None:
+    tensors = {kind: _distributed(kind, FULL) for kind in ("dim0", "dim1", "replicated")}
+    save_sharded(tensors | {"step": STEP.clone()}, directory)
 
 
-def _on_ranks(ranks: int, job: str, directory: Path, tmp_path: Path) -> dict:
-    import torch.multiprocessing as mp
-
-    # fork, not spawn: the children reuse this process's imports and start in a fraction of a second.
-    context = mp.get_context("fork")
-    results = context.Queue()
-    init_file = tmp_path / f"init-{job}"
-    workers = [
-        context.Process(target=_worker, args=(rank, ranks, str(init_file), job, str(directory), results))
-        for rank in range(ranks)
-    ]
-    for worker in workers:
-        worker.start()
-    answers = dict(results.get(timeout=180) for _ in workers)
-    for worker in workers:
-        worker.join(timeout=60)
-    for answer in answers.values():
-        assert not isinstance(answer, str) or answer == "saved", answer
-    return answers
+def _load_into_dim0_shards(directory: Path) -> dict[str, list]:
+    """Every saved tensor loaded into a dim-0 shard, whatever it was saved as."""
+    targets = {kind: _distributed("dim0", torch.zeros_like(FULL)) for kind in ("dim0", "dim1", "replicated")}
+    ShardedReader(directory, fix="").load(targets)
+    return {kind: t.full_tensor().tolist() for kind, t in targets.items()}
 
 
 def test_any_placement_saved_by_two_ranks_loads_exactly_into_one_and_into_another_placement(tmp_path) -> None:
@@ -95,7 +65,7 @@ def test_any_placement_saved_by_two_ranks_loads_exactly_into_one_and_into_anothe
     ranks; read back whole by one process and as dim-0 shards by two. Replicas and the scalar every rank
     holds are written once."""
     directory = tmp_path / "shards"
-    _on_ranks(2, "save", directory, tmp_path)
+    on_ranks(2, _save_every_placement, tmp_path, directory)
 
     files = sorted(directory.glob("*.safetensors"))
     assert len(files) == 2 and not list(directory.glob(".metadata"))
@@ -114,7 +84,7 @@ def test_any_placement_saved_by_two_ranks_loads_exactly_into_one_and_into_anothe
     assert all(torch.equal(whole[kind], FULL) for kind in ("dim0", "dim1", "replicated"))
     assert torch.equal(whole["step"], STEP)
 
-    for rank, loaded in _on_ranks(2, "load", directory, tmp_path).items():
+    for rank, loaded in on_ranks(2, _load_into_dim0_shards, tmp_path, directory).items():
         assert all(values == FULL.tolist() for values in loaded.values()), rank
 
 
@@ -158,12 +128,28 @@ def test_one_process_copies_whole_tensors_and_names_its_failures() -> None:
     assert first_failure(OSError("disk full\nmore detail")) == (0, "disk full")
 
 
-def test_full_tensors_casts_floating_point_only() -> None:
-    named = {"w": FULL, "ids": torch.arange(3)}
-    cast = dict(full_tensors(named, dtype=torch.bfloat16))
-    assert cast["w"].dtype == torch.bfloat16 and cast["ids"].dtype == torch.int64
-    assert torch.equal(cast["w"].float(), FULL)
-    assert math.prod(cast["w"].shape) == FULL.numel()
+def _save_whole(directory: Path) -> None:
+    tensors = {kind: _distributed(kind, FULL) for kind in ("dim0", "dim1", "replicated")}
+    save_consolidated(tensors, directory, {"dim0": 1, "dim1": 2, "replicated": 2})
+
+
+def test_parts_of_any_placement_are_consolidated_into_whole_tensors_named_as_hugging_face_shards(
+    tmp_path,
+) -> None:
+    on_ranks(2, _save_whole, tmp_path, tmp_path / "whole")
+    files = sorted(p.name for p in (tmp_path / "whole").iterdir())
+    assert files == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    first, second = (load_file(tmp_path / "whole" / name) for name in files[:2])
+    assert first.keys() == {"dim0"} and second.keys() == {"dim1", "replicated"}
+    assert all(torch.equal(tensor, FULL) for tensor in (first["dim0"], second["dim1"], second["replicated"]))
+    with pytest.raises(ValueError, match=r"0-dim tensors: \['step'\]"):  # consolidation would write zeros
+        save_consolidated({"step": STEP}, tmp_path / "scalar", {"step": 1})
+    index = json.loads((tmp_path / "whole" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["dim1"] == "model-00002-of-00002.safetensors"
 
 
 def test_weights_wrapped_for_float8_all_gather_are_saved_and_loaded_as_plain_tensors(tmp_path: Path) -> None:
@@ -182,8 +168,8 @@ def test_weights_wrapped_for_float8_all_gather_are_saved_and_loaded_as_plain_ten
     assert type(weight).__name__ == "WeightWithDynamicFloat8CastTensor"
     saved = weight.detach().clone()
     save_sharded({"w": weight}, tmp_path / "shards")  # safetensors refuses the wrapper itself
-    ((_, full),) = full_tensors({"w": weight}, dtype=torch.bfloat16)
-    assert type(full) is torch.Tensor and full.dtype == torch.bfloat16
+    save_consolidated({"w": weight}, tmp_path / "whole", {"w": 1})
+    assert torch.equal(load_file(tmp_path / "whole" / "model-00001-of-00001.safetensors")["w"], plain(saved))
     with torch.no_grad():
         weight.zero_()
     ShardedReader(tmp_path / "shards", fix="save it again").load({"w": weight})

@@ -11,6 +11,7 @@ from litsft.checkpoint.weight_files import (
     ShardedSafetensorsWriter,
     iter_tensors,
     parse_size,
+    shard_numbers,
     tensor_infos,
     write_safetensors,
 )
@@ -68,6 +69,9 @@ def test_writer_shards_like_hugging_face(tmp_path):
     ]
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert index["metadata"] == {"total_size": 6000}
+    # The rule the final folder's consolidation is given up front: the same shard for every tensor.
+    numbers = shard_numbers(((name, tensor.nbytes) for name, tensor in tensors.items()), 2500)
+    assert numbers == {name: int(file.split("-")[1]) for name, file in index["weight_map"].items()}
     assert index["weight_map"] == {f"t{i}": f"model-0000{i // 2 + 1}-of-00003.safetensors" for i in range(6)}
     assert dict(iter_tensors(tmp_path)).keys() == tensors.keys()
     assert all(torch.equal(t, tensors[n]) for n, t in iter_tensors(tmp_path))

@@ -227,7 +227,7 @@ def _float8_facts(rank: int, save_to: str) -> dict:
     from safetensors.torch import save_file
     from torch.distributed.device_mesh import init_device_mesh
 
-    from litsft.checkpoint.sharded_tensors import full_tensors
+    from litsft.checkpoint.sharded_tensors import plain
     from litsft.model.float8 import convert_to_float8, precompute_float8_scales
 
     def build() -> Transformer:
@@ -250,7 +250,9 @@ def _float8_facts(rank: int, save_to: str) -> dict:
             optimizer.step()
             optimizer.zero_grad()
         precompute_float8_scales(model)
-    gathered = dict(full_tensors(model.state_dict()))  # collective: the wrapper comes off
+    gathered = {
+        name: plain(t).full_tensor() for name, t in model.state_dict().items()
+    }  # the wrapper comes off
     if rank == 0:
         save_file({name: tensor.contiguous() for name, tensor in gathered.items()}, save_to)
     expected = reference.state_dict()

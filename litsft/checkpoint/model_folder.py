@@ -1,5 +1,6 @@
 """The litsft model folder: what `convert_from_hf`, `merge_lora` and every training run's final/ write, and
-what training, `generate` and `convert_to_hf` read. `save_model_folder` is its one writer.
+what training, `generate` and `convert_to_hf` read. `save_model_folder` writes it from whole tensors in one
+process, `save_model_folder_from_ranks` from a model sharded across ranks; both finish it the same way.
 
     litsft_config.json        the model's Config (written last: a folder with it is complete)
     model*.safetensors        weights in litsft names, sharded like Hugging Face's (a tied lm_head is not stored)
@@ -22,11 +23,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from litsft.checkpoint.sharded_tensors import ShardedReader, barrier, full_tensors, global_rank
+from litsft.checkpoint.sharded_tensors import ShardedReader, barrier, global_rank, plain, save_consolidated
 from litsft.checkpoint.weight_files import (
     DEFAULT_MAX_SHARD_SIZE,
+    SAFETENSORS_INDEX_NAME,
+    SAFETENSORS_NAME,
     TensorInfo,
     iter_tensors,
+    remove_saved_weights,
+    shard_numbers,
     tensor_infos,
     write_safetensors,
 )
@@ -94,8 +99,14 @@ def save_model_folder(
         named_tensors = ((n, t) for n, t in named_tensors if n != "lm_head.weight")
     fingerprint = WeightsFingerprint()
     write_safetensors(fingerprint.passing(named_tensors), out_dir, max_shard_size)
-    manifest = {"weights_sha256": fingerprint.hexdigest(), "hf_source": hf_source}
-    write_json(out_dir / MANIFEST_NAME, manifest)
+    _finish_model_folder(out_dir, fingerprint.hexdigest(), config, tokenizer_source_dir, hf_source)
+
+
+def _finish_model_folder(
+    out_dir: Path, fingerprint: str, config: Config, tokenizer_source_dir: Path | None, hf_source: str | None
+) -> None:
+    """Everything but the weights: manifest, tokenizer files, and the config last."""
+    write_json(out_dir / MANIFEST_NAME, {"weights_sha256": fingerprint, "hf_source": hf_source})
     if tokenizer_source_dir is not None:
         copy_tokenizer_files(tokenizer_source_dir, out_dir)
     # Config last: a directory with litsft_config.json is a finished model folder.
@@ -113,17 +124,40 @@ def copy_tokenizer_files(source_dir: Path, out_dir: Path) -> list[str]:
     return copied
 
 
-def gather_and_save_model_folder(
-    model: nn.Module, out_dir: Path, config: Config, tokenizer_dir: Path | None
+def save_model_folder_from_ranks(
+    model: nn.Module,
+    out_dir: Path,
+    config: Config,
+    tokenizer_dir: Path | None,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
 ) -> None:
-    """Write a (possibly sharded) model as a litsft model folder, gathering one tensor at a time so rank 0
-    never holds more than one full tensor plus one file shard. Every rank calls it; rank 0 writes."""
-    tensors = full_tensors(model.state_dict(), dtype=getattr(torch, config.torch_dtype))
+    """Write a model sharded across ranks (any placement) as a litsft model folder, its weights cast to the
+    config's dtype. Every rank writes its own parts; rank 0 merges them into whole tensors one at a time
+    (`save_consolidated`) and finishes the folder. No rank holds the model whole: rank 0's peak is its own
+    parts plus one whole tensor (benchmarks/bench_final_folder_memory.py measures it against gathering every
+    tensor to rank 0). Collective."""
+    out_dir = Path(out_dir)
+    dtype = getattr(torch, config.torch_dtype)
+    tensors = {
+        name: plain(tensor).detach().to(dtype) if tensor.is_floating_point() else tensor.detach()
+        for name, tensor in model.state_dict().items()
+        if not (config.tie_word_embeddings and name == "lm_head.weight")
+    }
     if global_rank() == 0:
-        save_model_folder(tensors, config, out_dir, tokenizer_dir)
-    else:
-        for _ in tensors:  # take part in every gather
-            pass
+        out_dir.mkdir(parents=True, exist_ok=True)
+        remove_saved_weights(out_dir)
+    barrier()
+    sizes = ((name, tensor.numel() * tensor.element_size()) for name, tensor in tensors.items())
+    file_numbers = shard_numbers(sizes, max_shard_size)
+    save_consolidated(tensors, out_dir, file_numbers)
+    if global_rank() == 0:
+        if max(file_numbers.values(), default=1) == 1:  # one file: named as Hugging Face names a single one
+            (out_dir / "model-00001-of-00001.safetensors").rename(out_dir / SAFETENSORS_NAME)
+            (out_dir / SAFETENSORS_INDEX_NAME).unlink()
+        fingerprint = WeightsFingerprint()
+        for name in tensors:  # read back one at a time, each file opened per tensor: never mapped whole
+            fingerprint.add(*next(iter_tensors(out_dir, [name])))
+        _finish_model_folder(out_dir, fingerprint.hexdigest(), config, tokenizer_dir, hf_source=None)
     barrier()
 
 

@@ -1,6 +1,7 @@
 """Tensors sharded across ranks in any placement (FSDP2's dim-0 shards, a `Shard(1)` expert weight,
-replicas), saved and loaded through torch.distributed.checkpoint (DCP) with its Hugging Face safetensors
-storage, and the rank helpers that saving and loading collectively need.
+replicas), saved as each rank's parts or merged into whole tensors, and loaded, through
+torch.distributed.checkpoint (DCP) with its Hugging Face safetensors storage; and the rank helpers that
+saving and loading collectively need.
 
 DCP writes each rank's pieces to its own safetensors file with their offsets in the file's header
 (`HuggingFaceStorageWriter(save_distributed=True)`), writes a replicated tensor once, and reads any
@@ -10,8 +11,9 @@ not in DCP's pickled `.metadata` file, which nothing here reads: loading never u
 
 from __future__ import annotations
 
+import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -103,23 +105,31 @@ def copy_local_part(target: torch.Tensor, full: torch.Tensor) -> None:
         target.copy_(full)
 
 
-def full_tensors(
-    named: dict[str, torch.Tensor], dtype: torch.dtype | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full CPU tensor) one at a time. Every rank must iterate (gathering is collective)."""
-    for name, tensor in named.items():
-        tensor = plain(tensor)
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        full = full.detach().to("cpu")
-        yield name, full.to(dtype) if dtype is not None and full.is_floating_point() else full
-
-
 # ---- DCP with safetensors storage -------------------------------------------------------------------------
 def save_sharded(tensors: dict[str, torch.Tensor], directory: Path) -> None:
     """Write every rank's part of `tensors` (flat name -> tensor or DTensor) into `directory`, one
     safetensors file per rank that holds a part no other rank writes, fsynced. Collective. Raises the
     OSError (or other exception) of the lowest rank that failed, on every rank."""
-    writer = HuggingFaceStorageWriter(str(directory), save_distributed=True)
+    _save(tensors, HuggingFaceStorageWriter(str(directory), save_distributed=True))
+
+
+def save_consolidated(tensors: dict[str, torch.Tensor], directory: Path, file_index: dict[str, int]) -> None:
+    """Write `tensors` (any placement) whole into `directory`, in the files Hugging Face names shards by
+    (`model-0000i-of-0000N.safetensors`, i = `file_index[name]`, and `model.safetensors.index.json`). Every
+    rank writes its parts under `directory/sharded/`; rank 0 then merges them a tensor at a time (DCP's
+    consolidation), so no rank ever holds the whole set, and removes the parts. Collective."""
+    scalars = [name for name, tensor in tensors.items() if tensor.dim() == 0]
+    if scalars:  # torch 2.13's consolidation writes a 0-dim tensor as zeros
+        raise ValueError(f"cannot consolidate 0-dim tensors: {scalars}")
+    writer = HuggingFaceStorageWriter(
+        str(directory), save_distributed=True, enable_consolidation=True, fqn_to_index_mapping=file_index
+    )
+    _save(tensors, writer)  # returns on every rank once rank 0 has consolidated
+    if global_rank() == 0:
+        shutil.rmtree(writer.path)
+
+
+def _save(tensors: dict[str, torch.Tensor], writer: HuggingFaceStorageWriter) -> None:
     try:
         dcp.save(
             {name: plain(tensor) for name, tensor in tensors.items()},

@@ -141,20 +141,32 @@ class ShardedSafetensorsWriter:
         return files
 
 
+def shard_numbers(sizes: Iterable[tuple[str, int]], max_shard_size: str | int) -> dict[str, int]:
+    """The shard (1, 2, ...) each tensor of (name, bytes) goes to, in order, by the rule
+    `ShardedSafetensorsWriter` follows: a tensor that would take a shard past `max_shard_size` starts the next."""
+    max_bytes, numbers, shard, shard_bytes = parse_size(max_shard_size), {}, 1, 0
+    for name, nbytes in sizes:
+        if shard_bytes and shard_bytes + nbytes > max_bytes:
+            shard, shard_bytes = shard + 1, 0
+        numbers[name] = shard
+        shard_bytes += nbytes
+    return numbers
+
+
 def write_safetensors(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     out_dir: Path,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
 ) -> list[Path]:
     """Stream tensors into (possibly sharded) safetensors files in `out_dir`; returns the files written."""
-    _remove_saved_weights(Path(out_dir))
+    remove_saved_weights(Path(out_dir))
     writer = ShardedSafetensorsWriter(out_dir, max_shard_size)
     for name, tensor in named_tensors:
         writer.add(name, tensor)
     return writer.close()
 
 
-def _remove_saved_weights(directory: Path) -> None:
+def remove_saved_weights(directory: Path) -> None:
     """Delete weights an earlier save left in `directory`, so old shards cannot mix with new ones."""
     for path in directory.glob("model*.safetensors*"):
         if path.name in (SAFETENSORS_NAME, SAFETENSORS_INDEX_NAME) or _SHARD_NAME.fullmatch(path.name):

@@ -347,7 +347,8 @@ def save_final(fabric: Fabric, recipe: Recipe, model: nn.Module, out_dir: Path) 
     final, staging = out_dir / FINAL_DIR, out_dir / f".{FINAL_DIR}.partial"
     fix = "free disk space or fix permissions, then relaunch the same command: it resumes from the last checkpoint"
     publish = publish_atomically(final, "the final model", staging, fix)
-    with publish if fabric.is_global_zero else nullcontext(staging):  # rank 0 writes, every rank gathers
+    # Rank 0 publishes; every rank writes its parts of the weights into the staging directory.
+    with publish if fabric.is_global_zero else nullcontext(staging):
         fabric.barrier()
         recipe.save_final(model, staging)
         fabric.barrier()
