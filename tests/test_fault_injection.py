@@ -280,6 +280,26 @@ def test_a_damaged_newest_checkpoint_is_named_moved_aside_and_the_run_goes_on_fr
     assert_same_as_reference(workspace, name)
 
 
+def test_full_disk_on_one_rank_while_writing_the_final_model_is_one_line_and_a_relaunch_finishes(
+    workspace: Path,
+) -> None:
+    """Every rank writes its parts of the final model (DCP): rank 1 failing fails every rank together, with
+    one line, no final/ and nothing half-written; the relaunch writes the same model as an uninterrupted run."""
+    out_dir = workspace / "final-disk-full"
+    args = args_for(workspace, "final-disk-full")
+    run = run_litsft(args, workspace, fault="final_writing@1:enospc")
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+    assert [line for line in run.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: cannot write the final model to {out_dir / 'final'} (No space left on device: (fault injected at "
+        "final_writing)); free disk space or fix permissions, then relaunch the same command: it resumes from "
+        "the last checkpoint"
+    ]
+    assert not (out_dir / "final").exists() and leftovers(out_dir) == []
+    assert run_litsft(args, workspace).returncode == 0
+    assert_same_as_reference(workspace, "final-disk-full")
+
+
 def test_full_disk_during_save_keeps_previous_checkpoint_and_names_the_cause(workspace: Path) -> None:
     out_dir = workspace / "disk-full"
     args = args_for(workspace, "disk-full")

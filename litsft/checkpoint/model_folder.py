@@ -38,6 +38,7 @@ from litsft.checkpoint.weight_files import (
 from litsft.errors import LitsftError
 from litsft.model.config import Config
 from litsft.model.quantization import is_nf4, load_nf4_weight
+from litsft.runtime.faults import fault_point
 from litsft.runtime.files import read_json, write_json
 
 MANIFEST_NAME = "litsft_manifest.json"
@@ -149,7 +150,8 @@ def save_model_folder_from_ranks(
     barrier()
     sizes = ((name, tensor.numel() * tensor.element_size()) for name, tensor in tensors.items())
     file_numbers = shard_numbers(sizes, max_shard_size)
-    save_consolidated(tensors, out_dir, file_numbers)
+    rank = global_rank()
+    save_consolidated(tensors, out_dir, file_numbers, before_write=lambda: fault_point("final_writing", rank))
     if global_rank() == 0:
         if max(file_numbers.values(), default=1) == 1:  # one file: named as Hugging Face names a single one
             (out_dir / "model-00001-of-00001.safetensors").rename(out_dir / SAFETENSORS_NAME)

@@ -113,7 +113,12 @@ def save_sharded(tensors: dict[str, torch.Tensor], directory: Path) -> None:
     _save(tensors, HuggingFaceStorageWriter(str(directory), save_distributed=True))
 
 
-def save_consolidated(tensors: dict[str, torch.Tensor], directory: Path, file_index: dict[str, int]) -> None:
+def save_consolidated(
+    tensors: dict[str, torch.Tensor],
+    directory: Path,
+    file_index: dict[str, int],
+    before_write: Callable[[], None] = lambda: None,
+) -> None:
     """Write `tensors` (any placement) whole into `directory`, in the files Hugging Face names shards by
     (`model-0000i-of-0000N.safetensors`, i = `file_index[name]`, and `model.safetensors.index.json`). Every
     rank writes its parts under `directory/sharded/`; rank 0 then merges them a tensor at a time (DCP's
@@ -121,9 +126,10 @@ def save_consolidated(tensors: dict[str, torch.Tensor], directory: Path, file_in
     scalars = [name for name, tensor in tensors.items() if tensor.dim() == 0]
     if scalars:  # torch 2.13's consolidation writes a 0-dim tensor as zeros
         raise ValueError(f"cannot consolidate 0-dim tensors: {scalars}")
-    writer = HuggingFaceStorageWriter(
+    writer = _WriterCallingFirst(
         str(directory), save_distributed=True, enable_consolidation=True, fqn_to_index_mapping=file_index
     )
+    writer.before_write = before_write
     _save(tensors, writer)  # returns on every rank once rank 0 has consolidated
     if global_rank() == 0:
         shutil.rmtree(writer.path)
