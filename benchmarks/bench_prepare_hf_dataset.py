@@ -68,10 +68,62 @@ def resident_mb() -> float:
 
 
 def peaks() -> dict[str, float]:
+    """This process's peak resident memory (VmHWM) and its children's largest (ru_maxrss), in MB.
+
+    Not this process's ru_maxrss: Linux carries a process's peak across exec, so a child started by
+    subprocess reports the benchmark's own peak (the rows it wrote to parquet) as its own. A forked worker's
+    ru_maxrss is its own."""
     return {
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": _status_kb(Path("/proc/self/status"), "VmHWM") / 1024,
         "worker_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
     }
+
+
+def _status_kb(status: Path, field: str) -> int:
+    for line in status.read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    return 0
+
+
+class ResidentSampler:
+    """Samples a process and its descendants every INTERVAL_S from outside (a thread inside would change
+    how litsft starts its workers): the peaks of anonymous memory (RssAnon: heap, Python objects, arrays)
+    and of file-backed pages (RssFile: memory-mapped files such as `datasets`' arrow cache, which the
+    kernel can drop and read again), for the process and for its largest descendant, in MB. Each peak is
+    sampled on its own: the two need not be at the same moment."""
+
+    INTERVAL_S = 0.05
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peaks = {"main_anon": 0.0, "main_file": 0.0, "worker_anon": 0.0, "worker_file": 0.0}
+
+    def sample(self) -> None:
+        for pid in [self.pid, *self._descendants()]:
+            role = "main" if pid == self.pid else "worker"
+            try:
+                status = Path(f"/proc/{pid}/status")
+                anon, file = _status_kb(status, "RssAnon") / 1024, _status_kb(status, "RssFile") / 1024
+            except OSError:  # it ended
+                continue
+            self.peaks[f"{role}_anon"] = max(self.peaks[f"{role}_anon"], anon)
+            self.peaks[f"{role}_file"] = max(self.peaks[f"{role}_file"], file)
+
+    def _descendants(self) -> list[int]:
+        parents = {}
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    stat = Path(f"/proc/{name}/stat").read_bytes()
+                except OSError:
+                    continue
+                parents[int(name)] = int(stat.rsplit(b")", 1)[1].split()[1])
+        found, frontier = [], {self.pid}
+        while frontier:
+            frontier = {pid for pid, parent in parents.items() if parent in frontier}
+            found += frontier
+        return found
 
 
 def litsft_prepare(parquet: str, tokenizer_dir: str, cache_dir: str, processes: str) -> None:
@@ -143,10 +195,28 @@ def run_child(function: str, *arguments: str, env: dict[str, str]) -> dict[str, 
         f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench_prepare_hf_dataset as b; "
         f"b.{function}(*sys.argv[1:])"
     )
-    result = subprocess.run([sys.executable, "-c", code, *arguments], env=env, capture_output=True, text=True)
-    if result.returncode:
-        raise RuntimeError(f"{function} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-c", code, *arguments], env=env, stdout=stdout, stderr=stderr
+        )
+        sampler = ResidentSampler(process.pid)
+        while process.poll() is None:
+            sampler.sample()
+            time.sleep(sampler.INTERVAL_S)
+        stdout.seek(0), stderr.seek(0)
+        if process.returncode:
+            raise RuntimeError(f"{function} failed:\n{stderr.read()[-3000:]}")
+        return {**json.loads(stdout.read().strip().splitlines()[-1]), **sampler.peaks}
+
+
+def memory(result: dict[str, float]) -> str:
+    """Peak RSS of the main process + its largest worker, then the sampled peaks of anonymous and
+    file-backed memory of each."""
+    return (
+        f"{result['peak_rss_mb']:4,.0f} + {result['worker_peak_rss_mb']:4,.0f} MB "
+        f"(anon {result['main_anon']:3,.0f} + {result['worker_anon']:3,.0f}, "
+        f"file {result['main_file']:3,.0f} + {result['worker_file']:3,.0f})"
+    )
 
 
 def measure(num_rows: int, processes: int) -> list[str]:
@@ -162,10 +232,9 @@ def measure(num_rows: int, processes: int) -> list[str]:
         loaded = run_child("litsft_load", *paths, str(root / "cache"), env=env)
         theirs = run_child("datasets_map", *paths, str(root / "map-cache"), str(processes), env=env)
     return [
-        f"{num_rows:>9,} | {ours['seconds']:7.1f} s | {theirs['seconds']:7.1f} s | "
-        f"{theirs['seconds'] / ours['seconds']:5.2f}x | {ours['peak_rss_mb']:6,.0f} MB + {ours['worker_peak_rss_mb']:4,.0f} MB | "
-        f"{theirs['peak_rss_mb']:6,.0f} MB + {theirs['worker_peak_rss_mb']:4,.0f} MB | {loaded['added_mb']:6,.0f} MB | "
-        f"{loaded['samples']:,} samples, {loaded['tokens']:,} tokens"
+        f"{num_rows:>9,} | {ours['seconds']:6.1f} s | {theirs['seconds']:6.1f} s | "
+        f"{theirs['seconds'] / ours['seconds']:5.2f}x | {memory(ours)} | {memory(theirs)} | "
+        f"{loaded['added_mb']:4,.0f} MB | {loaded['samples']:,} samples, {loaded['tokens']:,} tokens"
     ]
 
 
@@ -177,8 +246,9 @@ def main(sizes: list[int], out: Path | None) -> None:
     lines = [
         f"ShareGPT conversations from parquet, demo tokenizer (ChatML), max_seq_length 256, {processes} processes "
         "each (litsft's tokenizing workers; datasets.map's num_proc)",
-        "conversations | litsft prepare | datasets.map | speed-up | litsft peak RSS (main + largest worker) | "
-        "datasets.map peak RSS | RSS a rank adds loading the cache (8-rank split, first batch) | cache",
+        "conversations | litsft prepare | datasets.map | speed-up | litsft peak RSS main + largest worker "
+        "(of which sampled peaks: anonymous, file-backed) | the same for datasets.map | "
+        "RSS a rank adds loading the cache (8-rank split, first batch) | cache",
     ]
     for num_rows in sizes:
         lines += measure(num_rows, processes)

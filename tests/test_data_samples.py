@@ -128,6 +128,17 @@ def test_tokenizing_to_the_cache_equals_tokenizing_in_memory(monkeypatch: pytest
     assert report.conversations == 20
     in_memory, _ = tokenize_conversations(conversations, CountingFormat())
     assert as_lists(Samples.load(tmp_path / "entry")) == as_lists(in_memory)
+    # The per-sample arrays, streamed to files while writing, are the files np.save writes of them whole.
+    entry = tmp_path / "entry"
+    assert sorted(path.name for path in entry.iterdir()) == [
+        "first_targets.npy",
+        "lengths.npy",
+        "targets.bin",
+        "tokens.bin",
+    ]
+    for name in ("lengths", "first_targets"):
+        np.save(tmp_path / f"{name}.npy", getattr(in_memory, name))
+        assert (entry / f"{name}.npy").read_bytes() == (tmp_path / f"{name}.npy").read_bytes()
 
 
 @pytest.mark.parametrize("delay", [0.0, 60.0])

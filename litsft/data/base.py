@@ -244,7 +244,8 @@ class SFTDataModule(DataOptions, DataModule):
                     raise LitsftError(
                         f"every {split} record was skipped as untrainable; the first: {report.skipped[0][1]}"
                     )
-                samples = len(np.load(staging / "lengths.npy", allow_pickle=False))
+                # Memory-mapped: only the count is read, not one length per sample.
+                samples = len(np.load(staging / "lengths.npy", mmap_mode="r", allow_pickle=False))
                 return {"samples": samples, "left_out": left_out_summary(report)}
 
             write_atomically(self._cached(identity), tokenize, {"source": identity})

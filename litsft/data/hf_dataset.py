@@ -97,6 +97,7 @@ class HFDataset(RecordDataModule):
     def _load_split(self, split: str) -> Any:
         """The `datasets.Dataset` of one split, with only the columns the record shapes read."""
         import datasets
+        import pyarrow
         import tqdm
 
         # tqdm's monitor thread (started by the first progress bar) would make tokenizing start its workers
@@ -129,6 +130,10 @@ class HFDataset(RecordDataModule):
             if path.exists() and not isinstance(err, LitsftError):
                 _check_local_files(path, self.data_files)  # names the file (and line) that broke the load
             raise _load_error(err, self.path, self.name, split) from None
+        # Converting files into the arrow cache leaves arrow's allocator holding the buffers it freed (65 MB
+        # of 174 MB of anonymous memory after loading 500k rows): give them back before tokenizing workers
+        # are forked, each of which would count them again.
+        pyarrow.default_memory_pool().release_unused()
         record_format = self.record_format()
         check_columns(dataset.column_names, f"{self.path} split {split}", record_format)
         wanted = set(record_fields()) | set(record_format.field_map.values())

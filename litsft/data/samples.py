@@ -115,7 +115,14 @@ class Samples:
             targets = np.memmap(directory / "targets.bin", dtype=np.bool_, mode="r", shape=(total,))
         starts = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1], out=starts[1:])
-        return cls(tokens, targets, starts, lengths.astype(np.int64), first_targets.astype(np.int64))
+        # copy=False: an entry's arrays are int64 already, and a copy is 8 more bytes a sample.
+        return cls(
+            tokens,
+            targets,
+            starts,
+            lengths.astype(np.int64, copy=False),
+            first_targets.astype(np.int64, copy=False),
+        )
 
 
 @dataclass(frozen=True)
@@ -145,44 +152,55 @@ def first_targets_of(targets: np.ndarray, starts: np.ndarray, lengths: np.ndarra
 
 
 class SamplesWriter:
-    """Appends samples to a cache entry's files a chunk at a time: memory holds one chunk, never the set."""
+    """Appends samples to a cache entry's files a chunk at a time: memory holds one chunk, never the set.
+    The per-sample arrays (lengths, first targets) are streamed to files too and become .npy files on
+    closing: at 16 bytes a sample they would be the one thing growing with the set (32 MB at 2M samples)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.tokens_file = open(self.directory / "tokens.bin", "wb")
-        self.targets_file = open(self.directory / "targets.bin", "wb")
-        self.lengths: list[np.ndarray] = []
-        self.first_targets: list[np.ndarray] = []
+        self.files = {
+            name: open(self.directory / name, "wb")
+            for name in ("tokens.bin", "targets.bin", "lengths.part", "first_targets.part")
+        }
+        self.num_samples = 0
         self.num_tokens = 0
 
     def append(self, tokens: np.ndarray, targets: np.ndarray, lengths: np.ndarray) -> None:
         """Samples back to back, as tokenizing returns them."""
         lengths = np.asarray(lengths, dtype=np.int64)
-        self.tokens_file.write(np.ascontiguousarray(tokens, dtype=np.int32).tobytes())
-        self.targets_file.write(np.ascontiguousarray(targets, dtype=np.bool_).tobytes())
         starts = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1], out=starts[1:])
-        self.lengths.append(lengths)
-        self.first_targets.append(first_targets_of(np.asarray(targets), starts, lengths))
+        first_targets = first_targets_of(np.asarray(targets), starts, lengths)
+        self.files["tokens.bin"].write(np.ascontiguousarray(tokens, dtype=np.int32).tobytes())
+        self.files["targets.bin"].write(np.ascontiguousarray(targets, dtype=np.bool_).tobytes())
+        self.files["lengths.part"].write(lengths.tobytes())
+        self.files["first_targets.part"].write(first_targets.tobytes())
+        self.num_samples += len(lengths)
         self.num_tokens += int(lengths.sum())
-
-    @property
-    def num_samples(self) -> int:
-        return sum(len(lengths) for lengths in self.lengths)
 
     def __enter__(self) -> SamplesWriter:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.tokens_file.close()
-        self.targets_file.close()
+        for file in self.files.values():
+            file.close()
         if exc_info[0] is None:
-            np.save(self.directory / "lengths.npy", np.concatenate([np.zeros(0, np.int64), *self.lengths]))
-            np.save(
-                self.directory / "first_targets.npy",
-                np.concatenate([np.zeros(0, np.int64), *self.first_targets]),
-            )
+            for name in ("lengths", "first_targets"):
+                _part_to_npy(
+                    self.directory / f"{name}.part", self.directory / f"{name}.npy", self.num_samples
+                )
+
+
+def _part_to_npy(part: Path, npy: Path, length: int) -> None:
+    """Raw int64 values streamed to `part` as the (length,) .npy file `npy`: a header, then the values
+    copied a block at a time (never the whole array in memory); `part` is removed."""
+    with open(npy, "wb") as out, open(part, "rb") as values:
+        header = {"descr": np.dtype(np.int64).str, "fortran_order": False, "shape": (length,)}
+        np.lib.format.write_array_header_1_0(out, header)
+        while block := values.read(1 << 20):
+            out.write(block)
+    part.unlink()
 
 
 def tokenize_conversations(
