@@ -248,6 +248,15 @@ def test_tools_tool_calls_and_reasoning_reach_the_conversation():
     }
     assert conversation[2] == {"role": "tool", "content": "2", "name": "f"}
     assert conversation[3] == {"role": "assistant", "content": "It is 2.", "reasoning": "f said 2"}
+    # A message of two keys, its role and a call without content, keeps the call.
+    only_a_call = to_conversation(
+        {"messages": [record["messages"][0], {"role": "assistant", "tool_calls": [call]}]}
+    )
+    assert only_a_call[1] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": conversation[1]["tool_calls"],
+    }
 
 
 def test_plain_text_records_train_on_every_token(tmp_path, tokenizer):

@@ -336,12 +336,21 @@ class ChatFormat:
 
 
 def _first_user_message(messages: list[Message]) -> int:
-    return next((i for i, message in enumerate(messages) if message["role"] == "user"), len(messages))
+    for i, message in enumerate(messages):
+        if message["role"] == "user":
+            return i
+    return len(messages)
 
 
 def _opens_with_a_reply(messages: list[Message]) -> bool:
     """Whether messages other than system ones (a reply, its tool results) come before the first user one."""
-    return any(message["role"] != "system" for message in messages[: _first_user_message(messages)])
+    # A loop that stops at the first user message, not a slice and a generator: this runs twice a record.
+    for message in messages:
+        if message["role"] == "user":
+            return False
+        if message["role"] != "system":
+            return True
+    return False
 
 
 def _without_opening_replies(messages: list[Message]) -> list[Message]:
@@ -360,7 +369,9 @@ def _check_trainable(messages: list[Message]) -> None:
     if not any(message["role"] == "assistant" for message in messages):
         raise LitsftError("no assistant reply follows a user message; add one or drop the record")
     for i, message in enumerate(messages):
-        for j, call in enumerate(message.get("tool_calls") or []):
+        if "tool_calls" not in message:  # most messages: no call to check
+            continue
+        for j, call in enumerate(message["tool_calls"] or []):
             problem = _tool_call_problem(call)
             if problem is not None:
                 raise LitsftError(f"message {i} tool_calls[{j}] {problem}; fix the call or drop the record")

@@ -239,7 +239,10 @@ def check_columns(columns: list[str], where: str, record_format: RecordFormat = 
 
 
 def _detect_shape(record: dict, where: str) -> RecordShape:
-    present = frozenset(key for key, value in record.items() if value is not None)
+    if None in record.values():
+        present = frozenset(key for key, value in record.items() if value is not None)
+    else:  # most records: every field is there
+        present = frozenset(record)
     shape = _shape_of_fields_cached(present)
     if shape is None:
         fields = ", ".join(repr(key) for key in sorted(present)) or "none"
@@ -333,9 +336,10 @@ def _messages(record: dict, key: str, where: str, sharegpt: RecordFormat | None)
                 f"{where}: {key}[{i}].{keys['content']} is {_type_name(content)}, expected a string"
             )
         converted["content"] = content
-        for extra in EXTRA_MESSAGE_KEYS:
-            if message.get(extra) is not None:
-                converted[extra] = _without_none(message[extra])
+        if len(message) > 2 or keys["content"] not in message:  # keys beside its role and content
+            for extra in EXTRA_MESSAGE_KEYS:
+                if message.get(extra) is not None:
+                    converted[extra] = _without_none(message[extra])
         if has_calls and not isinstance(converted["tool_calls"], list):
             raise LitsftError(
                 f"{where}: {key}[{i}].tool_calls is {_type_name(message['tool_calls'])}, expected a list"

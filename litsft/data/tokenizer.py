@@ -235,9 +235,14 @@ def render_chat_template(
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages as transformers hands them to a template. Preparing them once lets the renders of a
     conversation's prefixes (chat.py renders several) share the work."""
-    # Like transformers: keys whose value is None are dropped, many templates print "None" otherwise.
+    # Like transformers: keys whose value is None are dropped, many templates print "None" otherwise. A
+    # message without any is handed over as it is (the sandbox keeps templates from changing it).
     return [
-        _with_reasoning_aliases({key: value for key, value in message.items() if value is not None})
+        _with_reasoning_aliases(
+            message
+            if None not in message.values()
+            else {key: value for key, value in message.items() if value is not None}
+        )
         for message in messages
     ]
 
