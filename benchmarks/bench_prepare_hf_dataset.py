@@ -2,13 +2,17 @@
 transformers' `apply_chat_template` at the same number of processes: wall time, peak memory while preparing,
 and the memory a rank adds by loading the prepared cache.
 
-python benchmarks/bench_prepare_hf_dataset.py [--sizes 100000 500000] [--out benchmarks/results/prepare_hf_dataset_cpu.txt]
+python benchmarks/bench_prepare_hf_dataset.py [--sizes 100000 500000] [--repeats 3] [--out benchmarks/results/prepare_hf_dataset_cpu.txt]
 
-Each measurement runs in a fresh process, so its peak resident memory is its own; litsft's forked tokenizing
-workers are reported separately (their largest, not their sum), as are `datasets.map`'s. Both tokenize with all
-the cores this process may use (litsft's `--data.tokenize_processes`, `datasets.map`'s `num_proc`).
-`datasets.map` computes token ids only (no loss masks) and writes them into its arrow cache; litsft renders,
-tokenizes, masks and writes its memory-mapped cache.
+Each measurement runs in a fresh process, from empty caches, so its peak resident memory is its own (VmHWM:
+not ru_maxrss, which a child started by subprocess inherits from the benchmark); litsft's forked tokenizing
+workers are reported separately (their largest, not their sum), as are `datasets.map`'s, and beside each peak
+the largest anonymous (RssAnon) and file-backed (RssFile: memory-mapped files such as `datasets`' arrow cache,
+pages the kernel can drop and read again) memory sampled every 50 ms. Both tokenize with all the cores this
+process may use (litsft's `--data.tokenize_processes`, `datasets.map`'s `num_proc`). Each size runs both
+`--repeats` times, alternating which goes first, and reports the medians and the median of the pairs' ratios:
+on a shared machine one run of each says little. `datasets.map` computes token ids only (no loss masks) and
+writes them into its arrow cache; litsft renders, tokenizes, masks and writes its memory-mapped cache.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import platform
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -219,44 +224,83 @@ def memory(result: dict[str, float]) -> str:
     )
 
 
-def measure(num_rows: int, processes: int) -> list[str]:
+def measure(num_rows: int, processes: int, repeats: int) -> list[str]:
+    """`repeats` pairs of runs, litsft and datasets.map one after the other, the first of the pair
+    alternating (so that neither always runs second, on a file the other has just read); each run from
+    empty caches. The times are medians and the speed-up the median of the pairs' ratios; peaks are the
+    largest of any run."""
     from litsft.data.demo import build_demo_tokenizer
 
     with tempfile.TemporaryDirectory() as directory:
         root = Path(directory)
         write_rows(root / "rows.parquet", num_rows)
         build_demo_tokenizer(root / "tokenizer")
-        env = {**os.environ, "HF_HOME": str(root / "hf-home"), "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
         paths = [str(root / "rows.parquet"), str(root / "tokenizer")]
-        ours = run_child("litsft_prepare", *paths, str(root / "cache"), str(processes), env=env)
-        loaded = run_child("litsft_load", *paths, str(root / "cache"), env=env)
-        theirs = run_child("datasets_map", *paths, str(root / "map-cache"), str(processes), env=env)
+        load_before = os.getloadavg()[0]
+        ours, theirs = [], []
+        for repeat in range(repeats):
+            for side in ("litsft", "map") if repeat % 2 == 0 else ("map", "litsft"):
+                run = root / f"{side}-{repeat}"  # a fresh `datasets` cache (HF_HOME) and litsft cache
+                env = {
+                    **os.environ,
+                    "HF_HOME": str(run / "hf-home"),
+                    "HF_HUB_OFFLINE": "1",
+                    "TQDM_DISABLE": "1",
+                }
+                if side == "litsft":
+                    ours.append(
+                        run_child("litsft_prepare", *paths, str(run / "cache"), str(processes), env=env)
+                    )
+                else:
+                    theirs.append(
+                        run_child("datasets_map", *paths, str(run / "cache"), str(processes), env=env)
+                    )
+        cache = str(root / "litsft-0" / "cache")
+        env = {**os.environ, "HF_HOME": str(root / "litsft-0" / "hf-home"), "HF_HUB_OFFLINE": "1"}
+        loaded = run_child("litsft_load", *paths, cache, env=env)
+        load_after = os.getloadavg()[0]
+    ratios = [their["seconds"] / our["seconds"] for our, their in zip(ours, theirs)]
     return [
-        f"{num_rows:>9,} | {ours['seconds']:6.1f} s | {theirs['seconds']:6.1f} s | "
-        f"{theirs['seconds'] / ours['seconds']:5.2f}x | {memory(ours)} | {memory(theirs)} | "
-        f"{loaded['added_mb']:4,.0f} MB | {loaded['samples']:,} samples, {loaded['tokens']:,} tokens"
+        f"{num_rows:>9,} | {median(ours, 'seconds'):6.1f} s | {median(theirs, 'seconds'):6.1f} s | "
+        f"{statistics.median(ratios):5.2f}x | {memory(largest(ours))} | {memory(largest(theirs))} | "
+        f"{loaded['added_mb']:4,.0f} MB | {loaded['samples']:,} samples, {loaded['tokens']:,} tokens",
+        f"          each pair: {', '.join(f'{ratio:.2f}x' for ratio in ratios)} (litsft {seconds(ours)} s; "
+        f"datasets.map {seconds(theirs)} s); load average {load_before:.1f} before, {load_after:.1f} after",
     ]
 
 
-def main(sizes: list[int], out: Path | None) -> None:
+def seconds(runs: list[dict[str, float]]) -> str:
+    return ", ".join(f"{run['seconds']:.1f}" for run in runs)
+
+
+def median(runs: list[dict[str, float]], key: str) -> float:
+    return statistics.median(run[key] for run in runs)
+
+
+def largest(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each peak, the largest over the runs."""
+    return {key: max(run[key] for run in runs) for key in runs[0]}
+
+
+def main(sizes: list[int], repeats: int, out: Path | None) -> None:
     from litsft.data.samples import tokenizing_processes
 
     processes = tokenizing_processes(max(sizes))
     load_before = os.getloadavg()[0]
     lines = [
         f"ShareGPT conversations from parquet, demo tokenizer (ChatML), max_seq_length 256, {processes} processes "
-        "each (litsft's tokenizing workers; datasets.map's num_proc)",
-        "conversations | litsft prepare | datasets.map | speed-up | litsft peak RSS main + largest worker "
-        "(of which sampled peaks: anonymous, file-backed) | the same for datasets.map | "
-        "RSS a rank adds loading the cache (8-rank split, first batch) | cache",
+        f"each (litsft's tokenizing workers; datasets.map's num_proc), {repeats} runs of each, alternating",
+        "conversations | litsft prepare (median) | datasets.map (median) | speed-up (median of the pairs) | "
+        "litsft peak RSS main + largest worker (of which sampled peaks: anonymous, file-backed) | "
+        "the same for datasets.map | RSS a rank adds loading the cache (8-rank split, first batch) | cache",
     ]
     for num_rows in sizes:
-        lines += measure(num_rows, processes)
-        print(lines[-1], flush=True)
+        lines += measure(num_rows, processes, repeats)
+        print("\n".join(lines[-2:]), flush=True)
     lines.append(
         f"machine: {platform.processor() or platform.machine()}, {multiprocessing.cpu_count()} CPUs shared with "
         f"other work (load average before: {load_before:.1f}, after: {os.getloadavg()[0]:.1f}), "
-        f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}"
+        f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
     text = "\n".join(lines) + "\n"
     print(text, end="")
@@ -267,6 +311,7 @@ def main(sizes: list[int], out: Path | None) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 500_000, 2_000_000])
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each, alternating which goes first")
     parser.add_argument("--out", type=Path, default=None)
     arguments = parser.parse_args()
-    main(arguments.sizes, arguments.out)
+    main(arguments.sizes, arguments.repeats, arguments.out)
