@@ -257,14 +257,24 @@ def render_template_messages(
     tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """`render_chat_template` of messages already prepared by `template_messages`."""
-    try:
-        return _compile_chat_template(template).render(
-            messages=messages,
-            tools=tools,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
+    compiled = _compile_chat_template(template)
+    # What Template.render does (a context over the template's globals and the variables, the output of
+    # its root function joined), with the one dict built here instead of three (keyword arguments, render's
+    # copy, new_context's merge with the globals): a render took 2.9 us, a third of it that overhead, and
+    # tokenizing a conversation renders it 2 to 4 times. shared=True: the context reads this dict as it is.
+    context = compiled.new_context(
+        {
+            **compiled.globals,
             **variables,
-        )
+            "messages": messages,
+            "tools": tools,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        },
+        shared=True,
+    )
+    try:
+        return "".join(compiled.root_render_func(context))
     except jinja2.TemplateError as err:
         raise LitsftError(
             f"{source} failed on this conversation: {err}; fix the messages, or {fix}"
