@@ -11,8 +11,10 @@ the largest anonymous (RssAnon) and file-backed (RssFile: memory-mapped files su
 pages the kernel can drop and read again) memory sampled every 50 ms. Both tokenize with all the cores this
 process may use (litsft's `--data.tokenize_processes`, `datasets.map`'s `num_proc`). Each size runs both
 `--repeats` times, alternating which goes first, and reports the medians and the median of the pairs' ratios:
-on a shared machine one run of each says little. `datasets.map` computes token ids only (no loss masks) and
-writes them into its arrow cache; litsft renders, tokenizes, masks and writes its memory-mapped cache.
+on a shared machine one run of each says little. Beside the wall time, the CPU time of each side's processes
+(workers included), which others' jobs on the machine change far less. `datasets.map` computes token ids only
+(no loss masks) and writes them into its arrow cache; litsft renders, tokenizes, masks and writes its
+memory-mapped cache.
 """
 
 from __future__ import annotations
@@ -84,6 +86,12 @@ def peaks() -> dict[str, float]:
     }
 
 
+def cpu_seconds() -> float:
+    """CPU time (user and system) of this process and of its children that have ended (its workers)."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
 def _status_kb(status: Path, field: str) -> int:
     for line in status.read_text().splitlines():
         if line.startswith(f"{field}:"):
@@ -138,14 +146,14 @@ def litsft_prepare(parquet: str, tokenizer_dir: str, cache_dir: str, processes: 
     from litsft.data import HFDataset
     from litsft.data.tokenizer import Tokenizer
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), cpu_seconds()
     data = HFDataset(
         path=parquet, cache_dir=Path(cache_dir), val_split_fraction=0.0, tokenize_processes=int(processes)
     )
     data.connect(Tokenizer(tokenizer_dir), max_seq_length=256, seed=0)
     data.prepare()
     seconds = time.perf_counter() - start
-    print(json.dumps({"seconds": seconds, **peaks()}))
+    print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds() - cpu_start, **peaks()}))
 
 
 def litsft_load(parquet: str, tokenizer_dir: str, cache_dir: str) -> None:
@@ -187,12 +195,13 @@ def datasets_map(parquet: str, tokenizer_dir: str, cache_dir: str, processes: st
         # Newer transformers return a BatchEncoding, older ones the lists of ids.
         return {"input_ids": encoded["input_ids"] if hasattr(encoded, "keys") else encoded}
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), cpu_seconds()
     dataset = datasets.load_dataset(
         "parquet", data_files={"train": parquet}, split="train", cache_dir=cache_dir
     )
     dataset.map(tokenize, batched=True, num_proc=int(processes), remove_columns=dataset.column_names)
-    print(json.dumps({"seconds": time.perf_counter() - start, **peaks()}))
+    seconds = time.perf_counter() - start
+    print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds() - cpu_start, **peaks()}))
 
 
 def run_child(function: str, *arguments: str, env: dict[str, str]) -> dict[str, float]:
@@ -260,12 +269,15 @@ def measure(num_rows: int, processes: int, repeats: int) -> list[str]:
         loaded = run_child("litsft_load", *paths, cache, env=env)
         load_after = os.getloadavg()[0]
     ratios = [their["seconds"] / our["seconds"] for our, their in zip(ours, theirs)]
+    cpu_ratios = [their["cpu_seconds"] / our["cpu_seconds"] for our, their in zip(ours, theirs)]
     return [
         f"{num_rows:>9,} | {median(ours, 'seconds'):6.1f} s | {median(theirs, 'seconds'):6.1f} s | "
-        f"{statistics.median(ratios):5.2f}x | {memory(largest(ours))} | {memory(largest(theirs))} | "
+        f"{statistics.median(ratios):5.2f}x | {median(ours, 'cpu_seconds'):6.1f} s | "
+        f"{median(theirs, 'cpu_seconds'):6.1f} s | {statistics.median(cpu_ratios):5.2f}x | {memory(largest(ours))} | {memory(largest(theirs))} | "
         f"{loaded['added_mb']:4,.0f} MB | {loaded['samples']:,} samples, {loaded['tokens']:,} tokens",
         f"          each pair: {', '.join(f'{ratio:.2f}x' for ratio in ratios)} (litsft {seconds(ours)} s; "
-        f"datasets.map {seconds(theirs)} s); load average {load_before:.1f} before, {load_after:.1f} after",
+        f"datasets.map {seconds(theirs)} s), CPU {', '.join(f'{ratio:.2f}x' for ratio in cpu_ratios)}; "
+        f"load average {load_before:.1f} before, {load_after:.1f} after",
     ]
 
 
@@ -291,6 +303,7 @@ def main(sizes: list[int], repeats: int, out: Path | None) -> None:
         f"ShareGPT conversations from parquet, demo tokenizer (ChatML), max_seq_length 256, {processes} processes "
         f"each (litsft's tokenizing workers; datasets.map's num_proc), {repeats} runs of each, alternating",
         "conversations | litsft prepare (median) | datasets.map (median) | speed-up (median of the pairs) | "
+        "CPU seconds, all processes: litsft | datasets.map | ratio (median of the pairs) | "
         "litsft peak RSS main + largest worker (of which sampled peaks: anonymous, file-backed) | "
         "the same for datasets.map | RSS a rank adds loading the cache (8-rank split, first batch) | cache",
     ]
