@@ -1,7 +1,7 @@
-"""The torch (and torchao) functions litsft calls on its CUDA path take the arguments litsft passes them, in the
-installed versions: run on the CPU by CI (torch 2.13) and on the GPU image (torch 2.11.0+cu130, torchao 0.17.0) by
-benchmarks/gpu/run.sh, so a signature that moved fails here by name rather than at the first GPU step. What
-torch 2.11 has is tabled in benchmarks/gpu/README.md."""
+"""The torch (and torchao) functions litsft calls on its CUDA path and to write checkpoints (DCP) take the
+arguments litsft passes them, in the installed versions: run on the CPU by CI (torch 2.13) and on the GPU image
+(torch 2.11.0+cu130, torchao 0.17.0) by benchmarks/gpu/run.sh, so a signature that moved fails here by name
+rather than at the first GPU step. What torch 2.11 has is tabled in benchmarks/gpu/README.md."""
 
 from __future__ import annotations
 
@@ -35,6 +35,12 @@ CALLS = [
      ("recurse",)),
     ("torch.distributed.fsdp", "FSDPModule.set_requires_all_reduce", ("self", "requires_all_reduce"),
      ("recurse",)),
+    ("torch.distributed.checkpoint", "save", ("state_dict",), ("storage_writer", "no_dist")),
+    ("torch.distributed.checkpoint", "async_save", ("state_dict",), ("storage_writer", "process_group", "no_dist")),
+    ("torch.distributed.checkpoint", "load", ("state_dict",), ("storage_reader", "no_dist")),
+    ("torch.distributed.checkpoint", "HuggingFaceStorageWriter", ("path",),
+     ("save_distributed", "enable_consolidation", "fqn_to_index_mapping")),
+    ("torch.distributed.checkpoint", "HuggingFaceStorageReader", ("path",), ()),
     ("torch.nn.utils", "clip_grad_norm_", ("parameters", "max_norm"), ("foreach",)),
     ("torch.utils.checkpoint", "checkpoint", ("function",), ("use_reentrant",)),
     ("torch.optim", "AdamW", ("params",), ("lr", "betas", "eps", "weight_decay", "fused")),
