@@ -342,3 +342,20 @@ def test_a_broken_local_file_is_named_with_its_line(tmp_path, monkeypatch):
     with pytest.raises(LitsftError) as error:
         HFDataset(path=str(empty)).sources()
     assert str(error.value) == f"{empty / 'train.parquet'} is empty (0 bytes); remove it or write it again"
+
+
+def test_the_arrow_cache_is_written_in_batches_of_arrow_batch_rows(hub, tmp_path, monkeypatch):
+    """Opening `datasets`' arrow cache maps about 64 KB around each batch's header into the process:
+    batches of ARROW_BATCH_ROWS rows (from a local file and from the hub), not `datasets`' 1,000."""
+    import datasets
+
+    from litsft.data import hf_dataset
+
+    monkeypatch.setattr(hf_dataset, "ARROW_BATCH_ROWS", 4)
+    rows = sharegpt_rows(10)
+    hub.add_dataset(REPO, write_infinity_instruct(tmp_path / "repo", rows))
+    datasets.Dataset.from_list(rows).to_parquet(tmp_path / "rows.parquet")
+    for path in (str(tmp_path / "rows.parquet"), REPO):
+        table = HFDataset(path=path, name=CONFIG if path == REPO else None)._load_split("train").data
+        sizes = [batch.num_rows for batch in table.to_batches()]  # the hub's rows are in two files of 5
+        assert sum(sizes) == 10 and max(sizes) == 4, (path, sizes)
