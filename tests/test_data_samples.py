@@ -242,3 +242,47 @@ def test_tokenize_processes_sets_how_many_processes_tokenize(monkeypatch: pytest
         )
         pids = {tokens[1] for tokens, _ in as_lists(Samples.load(tmp_path / str(processes)))}
         assert (pids == {os.getpid()}) == (processes == 1), pids
+
+
+def test_workers_replaced_after_their_chunks_write_the_same_cache_byte_for_byte(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    """A worker tokenizes CHUNKS_PER_WORKER chunks, then a fresh one takes its place (what it read of a
+    memory-mapped dataset leaves with it): the files are those one process writes, byte for byte."""
+    monkeypatch.setattr(samples_module, "CHUNK_SIZE", 3)
+    monkeypatch.setattr(samples_module, "CHUNKS_PER_WORKER", 2)
+    conversations = [[n] for n in range(20)]  # 7 chunks
+    for processes in (1, 2):
+        tokenize_to_cache(conversations, CountingFormat(), tmp_path / str(processes), processes=processes)
+    names = ["first_targets.npy", "lengths.npy", "targets.bin", "tokens.bin"]
+    assert sorted(path.name for path in (tmp_path / "2").iterdir()) == names
+    for name in names:
+        assert (tmp_path / "2" / name).read_bytes() == (tmp_path / "1" / name).read_bytes(), name
+    tokenize_to_cache(conversations, PidFormat(), tmp_path / "pids", processes=2)
+    pids = [tokens[1] for tokens, _ in as_lists(Samples.load(tmp_path / "pids"))]
+    chunks_per_pid = {pid: pids.count(pid) / 3 for pid in set(pids)}
+    assert os.getpid() not in chunks_per_pid and len(chunks_per_pid) >= 4, chunks_per_pid
+    assert max(chunks_per_pid.values()) <= 2, chunks_per_pid
+
+
+def test_counting_an_entry_a_block_at_a_time_equals_counting_its_loaded_samples(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """count_lengths reads the per-sample files in blocks (here of 4 samples), leaving out the indices
+    given: the counts are those of the loaded samples, by numpy over the whole arrays."""
+    monkeypatch.setattr(samples_module, "COUNTED_BLOCK", 4)
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 40, size=23)
+    targets = rng.random(int(lengths.sum())) < 0.1
+    Samples.back_to_back(np.arange(len(targets), dtype=np.int32), targets, lengths).save(tmp_path)
+    loaded = Samples.load(tmp_path)
+    for limit in (1, 5, 20, 100):
+        for leave_out in (None, np.array([0, 3, 4, 11, 22]), np.arange(23)):
+            kept = loaded if leave_out is None else loaded.subset(np.setdiff1d(np.arange(23), leave_out))
+            counts = samples_module.count_lengths(tmp_path, limit, leave_out)
+            cut = kept.lengths[kept.lengths > limit] - limit
+            truncated, dropped = kept.truncate(limit)
+            assert (counts.samples, counts.tokens, counts.longer) == (len(kept), kept.num_tokens, len(cut))
+            assert (counts.cut_tokens, counts.most_cut) == (int(cut.sum()), int(cut.max(initial=0)))
+            assert counts.without_target == dropped and counts.samples - dropped == len(truncated)
+    assert samples_module.count_lengths(tmp_path, 5, np.arange(23)).samples == 0

@@ -29,7 +29,14 @@ import numpy as np
 
 from litsft.data.chat import ChatFormat, Message, PromptStyle, TokenizeReport
 from litsft.data.records import RecordFormat, RecordShape
-from litsft.data.samples import Samples, tokenize_conversations, tokenize_to_cache, write_atomically
+from litsft.data.samples import (
+    LengthCounts,
+    Samples,
+    count_lengths,
+    tokenize_conversations,
+    tokenize_to_cache,
+    write_atomically,
+)
 from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError, check_number
 
@@ -250,10 +257,10 @@ class SFTDataModule(DataOptions, DataModule):
 
             write_atomically(self._cached(identity), tokenize, {"source": identity})
             self._tokenized_in[split] = time.perf_counter() - started
-        self._load(warn=True)
+        self._report_prepared()
 
     def setup(self) -> None:
-        self.train_samples, self.val_samples = self._load(warn=False)
+        self.train_samples, self.val_samples = self._load()
 
     def train_dataloader(
         self, rank: int, world_size: int, micro_batch_size: int, global_batch_size: int
@@ -323,49 +330,53 @@ class SFTDataModule(DataOptions, DataModule):
         order = np.random.default_rng(self.data_seed).permutation(num_samples)
         return np.sort(order[: max(1, round(self.val_split_fraction * num_samples))])
 
-    def _load(self, warn: bool) -> tuple[Samples, Samples | None]:
-        splits, summaries = {}, []
+    def _report_prepared(self) -> None:
+        """What preparing ends with, for the run's log (prepare runs on rank 0 only), on every run of the
+        data: what tokenizing left out, the training samples cut to max_seq_length or dropped, and one line
+        per split. Counted from the cache entries' per-sample files a block at a time (`count_lengths`), not
+        by loading them as setup does: 24 bytes a sample, which would make preparing a large set's peak."""
+        limit = self.max_seq_length + 1
+        sources, counts, summaries = self.sources(), {}, []
+        for split, (identity, _) in sources.items():
+            entry = self._cached(identity)
+            left_out = json.loads((entry / "meta.json").read_text())["left_out"]
+            for line in left_out_notices(left_out, split):
+                print(line, flush=True)
+            counts[split] = count_lengths(entry, limit)
+            seconds = getattr(self, "_tokenized_in", {}).get(split)
+            summaries.append(prepared_line(split, counts[split], left_out, self.max_seq_length, seconds))
+        train = counts["train"]
+        if "val" not in sources and self.val_split_fraction > 0 and train.samples > 1:
+            # The training samples left after holding out the validation ones (see _load).
+            train = count_lengths(self._cached(sources["train"][0]), limit, self._held_out(train.samples))
+        notice = truncation_notice(train, self.max_seq_length)
+        if notice is not None:
+            print(notice, flush=True)
+        if train.without_target:
+            print(dropped_notice(train.without_target, train.samples, self.max_seq_length), flush=True)
+        if train.samples == train.without_target:
+            raise LitsftError(no_training_sample(self.max_seq_length))
+        for line in summaries:  # what preparing ends with, after what it left out and cut
+            print(line, flush=True)
+
+    def _load(self) -> tuple[Samples, Samples | None]:
+        splits = {}
         for split, (identity, read) in self.sources().items():
             entry = self._cached(identity)
             # A rank that cannot see rank 0's cache (a node-local disk) tokenizes for itself.
             if (entry / "meta.json").is_file():
                 splits[split] = Samples.load(entry)
-                left_out = json.loads((entry / "meta.json").read_text()).get("left_out")
-                if warn and left_out:
-                    # Notices for the run's log, once (prepare runs on rank 0 only), on every run of the data.
-                    for line in left_out_notices(left_out, split):
-                        print(line, flush=True)
-                    seconds = getattr(self, "_tokenized_in", {}).get(split)
-                    summaries.append(
-                        prepared_line(split, splits[split], left_out, self.max_seq_length, seconds)
-                    )
             else:
                 splits[split], _ = tokenize_conversations(read(), self.chat_format)
         train, val = splits["train"], splits.get("val")
         if val is None and self.val_split_fraction > 0 and len(train) > 1:
             held_out = self._held_out(len(train))
             val, train = train.subset(held_out), train.subset(np.setdiff1d(np.arange(len(train)), held_out))
-        if warn:
-            notice = truncation_notice(train.lengths, self.max_seq_length)
-            if notice is not None:
-                print(notice, flush=True)
-        train, dropped = train.truncate(self.max_seq_length + 1)
+        train, _ = train.truncate(self.max_seq_length + 1)
         if val is not None:
             val, _ = val.truncate(self.max_seq_length + 1)
-        if warn and dropped:
-            # A notice for the run's log, once (prepare runs on rank 0 only), not a Python warning.
-            print(
-                f"Dropped {dropped} of {len(train) + dropped} training samples: no assistant token is left "
-                f"within max_seq_length={self.max_seq_length}; raise max_seq_length or shorten the prompts",
-                flush=True,
-            )
         if len(train) == 0:
-            raise LitsftError(
-                f"no training sample has an assistant token within max_seq_length={self.max_seq_length}; "
-                "raise max_seq_length"
-            )
-        for line in summaries:  # what preparing ends with, after what it left out and cut
-            print(line, flush=True)
+            raise LitsftError(no_training_sample(self.max_seq_length))
         return train, val
 
 
@@ -431,30 +442,43 @@ def left_out_notices(left_out: dict[str, Any], split: str) -> list[str]:
 
 
 def prepared_line(
-    split: str, samples: Samples, left_out: dict[str, Any], max_seq_length: int, seconds: float | None
+    split: str, counts: LengthCounts, left_out: dict[str, Any], max_seq_length: int, seconds: float | None
 ) -> str:
     """The line that ends preparing a split: records, samples, tokens, truncated, skipped, and the time it
     took (or that it came from the cache)."""
-    truncated = int((samples.lengths > max_seq_length + 1).sum())
     took = f"tokenized in {seconds:.1f} s" if seconds is not None else "read from the cache"
     return (
-        f"Prepared the {split} data: {left_out['records']:,} records, {len(samples):,} samples, "
-        f"{samples.num_tokens:,} tokens, {truncated:,} longer than max_seq_length={max_seq_length}, "
+        f"Prepared the {split} data: {left_out['records']:,} records, {counts.samples:,} samples, "
+        f"{counts.tokens:,} tokens, {counts.longer:,} longer than max_seq_length={max_seq_length}, "
         f"{left_out['skipped']:,} skipped; {took}"
     )
 
 
-def truncation_notice(lengths: np.ndarray, max_seq_length: int) -> str | None:
-    """One line saying how many samples are longer than a row and how many tokens they lose; None if none."""
+def truncation_notice(train: LengthCounts, max_seq_length: int) -> str | None:
+    """One line saying how many training samples are longer than a row and how many tokens they lose;
+    None if none. `train` is counted against rows of max_seq_length + 1 tokens."""
     # A sample of max_seq_length + 1 tokens fills a row: inputs are its first max_seq_length, labels its last.
-    cut = lengths - (max_seq_length + 1)
-    cut = cut[cut > 0]
-    if not len(cut):
+    if not train.longer:
         return None
     return (
-        f"Truncated {len(cut)} of {len(lengths)} training samples to max_seq_length={max_seq_length}: "
-        f"{int(cut.sum())} tokens cut from their ends (at most {int(cut.max())} from one, "
-        f"{float(cut.mean()):.0f} on average); raise --train.max_seq_length to train on them whole"
+        f"Truncated {train.longer} of {train.samples} training samples to max_seq_length={max_seq_length}: "
+        f"{train.cut_tokens} tokens cut from their ends (at most {train.most_cut} from one, "
+        f"{train.cut_tokens / train.longer:.0f} on average); raise --train.max_seq_length to train on them whole"
+    )
+
+
+def dropped_notice(dropped: int, samples: int, max_seq_length: int) -> str:
+    """The training samples truncation drops, left without a target (a notice, not a Python warning)."""
+    return (
+        f"Dropped {dropped} of {samples} training samples: no assistant token is left "
+        f"within max_seq_length={max_seq_length}; raise max_seq_length or shorten the prompts"
+    )
+
+
+def no_training_sample(max_seq_length: int) -> str:
+    return (
+        f"no training sample has an assistant token within max_seq_length={max_seq_length}; "
+        "raise max_seq_length"
     )
 
 

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -203,6 +204,71 @@ def _part_to_npy(part: Path, npy: Path, length: int) -> None:
     part.unlink()
 
 
+@dataclass
+class LengthCounts:
+    """Counts over (some of) a cache entry's samples against rows of `limit` tokens (see `count_lengths`)."""
+
+    limit: int
+    samples: int = 0
+    tokens: int = 0
+    longer: int = 0
+    """Samples longer than `limit` tokens."""
+    cut_tokens: int = 0
+    """Tokens past `limit`, summed over the samples."""
+    most_cut: int = 0
+    """The most tokens past `limit` in one sample."""
+    without_target: int = 0
+    """Samples without a target within their first `limit` tokens: what `Samples.truncate(limit)` drops."""
+
+
+COUNTED_BLOCK = 1 << 20
+"""Samples `count_lengths` reads at a time (16 MB of lengths and first targets)."""
+
+
+def count_lengths(directory: Path, limit: int, leave_out: np.ndarray | None = None) -> LengthCounts:
+    """Count the samples of the cache entry `directory` (all but the sorted indices `leave_out`) against
+    rows of `limit` tokens, reading its per-sample files a block at a time: memory holds one block, never
+    one number per sample as `Samples.load` does (24 bytes a sample), and nothing stays mapped."""
+    leave_out = np.zeros(0, np.int64) if leave_out is None else leave_out
+    counts = LengthCounts(limit)
+    with (
+        open(directory / "lengths.npy", "rb") as lengths,
+        open(directory / "first_targets.npy", "rb") as firsts,
+    ):
+        total = _npy_length(lengths)
+        _npy_length(firsts)
+        for start in range(0, total, COUNTED_BLOCK):
+            count = min(COUNTED_BLOCK, total - start)
+            keep = np.ones(count, bool)
+            left = leave_out[np.searchsorted(leave_out, start) : np.searchsorted(leave_out, start + count)]
+            keep[left - start] = False
+            block_lengths = np.fromfile(lengths, np.int64, count)[keep]
+            block_firsts = np.fromfile(firsts, np.int64, count)[keep]
+            cut = block_lengths[block_lengths > limit] - limit
+            counts.samples += len(block_lengths)
+            counts.tokens += int(block_lengths.sum())
+            counts.longer += len(cut)
+            counts.cut_tokens += int(cut.sum())
+            counts.most_cut = max(counts.most_cut, int(cut.max(initial=0)))
+            counts.without_target += int((block_firsts >= np.minimum(block_lengths, limit)).sum())
+    return counts
+
+
+def _npy_length(file: BinaryIO) -> int:
+    """The length of the 1-D int64 .npy file `file` (as `SamplesWriter` writes them), read from its header;
+    the file is left at its first value."""
+    version = np.lib.format.read_magic(file)
+    if version == (1, 0):
+        (length,), _, dtype = np.lib.format.read_array_header_1_0(file)
+    else:
+        (length,), _, dtype = np.lib.format.read_array_header_2_0(file)
+    if dtype != np.int64:
+        raise LitsftError(
+            f"{file.name} holds {dtype} values, not int64; delete its cache entry and prepare again"
+        )
+    return length
+
+
 def tokenize_conversations(
     conversations: Sequence[list[Message]], chat_format: ChatFormat
 ) -> tuple[Samples, TokenizeReport]:
@@ -321,12 +387,19 @@ def _chunks(
     # gloo's) can deadlock the children on a lock one of those threads held. A single-threaded process
     # (`litsft prepare_sft`) forks, and its workers inherit the conversations and the compiled template; any
     # other starts its workers from a fresh server process (forkserver), which unpickles them once per
-    # worker (a `datasets` dataset pickles as the paths of its memory-mapped arrow files).
+    # worker (a `datasets` dataset pickles as the paths of its memory-mapped arrow files). A worker that has
+    # tokenized CHUNKS_PER_WORKER chunks is replaced by the pool's own thread, the same way; those threads
+    # wait on the pool's pipes and hold no lock a worker takes.
     method = "fork" if threading.active_count() == 1 else "forkserver"
     if method not in multiprocessing.get_all_start_methods():
         method = "spawn"
     context = multiprocessing.get_context(method)
-    with context.Pool(processes, initializer=_install_work, initargs=(conversations, chat_format)) as pool:
+    with context.Pool(
+        processes,
+        initializer=_install_work,
+        initargs=(conversations, chat_format),
+        maxtasksperchild=CHUNKS_PER_WORKER,
+    ) as pool:
         # imap: chunks come back in order, and a chunk is written as soon as it and those before it are
         # done, so only the chunks in flight are held.
         yield from pool.imap(_tokenize_chunk, range(num_chunks))
@@ -339,6 +412,12 @@ def _install_work(conversations: Sequence[list[Message]], chat_format: ChatForma
 
 CHUNK_SIZE = 10_000
 MAX_PROCESSES = 16
+CHUNKS_PER_WORKER = 16
+"""A tokenizing worker is replaced by a fresh one after this many chunks. The rows a worker reads from a
+memory-mapped dataset (`datasets`' arrow cache) stay mapped in it, about 1.2 MB a chunk of ShareGPT rows,
+so a worker that lived through the set would hold its share of the whole file (133 MB at 2M rows with two
+workers); a fresh one starts with none of it. A replacement is forked (or started from the server process
+and given the conversations and chat format again) while the other workers go on."""
 _WORK: tuple[Sequence[list[Message]], ChatFormat] | None = None
 
 
