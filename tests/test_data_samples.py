@@ -249,9 +249,10 @@ def test_workers_replaced_after_their_chunks_write_the_same_cache_byte_for_byte(
 ):
     """A worker tokenizes CHUNKS_PER_WORKER chunks, then a fresh one takes its place (what it read of a
     memory-mapped dataset leaves with it): the files are those one process writes, byte for byte."""
-    monkeypatch.setattr(samples_module, "CHUNK_SIZE", 3)
+    # CHUNK_SIZE as it is: a worker started from the server process (when an earlier test left a thread
+    # running) does not see this process's monkeypatches. CHUNKS_PER_WORKER is read here, by the pool.
     monkeypatch.setattr(samples_module, "CHUNKS_PER_WORKER", 2)
-    conversations = [[n] for n in range(20)]  # 7 chunks
+    conversations = [[n] for n in range(6 * samples_module.CHUNK_SIZE + 5)]  # 7 chunks
     for processes in (1, 2):
         tokenize_to_cache(conversations, CountingFormat(), tmp_path / str(processes), processes=processes)
     names = ["first_targets.npy", "lengths.npy", "targets.bin", "tokens.bin"]
@@ -260,7 +261,7 @@ def test_workers_replaced_after_their_chunks_write_the_same_cache_byte_for_byte(
         assert (tmp_path / "2" / name).read_bytes() == (tmp_path / "1" / name).read_bytes(), name
     tokenize_to_cache(conversations, PidFormat(), tmp_path / "pids", processes=2)
     pids = [tokens[1] for tokens, _ in as_lists(Samples.load(tmp_path / "pids"))]
-    chunks_per_pid = {pid: pids.count(pid) / 3 for pid in set(pids)}
+    chunks_per_pid = {pid: pids.count(pid) / samples_module.CHUNK_SIZE for pid in set(pids)}
     assert os.getpid() not in chunks_per_pid and len(chunks_per_pid) >= 4, chunks_per_pid
     assert max(chunks_per_pid.values()) <= 2, chunks_per_pid
 

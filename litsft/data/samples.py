@@ -1,5 +1,6 @@
 """Tokenized samples as views into two flat arrays (memory-mapped when read from the cache), written to the
-cache a chunk at a time, truncated and split without copying a token.
+cache a chunk at a time (by worker processes, each replaced after CHUNKS_PER_WORKER chunks), truncated and
+split without copying a token, and counted from the cache a block at a time (`count_lengths`).
 
 A cache entry holds `tokens.bin` (int32) and `targets.bin` (bool), every sample back to back, and
 `lengths.npy` and `first_targets.npy` (int64, one per sample). The flat arrays are plain numpy memory maps:
