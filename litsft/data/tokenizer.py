@@ -137,9 +137,9 @@ class Tokenizer:
                 f"{self.checkpoint_dir} has no chat template (no `chat_template` in tokenizer_config.json and "
                 "no chat_template.jinja); use a named prompt style instead, or add a template to the checkpoint"
             )
-        return render_chat_template(
+        return render_template_messages(
             self.chat_template,
-            messages,
+            template_messages(messages),
             add_generation_prompt,
             self.special_tokens,
             source=f"the chat template of {self.checkpoint_dir}",
@@ -215,23 +215,6 @@ class GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body).set_lineno(lineno)
 
 
-def render_chat_template(
-    template: str,
-    messages: list[dict[str, Any]],
-    add_generation_prompt: bool,
-    variables: dict[str, str],
-    source: str,
-    fix: str,
-    tools: list[dict[str, Any]] | None = None,
-) -> str:
-    """Render a chat template the way transformers does. `source` names the template and `fix` says what to
-    do instead, for the one-line error a broken template gives. `tools` are JSON schemas, passed as
-    transformers' `apply_chat_template(tools=...)` passes them."""
-    return render_template_messages(
-        template, template_messages(messages), add_generation_prompt, variables, source, fix, tools
-    )
-
-
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages as transformers hands them to a template. Preparing them once lets the renders of a
     conversation's prefixes (chat.py renders several) share the work."""
@@ -256,7 +239,9 @@ def render_template_messages(
     fix: str,
     tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """`render_chat_template` of messages already prepared by `template_messages`."""
+    """Render a chat template the way transformers does, over messages prepared by `template_messages`.
+    `source` names the template and `fix` says what to do instead, for the one-line error a broken template
+    gives. `tools` are JSON schemas, passed as transformers' `apply_chat_template(tools=...)` passes them."""
     compiled = _compile_chat_template(template)
     # What Template.render does (a context over the template's globals and the variables, the output of
     # its root function joined), with the one dict built here instead of three (keyword arguments, render's
