@@ -144,15 +144,15 @@ def save_model_folder_from_ranks(
         for name, tensor in model.state_dict().items()
         if not (config.tie_word_embeddings and name == "lm_head.weight")
     }
-    if global_rank() == 0:
+    rank = global_rank()
+    if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_saved_weights(out_dir)
     barrier()
     sizes = ((name, tensor.numel() * tensor.element_size()) for name, tensor in tensors.items())
     file_numbers = shard_numbers(sizes, max_shard_size)
-    rank = global_rank()
     save_consolidated(tensors, out_dir, file_numbers, before_write=lambda: fault_point("final_writing", rank))
-    if global_rank() == 0:
+    if rank == 0:
         if max(file_numbers.values(), default=1) == 1:  # one file: named as Hugging Face names a single one
             (out_dir / "model-00001-of-00001.safetensors").rename(out_dir / SAFETENSORS_NAME)
             (out_dir / SAFETENSORS_INDEX_NAME).unlink()

@@ -86,28 +86,16 @@ class Checkpointer:
             "data": self.run.data.fingerprint(),
         }
         rank_state = {"rng": checkpoint.rng_state(), **state.state_dict()}
+        what = (out_dir, step, state.model.module, state.optimizer, trainer_state, rank_state)
         if self.run.train.async_save and not wait:
             self.pending = checkpoint.start_background_save(
-                out_dir,
-                step,
-                state.model.module,
-                state.optimizer,
-                trainer_state,
-                rank_state,
+                *what,
                 save_frozen=self.save_frozen,
                 process_group=self.background_group,
                 keep_last=self.run.train.keep_last,
             )
             return self.pending.final
-        path = checkpoint.save_training_checkpoint(
-            out_dir,
-            step,
-            state.model.module,
-            state.optimizer,
-            trainer_state,
-            rank_state,
-            save_frozen=self.save_frozen,
-        )
+        path = checkpoint.save_training_checkpoint(*what, save_frozen=self.save_frozen)
         fault_point(f"save_{step}_after_rename", self.fabric.global_rank)
         checkpoint.rotate_checkpoints(out_dir, self.run.train.keep_last)
         self.fabric.print(f"Saved checkpoint {path}")
