@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import on_ranks
 from torch import nn
 
 from litsft.checkpoint.checkpoint_dirs import (
@@ -250,7 +251,7 @@ STAGES = [
 ]
 
 
-def _stage(rank: int, sharding: str, shape: tuple[int, ...], work: Path, index: int) -> list[str]:
+def _stage(sharding: str, shape: tuple[int, ...], work: Path, index: int) -> list[str]:
     """Build the tiny model in this stage's layout, resume the previous stage's checkpoint and compare every
     parameter and optimizer state with what it saved (bit for bit), then train one step and save."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -263,6 +264,7 @@ def _stage(rank: int, sharding: str, shape: tuple[int, ...], work: Path, index: 
     from litsft.training.optimizer import build_optimizer
     from litsft.training.parallel import parallelize
 
+    rank = torch.distributed.get_rank()
     torch.manual_seed(index)  # a different start each stage: only the resume makes them agree
     model = Transformer(Config.from_name("tiny-llama"))
     model.init_weights(index + 1)
@@ -304,23 +306,6 @@ def _stage(rank: int, sharding: str, shape: tuple[int, ...], work: Path, index: 
     return differences
 
 
-def _stage_worker(rank: int, ranks: int, sharding: str, shape, work: str, index: int, results) -> None:
-    import traceback
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        if ranks > 1:
-            init = f"file://{work}/init-{index}"
-            dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)
-        results.put((rank, _stage(rank, sharding, shape, Path(work), index)))
-        if ranks > 1:
-            dist.destroy_process_group()
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
-
-
 def test_every_layout_resumes_every_other_bit_for_bit_and_writes_replicas_once(tmp_path) -> None:
     """One process -> 2 (FULL_SHARD) -> 4 (HYBRID_SHARD, 2 nodes) -> 4 (dim-1 shards) -> 2 (NO_SHARD) -> 2
     (SHARD_GRAD_OP) -> one process: each resumes the checkpoint the one before saved and finds every
@@ -328,21 +313,10 @@ def test_every_layout_resumes_every_other_bit_for_bit_and_writes_replicas_once(t
     replicas of HYBRID_SHARD and NO_SHARD, and the scalars every rank holds, are written by one rank only."""
     import math
 
-    import torch.multiprocessing as mp
     from safetensors import safe_open
 
-    # fork, not spawn: the children reuse this process's imports and start in a fraction of a second.
-    context = mp.get_context("fork")
     for index, (sharding, shape) in enumerate(STAGES):
-        ranks = math.prod(shape)
-        results = context.Queue()
-        args = (ranks, sharding, shape, str(tmp_path), index, results)
-        workers = [context.Process(target=_stage_worker, args=(rank, *args)) for rank in range(ranks)]
-        for worker in workers:
-            worker.start()
-        answers = dict(results.get(timeout=300) for _ in workers)
-        for worker in workers:
-            worker.join(timeout=60)
+        answers = on_ranks(math.prod(shape), _stage, tmp_path, sharding, shape, tmp_path, index, timeout=300)
         for rank, differences in answers.items():
             assert differences == [], (sharding, rank, differences)
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from launch import on_ranks
 
 import litsft.training.metrics as metrics
 from litsft.errors import LitsftError
@@ -290,8 +290,8 @@ def test_token_weighted_mean_merged_across_ranks():
 RANK_FLOPS = [3e6, 1e6]  # what each rank's documents executed in one step
 
 
-def _sync_worker(rank: int, init_file: str, results) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+def _merged_loss_and_mfu() -> tuple[float, float]:
+    rank = dist.get_rank()
     metric = TokenWeightedMean()
     for loss_sum, tokens in RANK_BATCHES[rank]:
         metric.update(torch.tensor(loss_sum), tokens)
@@ -300,24 +300,12 @@ def _sync_worker(rank: int, init_file: str, results) -> None:
     throughput = Throughput(world_size=2, device=torch.device("cpu"), peak_flops=1e6)
     throughput.update(10, 10, torch.tensor(RANK_FLOPS[rank], dtype=torch.float64))
     clock.now += 1.0
-    results.put((rank, (metric.compute().item(), throughput.compute()["mfu"])))
-    dist.destroy_process_group()
+    return metric.compute().item(), throughput.compute()["mfu"]
 
 
 def test_token_weighted_mean_and_executed_flops_all_reduce_over_a_process_group(tmp_path):
     """Both ranks log the global loss and the MFU of both ranks' FLOPs: 4e6 in 1 s on 2 devices of 1e6."""
-    # fork, not spawn: the children reuse this process's imports and start in a fraction of a second.
-    context = mp.get_context("fork")
-    results = context.Queue()
-    workers = [
-        context.Process(target=_sync_worker, args=(rank, str(tmp_path / "init"), results)) for rank in (0, 1)
-    ]
-    for worker in workers:
-        worker.start()
-    computed = dict(results.get(timeout=60) for _ in workers)
-    for worker in workers:
-        worker.join(timeout=60)
-        assert worker.exitcode == 0
+    computed = on_ranks(2, _merged_loss_and_mfu, tmp_path, timeout=60)
     for rank in (0, 1):
         assert computed[rank] == pytest.approx((GLOBAL_MEAN, sum(RANK_FLOPS) / 2e6), rel=1e-6)
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from launch import on_ranks
 from torch import nn
 
 from litsft.model.config import Config
@@ -75,7 +77,7 @@ MESHES = {"FULL_SHARD": (2,), "HYBRID_SHARD": (2, 2)}
 """The mesh each case runs on: 2 ranks sharding; 2 nodes x 2 devices, sharding in a node, replicating across."""
 
 
-def _sharded_facts(rank: int, strategy: str, lora: bool) -> dict:
+def _sharded_facts(strategy: str, lora: bool) -> dict:
     """Gradient accumulation over 3 micro-batches, as the training step does it (`synchronize_gradients`
     before each): what the gradients are after each micro-batch, how many FSDP units the model has, and how
     far the accumulated gradients are from one process's on all the data."""
@@ -85,6 +87,8 @@ def _sharded_facts(rank: int, strategy: str, lora: bool) -> dict:
 
     from litsft.model.lora import LoRAConfig, apply_lora
     from litsft.training.parallel import synchronize_gradients
+
+    rank = dist.get_rank()
 
     def build() -> Transformer:
         model, _ = model_and_batch()
@@ -158,21 +162,6 @@ def _gradient_elements(model: nn.Module) -> tuple[int, int]:
     return whole, sharded
 
 
-def _sharded_worker(rank: int, init_file: str, strategy: str, lora: bool, results) -> None:
-    import traceback
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        world_size = math.prod(MESHES[strategy])
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-        results.put((rank, _sharded_facts(rank, strategy, lora)))
-        dist.destroy_process_group()
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
-
-
 @pytest.mark.parametrize(
     ("strategy", "lora"), [("FULL_SHARD", False), ("FULL_SHARD", True), ("HYBRID_SHARD", False)]
 )
@@ -184,21 +173,8 @@ def test_accumulation_keeps_sharded_gradients_in_one_unit_per_block(
     shard of every gradient (a DTensor of the parameter's local shape), never the whole gradient, and the
     accumulated result equals one process's over all the data. A LoRA model is one FSDP unit per block plus
     the root (not one per adapter matrix), its frozen base gets no gradient."""
-    import torch.multiprocessing as mp
-
-    # fork, not spawn: the children reuse this process's imports and start in a fraction of a second.
-    context = mp.get_context("fork")
-    results = context.Queue()
     ranks = range(math.prod(MESHES[strategy]))
-    workers = [
-        context.Process(target=_sharded_worker, args=(rank, str(tmp_path / "init"), strategy, lora, results))
-        for rank in ranks
-    ]
-    for worker in workers:
-        worker.start()
-    facts = dict(results.get(timeout=180) for _ in workers)
-    for worker in workers:
-        worker.join(timeout=60)
+    facts = on_ranks(len(ranks), _sharded_facts, tmp_path, strategy, lora)
     shard_group = MESHES[strategy][-1]
     for rank in ranks:
         assert isinstance(facts[rank], dict), facts[rank]
@@ -221,7 +197,7 @@ FLOAT8_SHAPE = dict(num_layers=2, hidden_size=256, intermediate_size=1040, num_h
 """gate and up (1040 x 256) are large enough to become float8; the rest stays as it is."""
 
 
-def _float8_facts(rank: int, save_to: str) -> dict:
+def _float8_facts(save_to: str) -> dict:
     """Three optimizer steps of tensorwise float8 on 2 ranks, FSDP2 all-gathering the weights in float8 with
     the scales precomputed after each update, against one process's float8 model on both ranks' data."""
     from safetensors.torch import save_file
@@ -229,6 +205,8 @@ def _float8_facts(rank: int, save_to: str) -> dict:
 
     from litsft.checkpoint.sharded_tensors import plain
     from litsft.model.float8 import convert_to_float8, precompute_float8_scales
+
+    rank = dist.get_rank()
 
     def build() -> Transformer:
         torch.manual_seed(0)
@@ -263,40 +241,15 @@ def _float8_facts(rank: int, save_to: str) -> dict:
     }
 
 
-def _float8_worker(rank: int, init_file: str, save_to: str, results) -> None:
-    import traceback
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-        results.put((rank, _float8_facts(rank, save_to)))
-        dist.destroy_process_group()
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
-
-
 def test_two_processes_gather_float8_weights_and_train_like_one(tmp_path) -> None:
     """Tensorwise float8 sharded over 2 ranks (gloo on the CPU, where torch runs float8 matmuls too): the
     weights are all-gathered in float8 (torchao's wrapper around each converted weight's shard), the scales
     computed after each update, and after 3 steps the weights equal one process's float8 run on all the data;
     gathered for saving, they are plain tensors that safetensors writes."""
-    import torch.multiprocessing as mp
     from safetensors.torch import load_file
 
-    context = mp.get_context("fork")
-    results = context.Queue()
     save_to = str(tmp_path / "gathered.safetensors")
-    workers = [
-        context.Process(target=_float8_worker, args=(rank, str(tmp_path / "init"), save_to, results))
-        for rank in range(2)
-    ]
-    for worker in workers:
-        worker.start()
-    facts = dict(results.get(timeout=180) for _ in workers)
-    for worker in workers:
-        worker.join(timeout=60)
+    facts = on_ranks(2, _float8_facts, tmp_path, save_to)
     for rank in range(2):
         assert isinstance(facts[rank], dict), facts[rank]
         assert facts[rank]["wrapped"] == "WeightWithDynamicFloat8CastTensor"
