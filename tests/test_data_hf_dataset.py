@@ -300,10 +300,10 @@ def test_the_columns_decoded_are_the_record_shapes_fields(tmp_path, monkeypatch)
 
     hub_settings(monkeypatch, "http://127.0.0.1:9", tmp_path / "hf-home", offline=True)
     path = write_json(tmp_path / "qa.json", [{"question": "Hi", "answer": "Hello", "id": 1, "text": "t"}])
-    assert HFDataset(path=str(path))._load_split("train").column_names == ["text"]
+    assert HFDataset(path=str(path))._load_split("train")[0].column_names == ["text"]
     shapes = {**records.SHAPE_FIELDS, "qa": records.ShapeFields(("question", "answer"))}
     monkeypatch.setattr(records, "SHAPE_FIELDS", shapes)
-    assert HFDataset(path=str(path))._load_split("train").column_names == ["question", "answer", "text"]
+    assert HFDataset(path=str(path))._load_split("train")[0].column_names == ["question", "answer", "text"]
 
 
 def test_a_folder_of_several_file_types_is_refused_and_data_files_picks_one(tmp_path, monkeypatch):
@@ -346,16 +346,18 @@ def test_a_broken_local_file_is_named_with_its_line(tmp_path, monkeypatch):
 
 def test_the_arrow_cache_is_written_in_batches_of_arrow_batch_rows(hub, tmp_path, monkeypatch):
     """Opening `datasets`' arrow cache maps about 64 KB around each batch's header into the process:
-    batches of ARROW_BATCH_ROWS rows (from a local file and from the hub), not `datasets`' 1,000."""
+    batches of ARROW_BATCH_ROWS rows (from a local file and from the hub, parquet read through `datasets`),
+    not `datasets`' 1,000."""
     import datasets
 
     from litsft.data import hf_dataset
 
     monkeypatch.setattr(hf_dataset, "ARROW_BATCH_ROWS", 4)
+    monkeypatch.setattr(hf_dataset, "READ_PARQUET_DIRECTLY", False)
     rows = sharegpt_rows(10)
     hub.add_dataset(REPO, write_infinity_instruct(tmp_path / "repo", rows))
-    datasets.Dataset.from_list(rows).to_parquet(tmp_path / "rows.parquet")
-    for path in (str(tmp_path / "rows.parquet"), REPO):
-        table = HFDataset(path=path, name=CONFIG if path == REPO else None)._load_split("train").data
+    datasets.Dataset.from_list(rows).to_json(tmp_path / "rows.jsonl")
+    for path in (str(tmp_path / "rows.jsonl"), REPO):
+        table = HFDataset(path=path, name=CONFIG if path == REPO else None)._load_split("train")[0].data
         sizes = [batch.num_rows for batch in table.to_batches()]  # the hub's rows are in two files of 5
         assert sum(sizes) == 10 and max(sizes) == 4, (path, sizes)

@@ -23,6 +23,8 @@ from typing import Any
 
 from litsft.data.base import RecordDataModule, digest_of
 from litsft.data.chat import Conversation, Message
+from litsft.data.hf_parquet import features_match, parquet_split
+from litsft.data.parquet_rows import ParquetRows
 from litsft.data.records import (
     RecordFormat,
     check_columns,
@@ -48,6 +50,9 @@ the file into the process (the kernel maps the pages around a fault): 2,000 batc
 131 MB of the file resident in the process that loaded it, 200 batches 18 MB. One tokenizing chunk
 (samples.CHUNK_SIZE) is one batch. Not part of `datasets`' cache key: a set it converted before keeps
 its batches, and its fingerprint."""
+READ_PARQUET_DIRECTLY = True
+"""Read a split whose files are all parquet straight from them (hf_parquet.py, parquet_rows.py); False lets
+`datasets` convert them into its arrow cache first, as it does every other file type."""
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")
 
 
@@ -88,12 +93,17 @@ class HFDataset(RecordDataModule):
             splits = {"train": self.split, **({"val": self.val_split} if self.val_split else {})}
             self._sources = {}
             for role, split in splits.items():
-                dataset = self._load_split(split)
+                rows, rows_identity = self._load_split(split)
                 identity = digest_of(
-                    {"dataset": dataset._fingerprint, "split": split, "records": record_format.identity()}
+                    {
+                        "rows": rows_identity,
+                        "columns": rows.column_names,
+                        "split": split,
+                        "records": record_format.identity(),
+                    }
                 )
                 where = f"{self.path}{f' ({self.name})' if self.name else ''} split {split}"
-                read = partial(DatasetConversations, dataset, where, record_format)
+                read = partial(DatasetConversations, rows, where, record_format)
                 self._sources[role] = (f"hf:{identity}", read)
         return self._sources
 
@@ -101,10 +111,10 @@ class HFDataset(RecordDataModule):
         # Loaded datasets stay with this process; another process loads them again from the cache.
         return {key: value for key, value in self.__dict__.items() if key != "_sources"}
 
-    def _load_split(self, split: str) -> Any:
-        """The `datasets.Dataset` of one split, with only the columns the record shapes read."""
-        import datasets
-        import pyarrow
+    def _load_split(self, split: str) -> tuple[Any, Any]:
+        """The rows of one split, with only the columns the record shapes read (a `ParquetRows` when the
+        split's files are all parquet, else a `datasets.Dataset`), and what identifies them: the files
+        (local: path, size, modification time; hub: URL at the commit) or `datasets`' fingerprint."""
         import tqdm
 
         # tqdm's monitor thread (started by the first progress bar) would make tokenizing start its workers
@@ -112,46 +122,64 @@ class HFDataset(RecordDataModule):
         tqdm.tqdm.monitor_interval = 0
         path = Path(self.path)
         try:
-            if path.is_dir() and _saved_to_disk(path):
-                dataset = _pick_split(datasets.load_from_disk(str(path)), split, self.path)
-            elif path.is_file():
-                builder = BUILDERS.get(path.suffix)
-                if builder is None:
-                    raise LitsftError(
-                        f"--data.path {path} is a {path.suffix or 'extensionless'} file; use a "
-                        f"{', '.join(BUILDERS)} file or a folder of them"
-                    )
-                dataset = datasets.load_dataset(
-                    builder, data_files={split: str(path)}, split=split, writer_batch_size=ARROW_BATCH_ROWS
+            if path.is_file() and path.suffix not in BUILDERS:
+                raise LitsftError(
+                    f"--data.path {path} is a {path.suffix or 'extensionless'} file; use a "
+                    f"{', '.join(BUILDERS)} file or a folder of them"
                 )
-            elif path.is_dir() or (_HUB_ID.fullmatch(self.path) and path.suffix not in BUILDERS):
-                if path.is_dir():
-                    _check_one_file_type(path, self.data_files)
-                dataset = datasets.load_dataset(
-                    self.path,
-                    name=self.name,
-                    split=split,
-                    revision=self.revision,
-                    data_files=self.data_files,
-                    writer_batch_size=ARROW_BATCH_ROWS,
-                )
-            else:
+            if not (path.exists() or (_HUB_ID.fullmatch(self.path) and path.suffix not in BUILDERS)):
                 raise LitsftError(
                     f"--data.path {self.path} is neither an existing file or folder nor a hub dataset id "
                     "(org/name); check the path"
                 )
+            if path.is_dir() and not _saved_to_disk(path):
+                _check_one_file_type(path, self.data_files)
+            parquet = None
+            if READ_PARQUET_DIRECTLY and not (path.is_dir() and _saved_to_disk(path)):
+                parquet = parquet_split(self.path, self.name, self.revision, self.data_files, split)
+            if parquet is not None and features_match(parquet):
+                rows, identity = ParquetRows(parquet.files), parquet.identities
+            else:  # other file types, or a card whose features `datasets` casts the columns to
+                rows = self._load_with_datasets(split)
+                identity = rows._fingerprint
         except Exception as err:
             if path.exists() and not isinstance(err, LitsftError):
                 _check_local_files(path, self.data_files)  # names the file (and line) that broke the load
             raise _load_error(err, self.path, self.name, split) from None
+        record_format = self.record_format()
+        check_columns(rows.column_names, f"{self.path} split {split}", record_format)
+        wanted = set(record_fields()) | set(record_format.field_map.values())
+        return rows.select_columns([column for column in rows.column_names if column in wanted]), identity
+
+    def _load_with_datasets(self, split: str) -> Any:
+        """The `datasets.Dataset` of one split, converted by `datasets` into its arrow cache."""
+        import datasets
+        import pyarrow
+
+        path = Path(self.path)
+        if path.is_dir() and _saved_to_disk(path):
+            dataset = _pick_split(datasets.load_from_disk(str(path)), split, self.path)
+        elif path.is_file():
+            dataset = datasets.load_dataset(
+                BUILDERS[path.suffix],
+                data_files={split: str(path)},
+                split=split,
+                writer_batch_size=ARROW_BATCH_ROWS,
+            )
+        else:
+            dataset = datasets.load_dataset(
+                self.path,
+                name=self.name,
+                split=split,
+                revision=self.revision,
+                data_files=self.data_files,
+                writer_batch_size=ARROW_BATCH_ROWS,
+            )
         # Converting files into the arrow cache leaves arrow's allocator holding the buffers it freed (65 MB
         # of 174 MB of anonymous memory after loading 500k rows): give them back before tokenizing workers
         # are forked, each of which would count them again.
         pyarrow.default_memory_pool().release_unused()
-        record_format = self.record_format()
-        check_columns(dataset.column_names, f"{self.path} split {split}", record_format)
-        wanted = set(record_fields()) | set(record_format.field_map.values())
-        return dataset.select_columns([column for column in dataset.column_names if column in wanted])
+        return dataset
 
 
 class DatasetConversations(Sequence):
