@@ -119,20 +119,33 @@ def test_only_the_selected_columns_are_decoded(files):
     assert batch.schema.names == ["conversations"]
 
 
+_ROWS = None
+
+
+def _install(rows):
+    global _ROWS
+    _ROWS = rows
+
+
 def _read_slice(args):
-    rows, start, stop = args
-    return rows[start:stop]
+    start, stop = args
+    values = _ROWS[start:stop]
+    assert _ROWS._process == os.getpid()  # the files and place this process read from are its own
+    return values
 
 
-def test_rows_pickle_as_their_files_and_read_the_same_in_forkserver_workers(files):
+@pytest.mark.parametrize("start_method", ["forkserver", "fork"])
+def test_rows_pickle_as_their_files_and_read_the_same_in_worker_processes(files, start_method):
+    """Workers started from a server process get the rows pickled; forked ones inherit them, and open the
+    files again rather than read on from their parent's place."""
     rows = ParquetRows(files).select_columns(["id"])
     rows[0:30]  # a place and open files: neither travels
     state = pickle.dumps(rows)
     assert len(state) < 1000 and b"q1" not in state
     expected = plain(files, ["id"])
-    with multiprocessing.get_context("forkserver").Pool(2) as pool:
-        parts = pool.map(_read_slice, [(rows, start, start + 10) for start in range(0, 40, 10)])
-    assert [value for part in parts for value in part["id"]] == expected["id"]
+    with multiprocessing.get_context(start_method).Pool(2, initializer=_install, initargs=(rows,)) as pool:
+        parts = pool.map(_read_slice, [(start, start + 10) for start in range(30, -1, -10)])
+    assert [value for part in reversed(parts) for value in part["id"]] == expected["id"]
 
 
 def test_a_file_that_is_not_parquet_is_named_in_one_line(tmp_path, files):

@@ -24,7 +24,7 @@ from typing import Any
 from litsft.data.base import RecordDataModule, digest_of
 from litsft.data.chat import Conversation, Message
 from litsft.data.hf_parquet import features_match, parquet_split
-from litsft.data.parquet_rows import ParquetRows
+from litsft.data.parquet_rows import ParquetRows, open_parquet
 from litsft.data.records import (
     RecordFormat,
     check_columns,
@@ -257,14 +257,7 @@ def _check_local_files(path: Path, data_files: list[str] | None) -> None:
         elif file.suffix == ".json":
             read_records(file)  # raises naming the file and line
         elif file.suffix == ".parquet":
-            import pyarrow.parquet
-
-            try:
-                pyarrow.parquet.read_metadata(file)
-            except Exception as err:
-                raise LitsftError(
-                    f"{file} is not a readable parquet file ({_first_line(err)}); write it again"
-                ) from None
+            open_parquet(str(file))  # raises naming the file
 
 
 def _starts_a_list(file: Path) -> bool:

@@ -45,12 +45,12 @@ def parquet_split(
     """The parquet files of `split` of the dataset `path` (a local .parquet file, a folder, or a hub id), or
     None when `datasets` reads them otherwise (see the module docstring). A split the dataset does not have
     raises `datasets`' ValueError ("Unknown split ..."); the hub's errors are huggingface_hub's."""
-    import datasets
-    import datasets.config
-
     local = Path(path)
     if local.is_file():
         return ParquetSplit([str(local)], [file_identity(str(local))]) if local.suffix == ".parquet" else None
+    import datasets
+    import datasets.config
+
     request = {"path": path, "name": name, "revision": revision, "data_files": data_files}
     recorded = None if local.exists() else _recorded(request)
     if recorded is not None and datasets.config.HF_HUB_OFFLINE:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from litsft.errors import LitsftError
+from litsft.runtime.files import first_line
 
 BATCH_ROWS = 10_000
 """Rows decoded at a time (one tokenizing chunk, samples.CHUNK_SIZE)."""
@@ -41,7 +42,7 @@ def open_parquet(file: str) -> Any:
         return pyarrow.parquet.ParquetFile(file, buffer_size=READ_BUFFER_BYTES, pre_buffer=False)
     except Exception as err:
         raise LitsftError(
-            f"{file} is not a readable parquet file ({_first_line(err)}); write it again"
+            f"{file} is not a readable parquet file ({first_line(err)}); write it again"
         ) from None
 
 
@@ -86,6 +87,7 @@ class ParquetRows:
         self._file_starts = [0, *itertools.accumulate(self._file_rows)]
         self._opened: dict[int, Any] = {}
         self._place: _Place | None = None
+        self._process = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
         # Open files and the place in them stay with this process; another opens the files again.
@@ -133,6 +135,8 @@ class ParquetRows:
     def _read(self, start: int, stop: int) -> Any:
         """A record batch of rows from `start` on (at least one, none past `stop` nor past its file's
         end), from this process's place in the file."""
+        if self._process != os.getpid():  # a forked worker: the files and the place are its parent's
+            self._setup()
         file = bisect.bisect_right(self._file_starts, start) - 1
         row, end = start - self._file_starts[file], min(stop, self._file_starts[file + 1])
         place = self._place
@@ -189,8 +193,3 @@ class ParquetRows:
         if file not in self._opened:
             self._opened = {file: open_parquet(self.files[file])}  # one file open at a time
         return self._opened[file]
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
