@@ -141,7 +141,9 @@ class ResidentSampler:
 
 def litsft_prepare(parquet: str, tokenizer_dir: str, cache_dir: str, processes: str) -> None:
     """Child process: what rank 0 does before training, timed; one JSON line."""
-    import datasets  # noqa: F401 (imported before the clock starts, as datasets_map imports it)
+    # Imported before the clock starts, as datasets_map imports `datasets` (and pyarrow with it); litsft
+    # reads a local parquet file with pyarrow alone, so `datasets` is not imported (nor counted) here.
+    import pyarrow.parquet  # noqa: F401
 
     from litsft.data import HFDataset
     from litsft.data.tokenizer import Tokenizer
@@ -163,7 +165,7 @@ def litsft_load(parquet: str, tokenizer_dir: str, cache_dir: str) -> None:
 
     data = HFDataset(path=parquet, cache_dir=Path(cache_dir), val_split_fraction=0.05)
     data.connect(Tokenizer(tokenizer_dir), max_seq_length=256, seed=0)
-    data.sources()  # the `datasets` arrow table is opened by every rank, as before
+    data.sources()  # every rank reads the parquet file's footer, before setup
     import litsft.data.loader  # noqa: F401 (torch: a rank has imported it long before)
 
     baseline = resident_mb()

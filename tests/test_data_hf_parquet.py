@@ -165,3 +165,21 @@ def test_a_card_declaring_other_features_is_read_through_datasets(tmp_path, toke
         read = HFDataset(path=str(folder), cache_dir=tmp_path / "cache").sources()["train"][1]
         assert isinstance(read().dataset, ParquetRows) == directly, dtype
         assert [messages[0]["content"] for messages in read()] == ["one", "two"]
+
+
+def test_a_column_datasets_decodes_is_read_through_datasets(tmp_path, tokenizer, offline):
+    """A file written by `datasets` with an image column: `datasets` decodes it (to a PIL image), so the
+    split goes through `datasets`; the same file's text column alone, written by pyarrow, is read straight."""
+    import datasets
+    from PIL import Image
+
+    features = datasets.Features({"text": datasets.Value("string"), "image": datasets.Image()})
+    images = [Image.new("RGB", (2, 2)), Image.new("RGB", (2, 2))]
+    datasets.Dataset.from_dict({"text": ["one", "two"], "image": images}, features=features).to_parquet(
+        tmp_path / "images.parquet"
+    )
+    write_parquet(tmp_path / "text.parquet", [{"text": "one"}, {"text": "two"}])
+    for name, directly in (("images.parquet", False), ("text.parquet", True)):
+        read = HFDataset(path=str(tmp_path / name), cache_dir=tmp_path / "cache").sources()["train"][1]
+        assert isinstance(read().dataset, ParquetRows) == directly, name
+        assert [messages[0]["content"] for messages in read()] == ["one", "two"]

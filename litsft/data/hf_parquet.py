@@ -54,7 +54,10 @@ def parquet_split(
     request = {"path": path, "name": name, "revision": revision, "data_files": data_files}
     recorded = None if local.exists() else _recorded(request)
     if recorded is not None and datasets.config.HF_HUB_OFFLINE:
-        return _split_of(recorded["splits"], recorded["features"], split)
+        try:
+            return _split_of(recorded["splits"], recorded["features"], split)
+        except (OSError, ValueError):
+            pass  # a file gone from the hub cache: `datasets` says what it has (or that it needs the hub)
     builder = datasets.load_dataset_builder(path, name=name, revision=revision, data_files=data_files)
     if builder.name != "parquet" or builder.config.columns or builder.config.filters:
         return None
@@ -83,14 +86,23 @@ def _split_of(splits: dict[str, list[str]], features: dict | None, split: str) -
 
 
 def features_match(split: ParquetSplit) -> bool:
-    """Whether the features the dataset declares are those `datasets` infers from its first file's schema,
-    so that `datasets` would cast nothing: values read straight from the files are the ones it gives."""
-    if split.features is None or not split.files:
-        return True
-    import datasets
+    """Whether values read straight from the files are the ones `datasets` gives: the features the dataset
+    declares, if any, are those `datasets` infers from its first file's schema (it casts nothing), and none of
+    them is decoded (an image, an audio clip)."""
     import pyarrow.parquet
 
-    return split.features == datasets.Features.from_arrow_schema(pyarrow.parquet.read_schema(split.files[0]))
+    if not split.files:
+        return True
+    schema = pyarrow.parquet.read_schema(split.files[0])
+    if split.features is None and b"huggingface" not in (schema.metadata or {}):
+        return True  # plain arrow types, which `datasets` reads as they are
+    import datasets
+    from datasets.features.features import require_decoding
+
+    inferred = datasets.Features.from_arrow_schema(schema)
+    if any(require_decoding(feature) for feature in inferred.values()):
+        return False
+    return split.features is None or split.features == inferred
 
 
 def _hub_download(url: str) -> str:
