@@ -1,15 +1,20 @@
-"""`--data HFDataset`: records loaded through Hugging Face `datasets`, from the Hub by name or from local
-parquet / arrow / csv / json(l) files, folders of them, or a folder written by `save_to_disk`.
+"""`--data HFDataset`: records of a Hugging Face dataset, from the Hub by name or from local parquet / arrow /
+csv / json(l) files, folders of them, or a folder written by `save_to_disk`.
 
-`datasets` downloads (honouring HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE) and converts the records once into
-its own memory-mapped cache (HF_HOME/datasets). Rank 0 tokenizes from there into litsft's cache; the other
-ranks find the same dataset in the `datasets` cache and the tokens in litsft's. Rows are converted to
-conversations one chunk at a time (`DatasetConversations`), so a large set never holds every row's Python
-objects at once. `datasets` is imported only when data is loaded: it is slow to import.
+A split whose files are all parquet (a local file, a folder of them, and most hub datasets) is read straight
+from its files with pyarrow, a slice at a time (hf_parquet.py resolves and downloads its files as `datasets`
+would, honouring HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE; parquet_rows.py reads them), so preparing holds
+one slice per process however large the set. Every other source is loaded through `datasets`, which downloads
+and converts the records once into its own memory-mapped cache (HF_HOME/datasets). Rank 0 tokenizes into
+litsft's cache; the other ranks find the files (or the `datasets` cache) and the tokens in litsft's, keyed by
+the files (local: path, size and modification time; hub: each file at its commit) or by `datasets`'
+fingerprint. Rows are converted to conversations one chunk at a time (`DatasetConversations`), so a large set
+never holds every row's Python objects at once. `datasets` is imported only when data is loaded, and not for
+a local parquet file: it is slow to import.
 
 Only the columns some record shape reads are decoded (records.py's SHAPE_FIELDS, through --data.field_map);
 a split without any of them is refused naming its columns. A local folder of several file types is refused
-(`datasets` reads one type of them), and a local file `datasets` fails on is named, with its line.
+(`datasets` reads one type of them), and a local file that fails to load is named, with its line.
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ STREAMING_REFUSED = (
 # The `datasets` builder that reads each local file type.
 BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "json"}
 ARROW_BATCH_ROWS = 10_000
-"""Rows per record batch of the arrow cache `datasets` converts the records into (its default: 1,000).
+"""Rows per record batch of the arrow cache `datasets` converts records other than parquet into (its
+default: 1,000).
 Opening that cache reads every batch's header through its memory map, and each read maps about 64 KB of
 the file into the process (the kernel maps the pages around a fault): 2,000 batches of 2M rows kept
 131 MB of the file resident in the process that loaded it, 200 batches 18 MB. One tokenizing chunk
@@ -183,7 +189,8 @@ class HFDataset(RecordDataModule):
 
 
 class DatasetConversations(Sequence):
-    """A dataset's rows as conversations, converted a slice at a time (what tokenizing asks for)."""
+    """A dataset's rows (a `ParquetRows` or a `datasets.Dataset`) as conversations, converted a slice at a
+    time (what tokenizing asks for)."""
 
     def __init__(
         self, dataset: Any, name: str, record_format: RecordFormat, limit: int | None = None

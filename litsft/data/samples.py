@@ -390,7 +390,7 @@ def _chunks(
     # gloo's) can deadlock the children on a lock one of those threads held. A single-threaded process
     # (`litsft prepare_sft`) forks, and its workers inherit the conversations and the compiled template; any
     # other starts its workers from a fresh server process (forkserver), which unpickles them once per
-    # worker (a `datasets` dataset pickles as the paths of its memory-mapped arrow files). A worker that has
+    # worker (parquet rows, and a `datasets` dataset, pickle as the paths of their files). A worker that has
     # tokenized CHUNKS_PER_WORKER chunks is replaced by the pool's own thread, the same way; those threads
     # wait on the pool's pipes and hold no lock a worker takes.
     method = "fork" if threading.active_count() == 1 else "forkserver"
@@ -417,7 +417,7 @@ CHUNK_SIZE = 10_000
 MAX_PROCESSES = 16
 CHUNKS_PER_WORKER = 16
 """A tokenizing worker is replaced by a fresh one after this many chunks. The rows a worker reads from a
-memory-mapped dataset (`datasets`' arrow cache) stay mapped in it, about 1.2 MB a chunk of ShareGPT rows,
+memory-mapped dataset (`datasets`' arrow cache, for sources other than parquet) stay mapped in it, about 1.2 MB a chunk of ShareGPT rows,
 so a worker that lived through the set would hold its share of the whole file (133 MB at 2M rows with two
 workers); a fresh one starts with none of it. A replacement is forked (or started from the server process
 and given the conversations and chat format again) while the other workers go on."""
