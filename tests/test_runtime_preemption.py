@@ -5,6 +5,7 @@ tests/test_fault_injection.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -106,6 +107,45 @@ def test_a_second_ctrl_c_after_the_checkpoint_finishes_the_run_and_loses_nothing
         "same command to resume from it",
         PREEMPTED_EXIT_CODE,
     )
+
+
+def test_a_spawned_rank_ends_with_0_on_a_second_ctrl_c_after_the_checkpoint(flag: PreemptionFlag) -> None:
+    """Fabric's launcher reports the stop; its child observer would SIGKILL it on a rank's non-zero exit."""
+    flag.stopped_exit_code = 0
+    send(signal.SIGINT, until=lambda: flag.received)
+    flag.checkpoint_published(lambda: None)
+    send(signal.SIGINT, until=lambda: flag.exits)
+    assert flag.exits[0][1] == 0
+
+
+EXITING_RANK = """
+import sys, time
+import torch  # what a rank has imported: its teardown after Python's is where a SIGINT used to land
+from litsft.runtime.preemption import PreemptionFlag
+flag = PreemptionFlag.install()
+flag.stopped_exit_code = 0
+flag.checkpoint_published(lambda: None)
+flag.ignore_ctrl_c_while_exiting()
+print("exiting", flush=True)
+raise SystemExit(0)
+"""
+
+
+def test_a_rank_on_its_way_out_after_a_stop_is_not_ended_by_ctrl_c(tmp_path) -> None:
+    """Ctrl-C after Ctrl-C while a spawned rank exits: Python gives SIGINT its default handler back while it
+    finalizes, so without `ignore_ctrl_c_while_exiting` such a rank ended by SIGINT (-2, in 10 of 10 runs
+    of this test), and Fabric's observer then SIGKILLed the launcher before it reported the stop."""
+    import subprocess
+    import sys
+
+    for _ in range(2):
+        rank = subprocess.Popen([sys.executable, "-c", EXITING_RANK], stdout=subprocess.PIPE, text=True)
+        assert rank.stdout.readline() == "exiting\n"
+        while rank.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank.pid, signal.SIGINT)
+            time.sleep(0.0002)
+        assert rank.returncode == 0
 
 
 def test_exit_at_once_runs_before_exit_then_says_one_line(

@@ -50,6 +50,8 @@ def launch(recipe_name: str, build_recipe: Callable[[], Recipe], run: RunConfig)
     if run.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts; ranks inherit it
     spawned = processes.is_spawned_rank()
+    if spawned:
+        preemption.stopped_exit_code = 0
     with RunLock(run.out_dir) if processes.is_first_process() else nullcontext() as lock:
         fabric = build_fabric(
             run.devices, run.num_nodes, run.precision, run.fsdp, run.accelerator, run.train.compile,
@@ -66,8 +68,8 @@ def launch(recipe_name: str, build_recipe: Callable[[], Recipe], run: RunConfig)
                 processes.kill(processes.spawned_processes(fabric))
                 raise
             if spawned:
-                # The launcher reports the stop; a non-zero exit here would make Fabric's child observer
-                # SIGKILL the launcher before it reports.
+                # The launcher reports the stop (see PreemptionFlag.stopped_exit_code).
+                preemption.ignore_ctrl_c_while_exiting()
                 raise SystemExit(0) from None
             processes.wait_for(processes.spawned_processes(fabric), timeout_s=60)
             raise

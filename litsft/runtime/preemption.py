@@ -49,6 +49,10 @@ class PreemptionFlag:
         self.finish_stopped_run: Callable[[], None] | None = None
         """Set once the checkpoint a stop wrote is published (`checkpoint_published`): what is left to do
         (the loss plot) before a second Ctrl-C ends the process, which then loses no step."""
+        self.stopped_exit_code = PREEMPTED_EXIT_CODE
+        """This process's exit status once a stop's checkpoint is published. 0 in a rank that Fabric's
+        launcher spawned: the launcher reports the stop, and a non-zero exit would make Fabric's child
+        observer SIGKILL the launcher before it does."""
         self._previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
         self._read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
@@ -91,7 +95,7 @@ class PreemptionFlag:
                     self.exit_at_once(
                         "Stopped at once by a second Ctrl-C after the checkpoint was written: no step is lost; "
                         "relaunch the same command to resume from it",
-                        PREEMPTED_EXIT_CODE,
+                        self.stopped_exit_code,
                     )
             if self._interrupted:
                 self.exit_at_once(
@@ -109,6 +113,12 @@ class PreemptionFlag:
         """The checkpoint of a stop is published: from now on a second Ctrl-C runs `finish` and exits with
         PREEMPTED_EXIT_CODE, as the stop itself would."""
         self.finish_stopped_run = finish
+
+    def ignore_ctrl_c_while_exiting(self) -> None:
+        """For a process on its way out after a stop's checkpoint: a second Ctrl-C must not end it by SIGINT
+        (exit status -2) while Python finalizes, which gives the default handler back to every signal a Python
+        handler had; an ignored signal is left ignored."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def say(self, line: str) -> None:
         if self.report:
