@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from tiny_tokenizer import write_tiny_tokenizer
 
@@ -91,6 +92,39 @@ def test_the_validation_split_holds_out_a_seeded_share_of_the_training_records(
     assert len(val) == held_out and len(train) == count - held_out and not train & val
     assert split(seed=0) == (train, val)
     assert split(seed=1)[1] != val  # another seed, another split
+
+
+def test_the_split_truncation_and_batches_of_a_set_are_what_they_were_before_the_arrays_narrowed(
+    tmp_path, tokenizer
+) -> None:
+    """300 records of random lengths, a tenth held out, cut to 60 tokens (145 training samples dropped,
+    left without a target): where every training and validation sample starts, its length and first
+    target, and two ranks' micro-batches of both splits, their digest recorded before the per-sample arrays
+    became int32 and the plan flat arrays (commit 5c8b485)."""
+    rng = np.random.default_rng(3)
+    words = "a b c d e f g".split()
+    rows = [
+        {
+            "instruction": " ".join(rng.choice(words, rng.integers(1, 30))),
+            "output": " ".join(rng.choice(words, rng.integers(1, 12))),
+        }
+        for _ in range(300)
+    ]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+    data = JSON(json_path=tmp_path / "d.jsonl", cache_dir=tmp_path / "cache", val_split_fraction=0.1)
+    data.connect(tokenizer, max_seq_length=60, seed=9)
+    data.prepare()
+    data.setup()
+    assert (len(data.train_samples), len(data.val_samples)) == (125, 13)
+    seen = {}
+    for name in ("train_samples", "val_samples"):
+        samples = getattr(data, name)
+        seen[name] = [samples.starts.tolist(), samples.lengths.tolist(), samples.first_targets.tolist()]
+    for rank in range(2):
+        seen[f"train{rank}"] = data.train_dataloader(rank, 2, 2, 8).micro_batches(1)
+        seen[f"val{rank}"] = data.val_dataloader(rank, 2, 2).micro_batches()
+    digest = hashlib.sha256(json.dumps(seen).encode()).hexdigest()
+    assert digest == "a1f4449608872629c32f81ed006649f01482e951ef469596f0af07087c43fb3c"
 
 
 def test_the_cache_entry_changes_with_the_template_and_the_mask(tmp_path, tokenizer) -> None:

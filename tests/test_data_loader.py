@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
+import hashlib
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -218,5 +222,137 @@ def test_validation_keeps_every_sample_and_equal_counts_per_rank():
 
 def test_plan_drops_only_the_incomplete_last_global_batch():
     positions = np.full(10, 4)
-    batches = plan_epoch(positions, 8, False, 4, seed=0, epoch=0)
-    assert [len(batch) for batch in batches] == [4, 4]
+    plan = plan_epoch(positions, 8, False, 4, seed=0, epoch=0)
+    assert plan.rows(0, len(plan)) == [[i] for i in plan.members.tolist()] and len(plan) == 8
+    evaluation = plan_epoch(positions, 8, False, 4, seed=0, epoch=0, shuffle=False)
+    assert evaluation.rows(0, len(evaluation)) == [[i] for i in range(10)] + [[], []]
+
+
+def reference_pack(lengths: list[int], order: np.ndarray, capacity: int) -> list[list[int]]:
+    """Best-fit decreasing as rows of Python lists and a sorted list of (room, row) tuples: how the
+    loader packed before its plan became flat arrays."""
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []
+    for index in order[np.argsort(-np.asarray(lengths)[order], kind="stable")].tolist():
+        need = lengths[index]
+        slot = bisect.bisect_left(free, (need, -1))
+        if slot < len(free):
+            room, row = free.pop(slot)
+            rows[row].append(index)
+        else:
+            room, row = capacity, len(rows)
+            rows.append([index])
+        if room - need > 0:
+            bisect.insort(free, (room - need, row))
+    return rows
+
+
+def reference_micro_batches(
+    positions: np.ndarray, capacity: int, packing: bool, sizes: tuple[int, int, int], seed: int, epoch: int,
+    shuffle: bool, rank: int,
+) -> list[list[list[int]]]:  # fmt: skip
+    """One rank's micro-batches planned with lists, as the loader did before: every global batch of the
+    epoch built, then the rank's slice of each."""
+    world_size, micro, global_batch_size = sizes
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(positions)) if shuffle else np.arange(len(positions))
+    if packing:
+        rows = reference_pack(positions.tolist(), order, capacity)
+        if shuffle:
+            rows = [rows[i] for i in rng.permutation(len(rows))]
+    else:
+        chunk = global_batch_size * 32
+        rows = []
+        for start in range(0, len(order), chunk):
+            part = order[start : start + chunk]
+            rows.extend([[i] for i in part[np.argsort(-positions[part], kind="stable")].tolist()])
+    if shuffle:
+        rows = rows[: len(rows) - len(rows) % global_batch_size]
+    else:
+        rows = rows + [[] for _ in range(-len(rows) % global_batch_size)]
+    batches = [rows[i : i + global_batch_size] for i in range(0, len(rows), global_batch_size)]
+    if shuffle and not packing:
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    share = global_batch_size // world_size
+    return [
+        batch[rank * share + k * micro : rank * share + (k + 1) * micro]
+        for batch in batches
+        for k in range(share // micro)
+    ]
+
+
+ORDER_SIZES = ((1, 4, 8), (2, 2, 8), (4, 1, 8), (8, 3, 24))
+"""(world_size, micro_batch_size, global_batch_size) of the pinned batch order."""
+
+
+def pinned_order_samples() -> Samples:
+    lengths = np.random.default_rng(11).integers(2, 66, 997)
+    lengths[5] = 65  # a sample that fills a row of max_seq_length 64 alone
+    return random_samples(lengths.tolist())
+
+
+def test_the_batch_order_is_what_it_was_before_the_plan_became_arrays():
+    """Every rank's micro-batches, packed and not, training and evaluation, three epochs, on 1, 2, 4 and 8
+    ranks: their digest recorded from the list-based planner (commit 5c8b485), and each equal to the
+    list-based reference above."""
+    samples = pinned_order_samples()
+    everything = []
+    for packing in (True, False):
+        for shuffle in (True, False):
+            for world_size, micro, global_batch_size in ORDER_SIZES:
+                for epoch in (0, 1, 2):
+                    for rank in range(world_size):
+                        loader = SFTLoader(samples, 64, packing, 0, rank, world_size, micro,
+                                           global_batch_size, seed=4, shuffle=shuffle)  # fmt: skip
+                        micro_batches = loader.micro_batches(epoch)
+                        sizes = (world_size, micro, global_batch_size)
+                        assert micro_batches == reference_micro_batches(
+                            samples.lengths - 1, 64, packing, sizes, 4, epoch, shuffle, rank
+                        )
+                        everything.append(
+                            [
+                                packing,
+                                shuffle,
+                                world_size,
+                                micro,
+                                global_batch_size,
+                                epoch,
+                                rank,
+                                micro_batches,
+                            ]
+                        )
+    digest = hashlib.sha256(json.dumps(everything).encode()).hexdigest()
+    assert digest == "2cf38f5ec50014414a65f8b67aa61a9d8caecd287277769f8269de685175015e"
+
+
+def test_a_small_set_is_batched_as_recorded():
+    samples = random_samples([9, 3, 17, 12, 5, 30, 8, 2, 21, 14, 6, 11])
+    packed = SFTLoader(samples, 32, True, 0, 0, 1, 2, 4, seed=2)
+    assert [packed.global_batches(epoch) for epoch in (0, 1)] == [
+        [[[4], [11, 0, 6, 10, 1], [2, 9], [8, 3, 7]]],
+        [[[4], [5], [11, 0, 6, 10, 1], [2, 9]]],
+    ]
+    padded = SFTLoader(samples, 32, False, 0, 0, 1, 2, 4, seed=2)
+    assert [padded.global_batches(epoch) for epoch in (0, 1)] == [
+        [[[10], [4], [1], [7]], [[3], [11], [0], [6]], [[5], [8], [2], [9]]],
+        [[[10], [4], [1], [7]], [[5], [8], [2], [9]], [[3], [11], [0], [6]]],
+    ]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_packed_rows_equal_the_list_based_packing(seed):
+    rng = np.random.default_rng(seed)
+    capacity = int(rng.integers(8, 300))
+    lengths = rng.integers(0, capacity + 1, int(rng.integers(1, 3000))).tolist()
+    order = rng.permutation(len(lengths))
+    assert pack(lengths, order, capacity) == reference_pack(lengths, order, capacity)
+
+
+def test_a_loader_keeps_only_its_ranks_rows():
+    samples = pinned_order_samples()
+    loaders = [SFTLoader(samples, 64, True, 0, rank, 4, 2, 8, seed=4) for rank in range(4)]
+    shares = [loader.share() for loader in loaders]
+    whole = loaders[0].plan()
+    assert sum(len(share) for share in shares) == len(whole)
+    assert sum(len(share.members) for share in shares) == len(whole.members)
+    assert all(loader._share[1] is share for loader, share in zip(loaders, shares))  # kept, nothing else

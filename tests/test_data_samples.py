@@ -16,7 +16,13 @@ import pytest
 
 import litsft.data.samples as samples_module
 from litsft.data.chat import ConversationError, Tokenized, TokenizeReport
-from litsft.data.samples import Samples, tokenize_conversations, tokenize_to_cache, write_atomically
+from litsft.data.samples import (
+    Samples,
+    offset_dtype,
+    tokenize_conversations,
+    tokenize_to_cache,
+    write_atomically,
+)
 from litsft.errors import LitsftError
 
 
@@ -90,7 +96,48 @@ def test_save_and_load_round_trip_memory_mapped_and_refuse_pickles(tmp_path: Pat
     unpickled = pickle.loads(pickled)
     assert isinstance(unpickled.tokens, np.memmap) and as_lists(unpickled) == [as_lists(big)[1]]
     np.save(tmp_path / "entry" / "lengths.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
-    with pytest.raises(ValueError, match="allow_pickle=False"):
+    # Refused from the header, never unpickled: the error names the file and the fix.
+    with pytest.raises(LitsftError, match=r"lengths\.npy holds object values, not int64; delete its cache"):
+        Samples.load(tmp_path / "entry")
+
+
+def test_per_sample_arrays_are_int32_below_two_billion_tokens_and_int64_from_there() -> None:
+    assert offset_dtype(2**31 - 1) is np.int32 and offset_dtype(2**31) is np.int64
+    loaded = three_samples()
+    for name in ("starts", "lengths", "first_targets"):
+        assert getattr(loaded, name).dtype == np.int32
+    # A limit past int32 cuts nothing (numpy refuses to compare an int32 array with it).
+    assert as_lists(loaded.truncate(2**40)[0]) == as_lists(loaded.subset(np.array([0, 2])))
+
+
+def test_loading_reads_the_int64_files_into_int32_block_by_block(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(samples_module, "COUNTED_BLOCK", 7)  # blocks end inside the entry, and at its end
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 40, 50)
+    tokens = rng.integers(0, 1000, int(lengths.sum()), dtype=np.int32)
+    written = Samples.back_to_back(tokens, rng.random(len(tokens)) < 0.5, lengths)
+    written.save(tmp_path / "entry")
+    loaded = Samples.load(tmp_path / "entry")
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # the reference, in int64
+    assert loaded.starts.dtype == loaded.lengths.dtype == loaded.first_targets.dtype == np.int32
+    assert loaded.starts.tolist() == starts.tolist() and loaded.lengths.tolist() == lengths.tolist()
+    assert loaded.first_targets.tolist() == written.first_targets.tolist()
+    assert as_lists(loaded) == as_lists(written)
+
+
+def test_an_entry_whose_files_disagree_is_named_with_the_fix(tmp_path: Path) -> None:
+    three_samples().save(tmp_path / "entry")
+    with open(tmp_path / "entry" / "tokens.bin", "r+b") as tokens:
+        tokens.truncate(8)  # 2 of its 5 tokens
+    with pytest.raises(LitsftError) as error:
+        Samples.load(tmp_path / "entry")
+    assert str(error.value) == (
+        f"the data cache entry {tmp_path / 'entry'} is damaged (its lengths add up to 5 tokens, "
+        "tokens.bin holds 2); delete it and prepare again"
+    )
+    lengths = tmp_path / "entry" / "lengths.npy"
+    lengths.write_bytes(lengths.read_bytes()[:-8])  # the last length missing
+    with pytest.raises(LitsftError, match=r"lengths\.npy is cut short; delete its cache entry"):
         Samples.load(tmp_path / "entry")
 
 
@@ -128,7 +175,8 @@ def test_tokenizing_to_the_cache_equals_tokenizing_in_memory(monkeypatch: pytest
     assert report.conversations == 20
     in_memory, _ = tokenize_conversations(conversations, CountingFormat())
     assert as_lists(Samples.load(tmp_path / "entry")) == as_lists(in_memory)
-    # The per-sample arrays, streamed to files while writing, are the files np.save writes of them whole.
+    # The per-sample arrays, streamed to files while writing, are the files np.save writes of them whole
+    # (int64 in the cache, whatever their dtype in memory).
     entry = tmp_path / "entry"
     assert sorted(path.name for path in entry.iterdir()) == [
         "first_targets.npy",
@@ -137,7 +185,7 @@ def test_tokenizing_to_the_cache_equals_tokenizing_in_memory(monkeypatch: pytest
         "tokens.bin",
     ]
     for name in ("lengths", "first_targets"):
-        np.save(tmp_path / f"{name}.npy", getattr(in_memory, name))
+        np.save(tmp_path / f"{name}.npy", getattr(in_memory, name).astype(np.int64))
         assert (entry / f"{name}.npy").read_bytes() == (tmp_path / f"{name}.npy").read_bytes()
 
 

@@ -39,6 +39,7 @@ from litsft.data.samples import (
 )
 from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError, check_number
+from litsft.runtime.heap import release_freed_heap
 
 CACHE_FORMAT_VERSION = 4
 """Part of every cache key: bump it when the cached layout or the tokenization rules change."""
@@ -261,15 +262,17 @@ class SFTDataModule(DataOptions, DataModule):
 
     def setup(self) -> None:
         self.train_samples, self.val_samples = self._load()
+        release_freed_heap()  # what splitting and truncating freed: it would stay resident in every rank
 
     def train_dataloader(
         self, rank: int, world_size: int, micro_batch_size: int, global_batch_size: int
     ) -> Loader:
         loader = self._loader(self.train_samples, rank, world_size, micro_batch_size, global_batch_size)
         if len(loader) == 0:
-            from litsft.data.loader import pack
+            from litsft.data.loader import pack_rows
 
-            rows = len(pack(loader.positions.tolist(), np.arange(len(loader.positions)), self.max_seq_length))
+            positions = loader.positions
+            rows = len(pack_rows(positions, np.arange(len(positions)), self.max_seq_length))
             count = (
                 f"the {len(self.train_samples)} training samples fill {rows} packed rows, fewer than"
                 if self.packing
@@ -334,7 +337,7 @@ class SFTDataModule(DataOptions, DataModule):
         """What preparing ends with, for the run's log (prepare runs on rank 0 only), on every run of the
         data: what tokenizing left out, the training samples cut to max_seq_length or dropped, and one line
         per split. Counted from the cache entries' per-sample files a block at a time (`count_lengths`), not
-        by loading them as setup does: 24 bytes a sample, which would make preparing a large set's peak."""
+        by loading them as setup does: 12 bytes a sample, which would add to preparing a large set's peak."""
         limit = self.max_seq_length + 1
         sources, counts, summaries = self.sources(), {}, []
         for split, (identity, _) in sources.items():
@@ -371,7 +374,9 @@ class SFTDataModule(DataOptions, DataModule):
         train, val = splits["train"], splits.get("val")
         if val is None and self.val_split_fraction > 0 and len(train) > 1:
             held_out = self._held_out(len(train))
-            val, train = train.subset(held_out), train.subset(np.setdiff1d(np.arange(len(train)), held_out))
+            kept = np.ones(len(train), dtype=bool)  # a mask: 1 byte a sample, not an 8-byte index
+            kept[held_out] = False
+            val, train = train.subset(held_out), train.subset(kept)
         train, _ = train.truncate(self.max_seq_length + 1)
         if val is not None:
             val, _ = val.truncate(self.max_seq_length + 1)

@@ -5,12 +5,18 @@ The order of rows is decided once per epoch for the whole job, from (seed, epoch
 global batches of `global_batch_size` rows, and rank r takes its share of each global batch as
 micro-batches. The global batches therefore do not depend on the world size or the micro-batch size,
 which is what lets 1 process x 2 accumulation steps and 2 processes x 1 step train identically.
+
+Every rank plans the whole epoch and keeps only its own rows (`RowPlan`: two flat arrays, no Python object
+per sample), so what a rank holds between epochs is 1 / world_size of the plan: about 1 byte a sample on
+8 ranks, where the epoch's global batches as lists of lists of Python ints were about 90.
 """
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left, insort
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,38 +26,94 @@ from torch.utils.data import DataLoader, Dataset
 from litsft.data.samples import Samples
 from litsft.errors import LitsftError
 from litsft.model.attention import cumulative_lengths
+from litsft.runtime.heap import release_freed_heap
 
 IGNORE_INDEX = -100
 PAD_DOCUMENT_ID = -1
 LENGTH_GROUPING_FACTOR = 32
 """Without packing, samples are sorted by length within shuffled chunks of this many global batches:
 similar lengths share a batch (little padding) while the order stays random across chunks."""
+PACKED_BLOCK = 1 << 16
+"""Samples whose lengths `pack_rows` turns into Python ints at a time (not one int per sample at once)."""
 
 Row = list[int]
 """Indices of the samples that share one row of a batch (one sample without packing)."""
 
 
-def pack(lengths: list[int], order: np.ndarray, capacity: int) -> list[Row]:
-    """Best-fit decreasing: longest sample first, each into the fullest row it still fits in.
+@dataclass(frozen=True)
+class RowPlan:
+    """Rows of sample indices, in the order they are trained, held as two flat arrays (a few bytes a
+    sample, no Python object per sample): row k is `members[bounds[k] : bounds[k + 1]]`."""
+
+    members: np.ndarray
+    """(samples,) sample indices, row after row."""
+    bounds: np.ndarray
+    """(rows + 1,) where each row starts in `members`, then where the last ends."""
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def rows(self, start: int, stop: int) -> list[Row]:
+        """Rows start to stop (exclusive) as lists of sample indices."""
+        bounds = self.bounds[start : stop + 1].tolist()
+        members = self.members[bounds[0] : bounds[-1]].tolist()
+        return [members[a - bounds[0] : b - bounds[0]] for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def take(self, picked: np.ndarray) -> RowPlan:
+        """The rows `picked`, in that order; -1 picks an empty row."""
+        real = picked >= 0
+        firsts = np.where(real, self.bounds[np.maximum(picked, 0)], 0)
+        counts = np.where(real, self.bounds[np.maximum(picked, 0) + 1] - firsts, 0)
+        bounds = np.zeros(len(picked) + 1, dtype=np.int64)
+        np.cumsum(counts, out=bounds[1:])
+        # Member j of the result is member (j - bounds[k]) of picked row k: shift each row's run.
+        where = np.repeat(firsts - bounds[:-1], counts)
+        where += np.arange(bounds[-1])
+        return RowPlan(self.members[where], bounds)
+
+    @staticmethod
+    def one_sample_each(samples: np.ndarray) -> RowPlan:
+        return RowPlan(samples, np.arange(len(samples) + 1, dtype=np.int64))
+
+
+def pack_rows(lengths: np.ndarray, order: np.ndarray, capacity: int) -> RowPlan:
+    """Best-fit decreasing: longest sample first, each into the fullest row it still fits in; rows in the
+    order they were opened, each row's samples in the order they went in.
 
     Samples of equal length are taken in `order`, so a new order gives new rows of the same shapes
     (the row count does not change between epochs).
     """
-    by_length = order[np.argsort(-np.asarray(lengths)[order], kind="stable")].tolist()
-    rows: list[Row] = []
-    free: list[tuple[int, int]] = []  # (room left, row index), sorted: the first fit is the best fit
-    for index in by_length:
-        need = lengths[index]
-        slot = bisect_left(free, (need, -1))
-        if slot < len(free):
-            room, row = free.pop(slot)
-            rows[row].append(index)
-        else:
-            room, row = capacity, len(rows)
-            rows.append([index])
-        if room - need > 0:
-            insort(free, (room - need, row))
-    return rows
+    by_length = order[np.argsort(-np.asarray(lengths)[order], kind="stable")]
+    # Rows with room left, each as one int (room << row_bits | row), sorted: the first with room >= need
+    # is the best fit, and of rows with as much room the first opened (a list of tuples sorted the same
+    # way, at twice the memory and time).
+    row_bits = max(1, len(by_length).bit_length())
+    free: list[int] = []
+    row_of = array("i")  # each sample's row, in by_length order: 4 bytes a sample, not a Python int
+    num_rows = 0
+    for block in range(0, len(by_length), PACKED_BLOCK):
+        for need in np.asarray(lengths)[by_length[block : block + PACKED_BLOCK]].tolist():
+            slot = bisect_left(free, need << row_bits)
+            if slot < len(free):
+                key = free.pop(slot)
+                room, row = key >> row_bits, key & ((1 << row_bits) - 1)
+            else:
+                room, row = capacity, num_rows
+                num_rows += 1
+            row_of.append(row)
+            if room - need > 0:
+                insort(free, (room - need) << row_bits | row)
+    row_of_sample = np.frombuffer(row_of, dtype=np.intc)
+    bounds = np.zeros(num_rows + 1, dtype=np.int64)
+    np.cumsum(np.bincount(row_of_sample, minlength=num_rows), out=bounds[1:])
+    # Stable: within a row, the samples stay in the order they went in.
+    return RowPlan(by_length[np.argsort(row_of_sample, kind="stable")], bounds)
+
+
+def pack(lengths: list[int], order: np.ndarray, capacity: int) -> list[Row]:
+    """`pack_rows` as lists of sample indices."""
+    plan = pack_rows(np.asarray(lengths), order, capacity)
+    return plan.rows(0, len(plan))
 
 
 def plan_epoch(
@@ -62,29 +124,36 @@ def plan_epoch(
     seed: int,
     epoch: int,
     shuffle: bool = True,
-) -> list[list[Row]]:
-    """The global batches of one epoch: lists of `global_batch_size` rows, the incomplete last one
-    dropped when shuffling (training) and filled with empty rows otherwise (evaluation)."""
+    rank: int = 0,
+    world_size: int = 1,
+) -> RowPlan:
+    """The rows of one epoch in the order they are trained, global batch after global batch of
+    `global_batch_size` rows: the incomplete last one dropped when shuffling (training) and filled with
+    empty rows otherwise (evaluation). Of each global batch only rank `rank`'s share is kept, its
+    `global_batch_size / world_size` consecutive rows: every rank plans the same epoch and holds its own
+    rows alone (the default, one rank, is the whole epoch)."""
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(positions)) if shuffle else np.arange(len(positions))
     if packing:
-        rows = pack(positions.tolist(), order, capacity)
-        if shuffle:
-            rows = [rows[i] for i in rng.permutation(len(rows))]
+        rows = pack_rows(positions, order, capacity)
+        picked = rng.permutation(len(rows)) if shuffle else np.arange(len(rows))
     else:
         chunk = global_batch_size * LENGTH_GROUPING_FACTOR
-        rows = []
+        by_length = np.empty_like(order)
         for start in range(0, len(order), chunk):
             part = order[start : start + chunk]
-            rows.extend([[i] for i in part[np.argsort(-positions[part], kind="stable")].tolist()])
+            by_length[start : start + chunk] = part[np.argsort(-positions[part], kind="stable")]
+        rows = RowPlan.one_sample_each(by_length)
+        picked = np.arange(len(rows))
     if shuffle:
-        rows = rows[: len(rows) - len(rows) % global_batch_size]
+        picked = picked[: len(picked) - len(picked) % global_batch_size]
     else:
-        rows = rows + [[] for _ in range(-len(rows) % global_batch_size)]
-    batches = [rows[i : i + global_batch_size] for i in range(0, len(rows), global_batch_size)]
+        picked = np.concatenate([picked, np.full(-len(picked) % global_batch_size, -1)])
+    batches = picked.reshape(-1, global_batch_size)
     if shuffle and not packing:
-        batches = [batches[i] for i in rng.permutation(len(batches))]
-    return batches
+        batches = batches[rng.permutation(len(batches))]
+    share = global_batch_size // world_size
+    return rows.take(batches[:, rank * share : (rank + 1) * share].reshape(-1))
 
 
 def collate(
@@ -142,19 +211,19 @@ def collate(
 class _MicroBatches(Dataset):
     """Micro-batch k of one rank's epoch, built on demand (in a worker process when there are any)."""
 
-    def __init__(self, samples: Samples, micro_batches: list[list[Row]], seq_length: int | None, pad_id: int):
-        self.samples, self.micro_batches, self.seq_length, self.pad_id = (
-            samples,
-            micro_batches,
-            seq_length,
-            pad_id,
-        )
+    def __init__(
+        self, samples: Samples, rows: RowPlan, micro_batch_size: int, seq_length: int | None, pad_id: int
+    ) -> None:
+        self.samples, self.rows, self.micro_batch_size = samples, rows, micro_batch_size
+        self.seq_length, self.pad_id = seq_length, pad_id
 
     def __len__(self) -> int:
-        return len(self.micro_batches)
+        return len(self.rows) // self.micro_batch_size
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return collate(self.samples, self.micro_batches[index], self.seq_length, self.pad_id)
+        micro = self.micro_batch_size
+        rows = self.rows.rows(index * micro, (index + 1) * micro)
+        return collate(self.samples, rows, self.seq_length, self.pad_id)
 
 
 class SFTLoader:
@@ -185,8 +254,7 @@ class SFTLoader:
                 f"{world_size} x {micro_batch_size}; choose sizes so that it is"
             )
         self.samples = samples
-        self.positions = samples.lengths - 1
-        if len(samples) and self.positions.max() > max_seq_length:
+        if len(samples) and int(samples.lengths.max()) - 1 > max_seq_length:
             raise ValueError(
                 f"samples must be truncated to max_seq_length + 1 = {max_seq_length + 1} tokens first"
             )
@@ -201,46 +269,66 @@ class SFTLoader:
         self.epoch = 0
         self.position = 0
         """Micro-batches of the current epoch already handed out."""
-        self._plan: tuple[int, list[list[Row]]] | None = None
+        self._share: tuple[int, RowPlan] | None = None
+        """(epoch, this rank's rows of it): the only plan kept, 1 / world_size of the epoch's rows."""
 
     @property
     def micro_batches_per_global_batch(self) -> int:
         return self.global_batch_size // (self.world_size * self.micro_batch_size)
 
-    def global_batches(self, epoch: int | None = None) -> list[list[Row]]:
-        """The epoch's global batches (the same on every rank)."""
+    @property
+    def positions(self) -> np.ndarray:
+        """The positions each sample fills in a row (its tokens but one)."""
+        return self.samples.lengths - 1
+
+    def plan(self, epoch: int | None = None, rank: int | None = None, world_size: int = 1) -> RowPlan:
+        """The epoch's rows in the order they are trained (the same on every rank), global batch after
+        global batch; with a rank, only that rank's share of each (see `plan_epoch`)."""
+        return plan_epoch(
+            self.positions,
+            self.max_seq_length,
+            self.packing,
+            self.global_batch_size,
+            self.seed,
+            self.epoch if epoch is None else epoch,
+            self.shuffle,
+            0 if rank is None else rank,
+            world_size,
+        )
+
+    def share(self, epoch: int | None = None, rank: int | None = None) -> RowPlan:
+        """A rank's rows of the epoch, micro-batch after micro-batch. This rank's is kept for the epoch:
+        the only plan a loader holds."""
         epoch = self.epoch if epoch is None else epoch
-        if self._plan is None or self._plan[0] != epoch:
-            batches = plan_epoch(
-                self.positions,
-                self.max_seq_length,
-                self.packing,
-                self.global_batch_size,
-                self.seed,
-                epoch,
-                self.shuffle,
-            )
-            self._plan = (epoch, batches)
-        return self._plan[1]
+        rank = self.rank if rank is None else rank
+        if rank != self.rank:
+            return self.plan(epoch, rank, self.world_size)
+        if self._share is None or self._share[0] != epoch:
+            self._share = None  # let the last epoch's rows go before planning the next
+            self._share = (epoch, self.plan(epoch, rank, self.world_size))
+            release_freed_heap()  # the whole epoch's plan, let go: it would stay resident in every rank
+        return self._share[1]
+
+    def global_batches(self, epoch: int | None = None) -> list[list[Row]]:
+        """The epoch's global batches as lists of rows (the same on every rank): for inspection."""
+        plan, size = self.plan(epoch), self.global_batch_size
+        return [plan.rows(start, start + size) for start in range(0, len(plan), size)]
 
     def micro_batches(self, epoch: int | None = None, rank: int | None = None) -> list[list[Row]]:
-        """This rank's micro-batches of the epoch, as rows of sample indices."""
-        rank = self.rank if rank is None else rank
-        share = self.global_batch_size // self.world_size
-        micro = self.micro_batch_size
-        return [
-            batch[rank * share + k * micro : rank * share + (k + 1) * micro]
-            for batch in self.global_batches(epoch)
-            for k in range(share // micro)
-        ]
+        """A rank's micro-batches of the epoch (this rank's by default), as rows of sample indices."""
+        rows, micro = self.share(epoch, rank), self.micro_batch_size
+        return [rows.rows(start, start + micro) for start in range(0, len(rows), micro)]
 
     def __len__(self) -> int:
-        return len(self.global_batches()) * self.micro_batches_per_global_batch
+        return len(self.share()) // self.micro_batch_size
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        micro_batches = self.micro_batches()
         dataset = _MicroBatches(
-            self.samples, micro_batches, self.max_seq_length if self.packing else None, self.pad_id
+            self.samples,
+            self.share(),
+            self.micro_batch_size,
+            self.max_seq_length if self.packing else None,
+            self.pad_id,
         )
         start = self.position
         if self.num_workers == 0:

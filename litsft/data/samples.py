@@ -7,7 +7,8 @@ A cache entry holds `tokens.bin` (int32) and `targets.bin` (bool), every sample 
 each rank maps the same files, so loading costs a rank only the pages it reads, the ranks of a node share
 those pages in the page cache, and no library is needed beyond numpy. `first_targets` (where a sample's
 first loss token after its first token lies) lets truncation decide which samples keep a target without
-reading the tokens.
+reading the tokens. In memory the per-sample arrays are int32 for sets under 2^31 tokens (`offset_dtype`):
+12 bytes a sample for where each starts, its length and its first target, which is what every rank holds.
 """
 
 from __future__ import annotations
@@ -37,20 +38,21 @@ class Samples:
     targets: np.ndarray
     """(N,) bool: True where the token is a loss target."""
     starts: np.ndarray
-    """(num_samples,) int64 where each sample starts in tokens."""
+    """(num_samples,) where each sample starts in tokens (int32 under 2^31 tokens, see `offset_dtype`)."""
     lengths: np.ndarray
-    """(num_samples,) int64 tokens of each sample."""
+    """(num_samples,) tokens of each sample (the same dtype)."""
     first_targets: np.ndarray
-    """(num_samples,) int64 position, within its sample, of each sample's first target after its first
+    """(num_samples,) position, within its sample, of each sample's first target after its first
     token (nothing precedes a first token: it is never a label); the sample's length when there is none."""
 
     @classmethod
     def back_to_back(cls, tokens: np.ndarray, targets: np.ndarray, lengths: np.ndarray) -> Samples:
         """Samples stored one after another: sample i's tokens follow sample i - 1's."""
         lengths = np.asarray(lengths, dtype=np.int64)
-        starts = np.zeros(len(lengths), dtype=np.int64)
-        np.cumsum(lengths[:-1], out=starts[1:])
-        return cls(tokens, targets, starts, lengths, first_targets_of(targets, starts, lengths))
+        dtype = offset_dtype(int(lengths.sum()))
+        starts = starts_of(lengths, dtype)
+        first_targets = first_targets_of(targets, starts, lengths)
+        return cls(tokens, targets, starts, lengths.astype(dtype), first_targets.astype(dtype))
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -65,7 +67,8 @@ class Samples:
         return int(self.lengths.sum())
 
     def subset(self, indices: np.ndarray) -> Samples:
-        """The samples at `indices`, in that order (a view: no token is copied)."""
+        """The samples at `indices`, in that order, or where the boolean mask `indices` is True (a view:
+        no token is copied)."""
         return Samples(
             self.tokens,
             self.targets,
@@ -78,14 +81,15 @@ class Samples:
         """Keep the first `max_tokens` tokens of each sample and drop the samples left without any target
         (the first token of a sample is never a target: nothing precedes it). Returns (samples, dropped);
         a view: no token is copied or read."""
-        lengths = np.minimum(self.lengths, max_tokens)
+        # A limit past the dtype's largest value cuts nothing (and numpy refuses to compare with it).
+        lengths = np.minimum(self.lengths, min(max_tokens, np.iinfo(self.lengths.dtype).max))
         keep = self.first_targets < lengths
         truncated = Samples(
             self.tokens, self.targets, self.starts, lengths, np.minimum(self.first_targets, lengths)
         )
         if keep.all():
             return truncated, 0
-        return truncated.subset(np.flatnonzero(keep)), len(self) - int(keep.sum())
+        return truncated.subset(keep), len(self) - int(keep.sum())
 
     def __getstate__(self) -> dict[str, object]:
         # A memory-mapped array would pickle as its whole contents (to a loader worker started by spawn or
@@ -105,26 +109,24 @@ class Samples:
 
     @classmethod
     def load(cls, directory: Path) -> Samples:
-        """The samples of a cache entry, their tokens and targets memory-mapped read-only."""
-        # allow_pickle=False: cache files are data only.
-        lengths = np.load(directory / "lengths.npy", allow_pickle=False)
-        first_targets = np.load(directory / "first_targets.npy", allow_pickle=False)
-        total = int(lengths.sum())
+        """The samples of a cache entry, their tokens and targets memory-mapped read-only, the per-sample
+        arrays read into `offset_dtype` a block at a time (never as the files' int64 whole)."""
+        total = (directory / "tokens.bin").stat().st_size // np.dtype(np.int32).itemsize
+        dtype = offset_dtype(total)
+        lengths, summed = _read_per_sample(directory / "lengths.npy", dtype)
+        first_targets, _ = _read_per_sample(directory / "first_targets.npy", dtype)
+        # The lengths' exact sum (in int64) is the token count: so each fits `dtype`, and the files agree.
+        if summed != total or len(first_targets) != len(lengths):
+            raise LitsftError(
+                f"the data cache entry {directory} is damaged (its lengths add up to {summed} tokens, "
+                f"tokens.bin holds {total}); delete it and prepare again"
+            )
         if total == 0:  # numpy cannot map an empty file
             tokens, targets = np.zeros(0, np.int32), np.zeros(0, bool)
         else:
             tokens = np.memmap(directory / "tokens.bin", dtype=np.int32, mode="r", shape=(total,))
             targets = np.memmap(directory / "targets.bin", dtype=np.bool_, mode="r", shape=(total,))
-        starts = np.zeros(len(lengths), dtype=np.int64)
-        np.cumsum(lengths[:-1], out=starts[1:])
-        # copy=False: an entry's arrays are int64 already, and a copy is 8 more bytes a sample.
-        return cls(
-            tokens,
-            targets,
-            starts,
-            lengths.astype(np.int64, copy=False),
-            first_targets.astype(np.int64, copy=False),
-        )
+        return cls(tokens, targets, starts_of(lengths, dtype), lengths, first_targets)
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,20 @@ class _MappedFile:
 
     def open(self) -> np.memmap:
         return np.memmap(self.path, dtype=np.dtype(self.dtype), mode="r", shape=(self.length,))
+
+
+def offset_dtype(num_tokens: int) -> type[np.signedinteger]:
+    """The dtype of the per-sample arrays of samples holding `num_tokens` tokens in all: int32 when every
+    offset into them fits (fewer than 2^31 tokens, so every length and first target fits too), int64
+    beyond. Half of int64's bytes a sample, for any set a rank is likely to hold."""
+    return np.int32 if num_tokens < 2**31 else np.int64
+
+
+def starts_of(lengths: np.ndarray, dtype: type[np.signedinteger]) -> np.ndarray:
+    """Where each of samples stored back to back starts, summed in `dtype` (their total fits it)."""
+    starts = np.zeros(len(lengths), dtype=dtype)
+    np.cumsum(lengths[:-1], dtype=dtype, out=starts[1:])
+    return starts
 
 
 def first_targets_of(targets: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -171,8 +187,7 @@ class SamplesWriter:
     def append(self, tokens: np.ndarray, targets: np.ndarray, lengths: np.ndarray) -> None:
         """Samples back to back, as tokenizing returns them."""
         lengths = np.asarray(lengths, dtype=np.int64)
-        starts = np.zeros(len(lengths), dtype=np.int64)
-        np.cumsum(lengths[:-1], out=starts[1:])
+        starts = starts_of(lengths, np.int64)
         first_targets = first_targets_of(np.asarray(targets), starts, lengths)
         self.files["tokens.bin"].write(np.ascontiguousarray(tokens, dtype=np.int32).tobytes())
         self.files["targets.bin"].write(np.ascontiguousarray(targets, dtype=np.bool_).tobytes())
@@ -231,7 +246,7 @@ main process of a 2M-row prepare with 36 MB more anonymous memory after it than 
 def count_lengths(directory: Path, limit: int, leave_out: np.ndarray | None = None) -> LengthCounts:
     """Count the samples of the cache entry `directory` (all but the sorted indices `leave_out`) against
     rows of `limit` tokens, reading its per-sample files a block at a time: memory holds one block, never
-    one number per sample as `Samples.load` does (24 bytes a sample), and nothing stays mapped."""
+    one number per sample as `Samples.load` does (12 bytes a sample), and nothing stays mapped."""
     leave_out = np.zeros(0, np.int64) if leave_out is None else leave_out
     counts = LengthCounts(limit)
     with (
@@ -255,6 +270,21 @@ def count_lengths(directory: Path, limit: int, leave_out: np.ndarray | None = No
             counts.most_cut = max(counts.most_cut, int(cut.max(initial=0)))
             counts.without_target += int((block_firsts >= np.minimum(block_lengths, limit)).sum())
     return counts
+
+
+def _read_per_sample(path: Path, dtype: type[np.signedinteger]) -> tuple[np.ndarray, int]:
+    """The int64 .npy file `path` (as `SamplesWriter` writes them) read into an array of `dtype` a block
+    at a time, and the exact sum of its values (in Python ints)."""
+    with open(path, "rb") as file:
+        length = _npy_length(file)
+        values, summed = np.empty(length, dtype=dtype), 0
+        for start in range(0, length, COUNTED_BLOCK):
+            block = np.fromfile(file, np.int64, min(COUNTED_BLOCK, length - start))
+            if len(block) < min(COUNTED_BLOCK, length - start):
+                raise LitsftError(f"{path} is cut short; delete its cache entry and prepare again")
+            values[start : start + len(block)] = block
+            summed += int(block.sum())
+    return values, summed
 
 
 def _npy_length(file: BinaryIO) -> int:
