@@ -66,12 +66,12 @@ def write_rows(path: Path, num_rows: int) -> None:
     writer.close()
 
 
-def resident_mb() -> float:
-    """This process's resident memory now (VmRSS), in MB."""
+def resident_mb(field: str = "VmRSS") -> float:
+    """This process's resident memory now (VmRSS; RssAnon, RssFile: of it anonymous, file-backed), in MB."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def peaks() -> dict[str, float]:
@@ -168,14 +168,25 @@ def litsft_load(parquet: str, tokenizer_dir: str, cache_dir: str) -> None:
     data.sources()  # every rank reads the parquet file's footer, before setup
     import litsft.data.loader  # noqa: F401 (torch: a rank has imported it long before)
 
-    baseline = resident_mb()
+    fields = ("VmRSS", "RssAnon", "RssFile")
+    baseline = {field: resident_mb(field) for field in fields}
+    start = time.perf_counter()
     data.setup()
     loader = data.train_dataloader(rank=0, world_size=8, micro_batch_size=4, global_batch_size=32)
     next(iter(loader))
+    seconds = time.perf_counter() - start
+    added = {field: resident_mb(field) - baseline[field] for field in fields}
     samples = data.train_samples
     print(
         json.dumps(
-            {"added_mb": resident_mb() - baseline, "samples": len(samples), "tokens": samples.num_tokens}
+            {
+                "added_mb": added["VmRSS"],
+                "added_anon_mb": added["RssAnon"],
+                "added_file_mb": added["RssFile"],
+                "load_seconds": seconds,
+                "samples": len(samples),
+                "tokens": samples.num_tokens,
+            }
         )
     )
 
@@ -276,7 +287,8 @@ def measure(num_rows: int, processes: int, repeats: int) -> list[str]:
         f"{num_rows:>9,} | {median(ours, 'seconds'):6.1f} s | {median(theirs, 'seconds'):6.1f} s | "
         f"{statistics.median(ratios):5.2f}x | {median(ours, 'cpu_seconds'):6.1f} s | "
         f"{median(theirs, 'cpu_seconds'):6.1f} s | {statistics.median(cpu_ratios):5.2f}x | {memory(largest(ours))} | {memory(largest(theirs))} | "
-        f"{loaded['added_mb']:4,.0f} MB | {loaded['samples']:,} samples, {loaded['tokens']:,} tokens",
+        f"{loaded['added_mb']:4,.0f} MB (anon {loaded['added_anon_mb']:3,.0f}, file {loaded['added_file_mb']:3,.0f}) "
+        f"in {loaded['load_seconds']:4.1f} s | {loaded['samples']:,} samples, {loaded['tokens']:,} tokens",
         f"          each pair: {', '.join(f'{ratio:.2f}x' for ratio in ratios)} (litsft {seconds(ours)} s; "
         f"datasets.map {seconds(theirs)} s), CPU {', '.join(f'{ratio:.2f}x' for ratio in cpu_ratios)}; "
         f"load average {load_before:.1f} before, {load_after:.1f} after",
@@ -307,7 +319,8 @@ def main(sizes: list[int], repeats: int, out: Path | None) -> None:
         "conversations | litsft prepare (median) | datasets.map (median) | speed-up (median of the pairs) | "
         "CPU seconds, all processes: litsft | datasets.map | ratio (median of the pairs) | "
         "litsft peak RSS main + largest worker (of which sampled peaks: anonymous, file-backed) | "
-        "the same for datasets.map | RSS a rank adds loading the cache (8-rank split, first batch) | cache",
+        "the same for datasets.map | RSS a rank adds loading the cache (8-rank split, first batch; of which "
+        "anonymous, file-backed) in the time setup and the first batch take | cache",
     ]
     for num_rows in sizes:
         lines += measure(num_rows, processes, repeats)

@@ -83,26 +83,22 @@ def pack_rows(lengths: np.ndarray, order: np.ndarray, capacity: int) -> RowPlan:
     Samples of equal length are taken in `order`, so a new order gives new rows of the same shapes
     (the row count does not change between epochs).
     """
-    by_length = order[np.argsort(-np.asarray(lengths)[order], kind="stable")]
-    # Rows with room left, each as one int (room << row_bits | row), sorted: the first with room >= need
-    # is the best fit, and of rows with as much room the first opened (a list of tuples sorted the same
-    # way, at twice the memory and time).
-    row_bits = max(1, len(by_length).bit_length())
-    free: list[int] = []
+    lengths = np.asarray(lengths)
+    by_length = order[np.argsort(-lengths[order], kind="stable")]
+    free: list[tuple[int, int]] = []  # (room left, row index), sorted: the first fit is the best fit
     row_of = array("i")  # each sample's row, in by_length order: 4 bytes a sample, not a Python int
     num_rows = 0
     for block in range(0, len(by_length), PACKED_BLOCK):
-        for need in np.asarray(lengths)[by_length[block : block + PACKED_BLOCK]].tolist():
-            slot = bisect_left(free, need << row_bits)
+        for need in lengths[by_length[block : block + PACKED_BLOCK]].tolist():
+            slot = bisect_left(free, (need, -1))
             if slot < len(free):
-                key = free.pop(slot)
-                room, row = key >> row_bits, key & ((1 << row_bits) - 1)
+                room, row = free.pop(slot)
             else:
                 room, row = capacity, num_rows
                 num_rows += 1
             row_of.append(row)
             if room - need > 0:
-                insort(free, (room - need) << row_bits | row)
+                insort(free, (room - need, row))
     row_of_sample = np.frombuffer(row_of, dtype=np.intc)
     bounds = np.zeros(num_rows + 1, dtype=np.int64)
     np.cumsum(np.bincount(row_of_sample, minlength=num_rows), out=bounds[1:])
