@@ -8,7 +8,8 @@ which is what lets 1 process x 2 accumulation steps and 2 processes x 1 step tra
 
 Every rank plans the whole epoch and keeps only its own rows (`RowPlan`: two flat arrays, no Python object
 per sample), so what a rank holds between epochs is 1 / world_size of the plan: about 1 byte a sample on
-8 ranks, where the epoch's global batches as lists of lists of Python ints were about 90.
+8 ranks, where the epoch's global batches as lists of lists of Python ints were about 60 (114 MB for
+1.9M samples).
 """
 
 from __future__ import annotations
