@@ -1,4 +1,4 @@
-"""Test-run ordering: the longest files first.
+"""Test-run ordering (the longest files first), and the fixtures many test files share.
 
 pytest-xdist (`-n 4 --dist loadfile`) hands test files to its workers in collection order. The demo test alone
 runs the whole main job (minutes); collected in alphabetical order it started near the end and became the tail
@@ -13,6 +13,9 @@ import logging
 import sys
 
 import pytest
+from tiny_tokenizer import write_tiny_tokenizer
+
+from litsft.data.tokenizer import Tokenizer
 
 LONGEST_FIRST = (
     "test_cli_demo.py",
@@ -47,3 +50,11 @@ def logs_to_a_live_stream() -> None:
         for handler in getattr(logger, "handlers", []):
             if isinstance(handler, logging.StreamHandler) and getattr(handler.stream, "closed", False):
                 handler.stream = sys.stderr  # not setStream: it flushes the closed one first
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """The tiny tokenizer with the ChatML template, one per test file (a file may define its own)."""
+    directory = tmp_path_factory.mktemp("tokenizer")
+    write_tiny_tokenizer(directory, chat_template="chatml")
+    return Tokenizer(directory)

@@ -12,19 +12,10 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from tiny_tokenizer import write_tiny_tokenizer
 
 from litsft.data import JSON
 from litsft.data.base import digest_of, file_fingerprint, tokenizer_fingerprint
-from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    directory = tmp_path_factory.mktemp("tokenizer")
-    write_tiny_tokenizer(directory, chat_template="chatml")
-    return Tokenizer(directory)
 
 
 def records(path: Path, count: int) -> Path:

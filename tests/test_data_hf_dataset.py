@@ -12,20 +12,11 @@ import numpy as np
 import pytest
 from hub_server import LocalHub
 from tiny_datasets import CONFIG, as_messages, sharegpt_rows, write_infinity_instruct, write_json
-from tiny_tokenizer import write_tiny_tokenizer
 
 from litsft.data import JSON, HFDataset
-from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError
 
 REPO = "BAAI/Infinity-Instruct"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tokenizer")
-    write_tiny_tokenizer(directory, chat_template="chatml")
-    return Tokenizer(directory)
 
 
 @pytest.fixture

@@ -14,22 +14,13 @@ import pytest
 from hub_server import LocalHub
 from test_data_hf_dataset import hub_settings
 from tiny_datasets import CONFIG, sharegpt_rows, write_infinity_instruct
-from tiny_tokenizer import write_tiny_tokenizer
 
 from litsft.data import HFDataset, hf_dataset, parquet_rows, samples
 from litsft.data.parquet_rows import ParquetRows
-from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError
 
 REPO = "BAAI/Infinity-Instruct"
 CACHE_FILES = ("tokens.bin", "targets.bin", "lengths.npy", "first_targets.npy")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tokenizer")
-    write_tiny_tokenizer(directory, chat_template="chatml")
-    return Tokenizer(directory)
 
 
 @pytest.fixture

@@ -18,13 +18,6 @@ from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tokenizer")
-    write_tiny_tokenizer(directory, chat_template="chatml")
-    return Tokenizer(directory)
-
-
 def write_records(path, count, output_words=3):
     records = [
         {"instruction": f"Count to {i}", "output": " ".join(["one"] * (1 + i % output_words))}

@@ -7,12 +7,10 @@ import json
 from typing import get_args
 
 import pytest
-from tiny_tokenizer import write_tiny_tokenizer
 
 from litsft.data import JSON
 from litsft.data.chat import TEXT_ROLE
 from litsft.data.records import SHAPE_FIELDS, RecordFormat, RecordShape, read_conversations, to_conversation
-from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError
 
 SHAPES = (
@@ -87,13 +85,6 @@ BAD_DATA = {
         "line 1: the conversation has no assistant message; add the reply to train on",
     ),
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tokenizer")
-    write_tiny_tokenizer(directory, chat_template="chatml")
-    return Tokenizer(directory)
 
 
 @pytest.mark.parametrize("case", sorted(BAD_DATA))
