@@ -144,7 +144,7 @@ class ParquetRows:
             place is None
             or place.file != file
             or place.row > row
-            or self._row_group_start(file, row) > place.row
+            or self._row_group_holding(file, row)[1] > place.row
         ):
             place = self._place = self._start_at(file, row)
         while True:
@@ -161,29 +161,24 @@ class ParquetRows:
             place.row = row + taken.num_rows
             return taken
 
-    def _row_group_start(self, file: int, row: int) -> int:
-        """The first row (within the file) of the row group that holds `row`."""
-        first = 0
-        for count in self._row_group_rows(file):
+    def _row_group_holding(self, file: int, row: int) -> tuple[int, int]:
+        """The row group of `file` that holds `row` (the group count past the last), and its first row
+        within the file."""
+        metadata, first = self._open(file).metadata, 0
+        for group in range(metadata.num_row_groups):
+            count = metadata.row_group(group).num_rows
             if row < first + count:
-                return first
+                return group, first
             first += count
-        return first
-
-    def _row_group_rows(self, file: int) -> list[int]:
-        metadata = self._open(file).metadata
-        return [metadata.row_group(group).num_rows for group in range(metadata.num_row_groups)]
+        return metadata.num_row_groups, first
 
     def _start_at(self, file: int, row: int) -> _Place:
         """A place at the start of the row group of `file` that holds `row`."""
-        first, groups = 0, self._row_group_rows(file)
-        group = 0
-        while group < len(groups) and first + groups[group] <= row:
-            first += groups[group]
-            group += 1
-        batches = self._open(file).iter_batches(
+        group, first = self._row_group_holding(file, row)
+        opened = self._open(file)
+        batches = opened.iter_batches(
             batch_size=BATCH_ROWS,
-            row_groups=list(range(group, len(groups))),
+            row_groups=list(range(group, opened.metadata.num_row_groups)),
             columns=self.columns,
             use_threads=False,
         )
