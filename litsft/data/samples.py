@@ -255,13 +255,14 @@ def count_lengths(directory: Path, limit: int, leave_out: np.ndarray | None = No
     ):
         total = _npy_length(lengths)
         _npy_length(firsts)
-        for start in range(0, total, COUNTED_BLOCK):
-            count = min(COUNTED_BLOCK, total - start)
-            keep = np.ones(count, bool)
-            left = leave_out[np.searchsorted(leave_out, start) : np.searchsorted(leave_out, start + count)]
+        starts = range(0, total, COUNTED_BLOCK)
+        for start, all_lengths, all_firsts in zip(starts, _blocks(lengths, total), _blocks(firsts, total)):
+            keep = np.ones(len(all_lengths), bool)
+            left = leave_out[
+                np.searchsorted(leave_out, start) : np.searchsorted(leave_out, start + len(all_lengths))
+            ]
             keep[left - start] = False
-            block_lengths = np.fromfile(lengths, np.int64, count)[keep]
-            block_firsts = np.fromfile(firsts, np.int64, count)[keep]
+            block_lengths, block_firsts = all_lengths[keep], all_firsts[keep]
             cut = block_lengths[block_lengths > limit] - limit
             counts.samples += len(block_lengths)
             counts.tokens += int(block_lengths.sum())
@@ -277,14 +278,23 @@ def _read_per_sample(path: Path, dtype: type[np.signedinteger]) -> tuple[np.ndar
     at a time, and the exact sum of its values (in Python ints)."""
     with open(path, "rb") as file:
         length = _npy_length(file)
-        values, summed = np.empty(length, dtype=dtype), 0
-        for start in range(0, length, COUNTED_BLOCK):
-            block = np.fromfile(file, np.int64, min(COUNTED_BLOCK, length - start))
-            if len(block) < min(COUNTED_BLOCK, length - start):
-                raise LitsftError(f"{path} is cut short; delete its cache entry and prepare again")
+        values, summed, start = np.empty(length, dtype=dtype), 0, 0
+        for block in _blocks(file, length):
             values[start : start + len(block)] = block
+            start += len(block)
             summed += int(block.sum())
     return values, summed
+
+
+def _blocks(file: BinaryIO, length: int) -> Iterator[np.ndarray]:
+    """The `length` int64 values `file` holds from where it is (after `_npy_length`), COUNTED_BLOCK at a
+    time; a file that ends before them is a LitsftError naming it."""
+    for start in range(0, length, COUNTED_BLOCK):
+        count = min(COUNTED_BLOCK, length - start)
+        block = np.fromfile(file, np.int64, count)
+        if len(block) < count:
+            raise LitsftError(f"{file.name} is cut short; delete its cache entry and prepare again")
+        yield block
 
 
 def _npy_length(file: BinaryIO) -> int:
