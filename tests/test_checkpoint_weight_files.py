@@ -77,6 +77,16 @@ def test_writer_shards_like_hugging_face(tmp_path):
     assert all(torch.equal(t, tensors[n]) for n, t in iter_tensors(tmp_path))
 
 
+def test_shard_numbers_follow_the_writer_after_an_empty_tensor(tmp_path):
+    """An empty tensor opens a shard as any other does: a larger-than-max tensor after it starts the next."""
+    tensors = {"empty": torch.zeros(0), "big": torch.zeros(750), "small": torch.zeros(250)}  # 0, 3000, 1000 B
+    write_safetensors(tensors.items(), tmp_path, 2500)
+    weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    numbers = shard_numbers(((name, tensor.nbytes) for name, tensor in tensors.items()), 2500)
+    assert numbers == {name: int(file.split("-")[1]) for name, file in weight_map.items()}
+    assert numbers == {"empty": 1, "big": 2, "small": 3}
+
+
 def test_writer_holds_at_most_one_shard(tmp_path):
     writer = ShardedSafetensorsWriter(tmp_path, 2500)
     held, files_on_disk = [], []

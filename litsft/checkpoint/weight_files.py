@@ -104,7 +104,7 @@ class ShardedSafetensorsWriter:
         # safetensors refuses tensors that share storage (a view of a larger tensor); copy those.
         if tensor.untyped_storage().nbytes() != tensor.nbytes:
             tensor = tensor.clone()
-        if self.shard and self.shard_bytes + tensor.nbytes > self.max_shard_bytes:
+        if starts_next_shard(len(self.shard), self.shard_bytes, tensor.nbytes, self.max_shard_bytes):
             self.flush()
         self.shard[name] = tensor
         self.shard_bytes += tensor.nbytes
@@ -141,15 +141,21 @@ class ShardedSafetensorsWriter:
         return files
 
 
+def starts_next_shard(shard_tensors: int, shard_bytes: int, nbytes: int, max_bytes: int) -> bool:
+    """The sharding rule: a tensor of `nbytes` that would take a shard already holding tensors past
+    `max_bytes` starts the next one (a single larger tensor gets a shard of its own)."""
+    return shard_tensors > 0 and shard_bytes + nbytes > max_bytes
+
+
 def shard_numbers(sizes: Iterable[tuple[str, int]], max_shard_size: str | int) -> dict[str, int]:
     """The shard (1, 2, ...) each tensor of (name, bytes) goes to, in order, by the rule
-    `ShardedSafetensorsWriter` follows: a tensor that would take a shard past `max_shard_size` starts the next."""
-    max_bytes, numbers, shard, shard_bytes = parse_size(max_shard_size), {}, 1, 0
+    `ShardedSafetensorsWriter` follows (`starts_next_shard`)."""
+    max_bytes, numbers, shard, shard_tensors, shard_bytes = parse_size(max_shard_size), {}, 1, 0, 0
     for name, nbytes in sizes:
-        if shard_bytes and shard_bytes + nbytes > max_bytes:
-            shard, shard_bytes = shard + 1, 0
+        if starts_next_shard(shard_tensors, shard_bytes, nbytes, max_bytes):
+            shard, shard_tensors, shard_bytes = shard + 1, 0, 0
         numbers[name] = shard
-        shard_bytes += nbytes
+        shard_tensors, shard_bytes = shard_tensors + 1, shard_bytes + nbytes
     return numbers
 
 
