@@ -17,10 +17,14 @@ from litsft.checkpoint.sharded_tensors import (
     ShardedReader,
     copy_local_part,
     first_failure,
+    first_message,
     global_rank,
+    local_bytes,
+    pinned_stager,
     plain,
     save_consolidated,
     save_sharded,
+    save_sharded_in_background,
     world_size,
 )
 from litsft.errors import LitsftError
@@ -126,6 +130,84 @@ def test_one_process_copies_whole_tensors_and_names_its_failures() -> None:
     assert torch.equal(target, FULL)
     assert first_failure(None) is None
     assert first_failure(OSError("disk full\nmore detail")) == (0, "disk full")
+
+
+def _lowest_rank_saying(rank_saying: int) -> tuple[tuple[int, str] | None, tuple[int, str] | None, int]:
+    tensors = {kind: _distributed(kind, FULL) for kind in ("dim0", "dim1")} | {"step": STEP.clone()}
+    said = first_message(f"rank {global_rank()} says no" if global_rank() >= rank_saying else "")
+    return said, first_message(""), local_bytes(tensors)
+
+
+def test_ranks_agree_on_the_lowest_rank_with_something_to_say_and_count_only_their_own_parts(
+    tmp_path,
+) -> None:
+    answers = on_ranks(2, _lowest_rank_saying, tmp_path, 1)
+    for said, silent, own_bytes in answers.values():
+        assert said == (1, "rank 1 says no") and silent is None
+        assert own_bytes == (24 + 24 + 1) * 4  # half of each 4x12 tensor, and the scalar every rank holds
+
+
+def _save_twice_in_background(directory: Path, make_stager) -> None:
+    """Two background saves through one stager (which keeps its host buffers between them), the tensors
+    changed after each save has staged them and before it is written: what is written is what was staged."""
+    import torch.distributed as dist
+
+    group, stager = dist.new_group(backend="gloo"), make_stager()
+    tensors = {kind: _distributed(kind, FULL) for kind in ("dim0", "dim1", "replicated")} | {
+        "step": STEP.clone()
+    }
+    parts = [plain(t).to_local() if t.dim() else t for t in tensors.values()]
+    for save in range(2):
+        written = save_sharded_in_background(tensors, directory / f"save-{save}", group, stager=stager)
+        for part in parts:
+            part.add_(1000)  # the training step that runs while the files are written
+        written.result()
+        for part in parts:
+            part.sub_(1000).add_(100)
+    if stager is not None:
+        stager.close()
+
+
+def _cpu_caching_stager():
+    """pinned_stager's staging, less what needs a GPU: the same host buffers kept and refilled between saves."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(False, False, False, False))
+
+
+@pytest.mark.parametrize("make_stager", [lambda: None, _cpu_caching_stager], ids=["default", "kept_buffers"])
+def test_a_background_save_writes_what_it_staged_also_into_kept_host_buffers(tmp_path, make_stager) -> None:
+    on_ranks(2, _save_twice_in_background, tmp_path, tmp_path, make_stager)
+    for save in range(2):
+        whole = {kind: torch.zeros_like(FULL) for kind in ("dim0", "dim1", "replicated")} | {
+            "step": torch.zeros(())
+        }
+        ShardedReader(tmp_path / f"save-{save}", fix="").load(whole)
+        assert all(torch.equal(whole[kind], FULL + 100 * save) for kind in ("dim0", "dim1", "replicated")), (
+            save
+        )
+        assert whole["step"].item() == STEP.item() + 100 * save
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked staging copies from a CUDA device")
+def test_on_a_gpu_background_saves_stage_into_page_locked_buffers_and_write_what_they_staged(
+    tmp_path,
+) -> None:
+    tensors = {"weight": FULL.cuda(), "step": STEP.clone()}
+    stager = pinned_stager()
+    for save in range(2):
+        written = save_sharded_in_background(tensors, tmp_path / f"save-{save}", None, stager=stager)
+        tensors["weight"].add_(1000)
+        written.result()
+        tensors["weight"].sub_(1000).add_(100)
+    staged = list(stager._state_dict_stager._cached_storage_mapping.values())
+    assert staged and all(storage.is_pinned() for storage in staged if storage.nbytes() >= 64)
+    stager.close()
+    for save in range(2):
+        whole = {"weight": torch.zeros_like(FULL), "step": torch.zeros(())}
+        ShardedReader(tmp_path / f"save-{save}", fix="").load(whole)
+        assert torch.equal(whole["weight"], FULL + 100 * save) and whole["step"].item() == STEP.item()
 
 
 def _save_whole(directory: Path) -> None:

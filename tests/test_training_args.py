@@ -19,8 +19,8 @@ from litsft.training.args import (
     RunConfig,
     TrainConfig,
     accumulation_steps,
-    compile_enabled,
     describe,
+    on_cuda_by_default,
     profiled_steps,
     with_defaults,
 )
@@ -108,10 +108,11 @@ def test_the_load_balancing_coefficient_is_the_models_unless_given_and_refused_f
 
 
 @pytest.mark.parametrize(
-    ("setting", "device", "expected"), [(None, "cuda", True), (None, "cpu", False), (True, "cpu", True)]
+    ("setting", "device", "expected"),
+    [(None, "cuda", True), (None, "cpu", False), (True, "cpu", True), (False, "cuda", False)],
 )
-def test_compile_follows_the_setting_else_the_device(setting, device, expected) -> None:
-    assert compile_enabled(setting, device) is expected
+def test_compile_and_async_save_follow_the_setting_else_the_device(setting, device, expected) -> None:
+    assert on_cuda_by_default(setting, device) is expected
 
 
 def test_accumulation_steps_and_an_indivisible_global_batch() -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from launch import write_records
+from launch import on_ranks, write_records
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision
 
@@ -17,7 +18,7 @@ from litsft.data import JSON
 from litsft.model.config import Config
 from litsft.model.network import Transformer
 from litsft.training.args import OptimizerConfig, RunConfig
-from litsft.training.checkpointer import Checkpointer, TrainState
+from litsft.training.checkpointer import Checkpointer, TrainState, background_saves_fit
 from litsft.training.optimizer import build_optimizer
 from litsft.training.step import loss_scaler, train_step
 
@@ -139,3 +140,53 @@ def test_16_mixed_resumes_with_the_loss_scale_it_had(tmp_path: Path) -> None:
     assert resumed.loss_scaler.get_scale() == uninterrupted.loss_scaler.get_scale() == 2.0**11
     for (name, a), b in zip(uninterrupted.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_background_saves_need_half_the_available_memory_free_of_the_nodes_copies() -> None:
+    assert background_saves_fit(10 * 10**9, 8, 160 * 10**9) is None  # 80 GB of copies, 160 GB available
+    assert background_saves_fit(10 * 10**9, 8, None) is None  # the system does not say: as asked
+    assert background_saves_fit(10 * 10**9, 8, 150 * 10**9) == (
+        "a background save would keep 80.0 GB of host memory (8 x 10.0 GB) and 150.0 GB is available"
+    )
+
+
+def test_on_the_cpu_checkpoints_are_written_synchronously_unless_asked(checkpointer) -> None:
+    fabric, saver = checkpointer
+    assert saver.run.train.async_save is None and not saver.in_background
+    saver.save(train_state(fabric, seed=0))
+    assert saver.pending is None
+
+
+def _gpu_default_decided_with(available: dict[int, int]) -> tuple[bool, list[str]]:
+    """A GPU run's Checkpointer (async_save left unset, 2 processes on the node) deciding at its first save,
+    each rank seeing `available[rank]` bytes of host memory."""
+    import torch.distributed as dist
+
+    from litsft.training import checkpointer as module
+
+    rank = dist.get_rank()
+    module.available_host_memory = lambda: available[rank]  # this forked rank's own module
+    printed: list[str] = []
+    fabric = SimpleNamespace(
+        device=torch.device("cuda"), world_size=2, global_rank=rank, print=printed.append
+    )
+    config = Config.from_name("tiny-llama")
+    saver = Checkpointer(fabric, RunConfig(config, None, None, Path("out"), devices=2), "finetune_full", True)
+    assert saver.in_background and saver.background_group is not None
+    model = Transformer(config)
+    optimizer = build_optimizer(model, OptimizerConfig())
+    state = TrainState(SimpleNamespace(module=model), optimizer, Loader())
+    return saver._background_saves_fit(state), printed
+
+
+def test_one_node_short_of_memory_makes_every_rank_save_synchronously_and_says_why(tmp_path: Path) -> None:
+    plenty = 100 * 10**9
+    for decided, printed in on_ranks(2, _gpu_default_decided_with, tmp_path, {0: plenty, 1: plenty}).values():
+        assert decided and not printed
+    for decided, printed in on_ranks(2, _gpu_default_decided_with, tmp_path, {0: plenty, 1: 10**6}).values():
+        assert not decided
+        (notice,) = printed
+        assert notice.startswith("Checkpoints are written synchronously: a background save would keep 0.")
+        assert notice.endswith(
+            "and 0.0 GB is available (rank 1); --train.async_save true writes them in the background anyway"
+        )

@@ -299,19 +299,3 @@ def test_a_run_prints_each_notice_once_and_no_python_warnings(workspace: Path) -
         "metrics closed, loss curve drawn",
     ]  # fmt: skip
     assert sum(float(seconds) for _, seconds in phases) == pytest.approx(total, abs=0.1)
-
-
-@pytest.mark.parametrize(
-    ("setting", "device_type", "expected"),
-    [
-        (None, "cuda", True),
-        (None, "cpu", False),
-        (False, "cuda", False),
-        (True, "cpu", True),
-        (True, "cuda", True),
-    ],
-)
-def test_compile_is_on_by_default_for_gpu_runs_only(setting, device_type, expected) -> None:
-    from litsft.training.args import compile_enabled
-
-    assert compile_enabled(setting, device_type) is expected

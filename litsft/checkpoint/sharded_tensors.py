@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from litsft.errors import LitsftError
@@ -53,7 +54,12 @@ def barrier() -> None:
 def first_failure(error: BaseException | None) -> tuple[int, str] | None:
     """(rank, message) of the lowest rank that failed, the same on every rank; None if none failed.
     Collective: every rank calls it, so a failure on one rank never leaves the others waiting."""
-    message = "" if error is None else first_line(error)
+    return first_message("" if error is None else first_line(error))
+
+
+def first_message(message: str) -> tuple[int, str] | None:
+    """(rank, message) of the lowest rank whose `message` is not empty, the same on every rank; None if every
+    rank's is. Collective: how ranks agree on a decision any one of them can veto."""
     messages = [message]
     if world_size() > 1:
         messages = [""] * world_size()
@@ -105,6 +111,12 @@ def copy_local_part(target: torch.Tensor, full: torch.Tensor) -> None:
         target.copy_(full)
 
 
+def local_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """Bytes of this rank's parts of `tensors` (plain tensors or DTensors of any placement)."""
+    parts = (plain(t).to_local() if isinstance(t, DTensor) else t for t in tensors.values())
+    return sum(part.numel() * part.element_size() for part in parts)
+
+
 # ---- DCP with safetensors storage -------------------------------------------------------------------------
 def save_sharded(tensors: dict[str, torch.Tensor], directory: Path) -> None:
     """Write every rank's part of `tensors` (flat name -> tensor or DTensor) into `directory`, one
@@ -151,18 +163,21 @@ def save_sharded_in_background(
     directory: Path,
     process_group: dist.ProcessGroup | None,
     before_write: Callable[[], None] = lambda: None,
+    stager: AsyncStager | None = None,
 ) -> Future:
     """`save_sharded`, returning as soon as this rank's part is copied to host memory: the files are written
     by a thread while training goes on. The future ends once every rank's files are on disk, or raises the
     lowest failing rank's exception on every rank. `process_group`: a gloo group used for nothing else
     (the write's collectives must not interleave with training's); `before_write` runs in that thread
-    first. Collective."""
+    first; `stager` makes the host copy (`pinned_stager`; by default a new copy in ordinary memory, freed
+    once written). Collective."""
     writer = _WriterCallingFirst(str(directory), save_distributed=True)
     writer.before_write = before_write
     written = dcp.async_save(
         {name: plain(tensor) for name, tensor in tensors.items()},
         storage_writer=writer,
         process_group=process_group,
+        async_stager=stager,
         no_dist=world_size() == 1,
     )
     result: Future = Future()
@@ -176,6 +191,20 @@ def save_sharded_in_background(
 
     written.add_done_callback(unwrap)
     return result
+
+
+def pinned_stager() -> AsyncStager:
+    """The host copy a background save makes on a GPU: page-locked buffers, allocated by the first save and
+    refilled by every later one, by copies that do not wait on each other (the device is synchronized once,
+    after the last). A device copies to page-locked memory at several times the rate it copies to ordinary,
+    pageable memory, which the driver stages through a page-locked buffer of its own
+    (https://pytorch.org/tutorials/intermediate/pinmem_nonblock.html), and the buffers are allocated once,
+    not at every save. They hold one copy of this rank's checkpoint until `close()`; a save must be written
+    before the next one refills them (the Checkpointer waits for it). CUDA only."""
+    options = StagingOptions(
+        use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
+    )
+    return DefaultStager(options)
 
 
 class _WriterCallingFirst(HuggingFaceStorageWriter):

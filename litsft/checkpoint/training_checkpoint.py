@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from litsft.checkpoint.checkpoint_dirs import (
     CHECKPOINT_FORMAT,
@@ -150,11 +151,13 @@ def start_background_save(
     save_frozen: bool,
     process_group: Any,
     keep_last: int | None,
+    stager: AsyncStager | None = None,
 ) -> BackgroundSave:
     """`save_training_checkpoint` and then `rotate_checkpoints`, returning once this rank's tensors are
-    copied to host memory; a thread writes them and publishes the checkpoint (the same staging directory
-    and one rename) while training goes on. Until `wait()` says so, the newest complete checkpoint is the
-    previous one, also after a kill. `process_group` is a gloo group for the writes alone. Collective."""
+    copied to host memory (by `stager`: `sharded_tensors.pinned_stager` on a GPU); a thread writes them and
+    publishes the checkpoint (the same staging directory and one rename) while training goes on. Until
+    `wait()` says so, the newest complete checkpoint is the previous one, also after a kill. `process_group`
+    is a gloo group for the writes alone. Collective."""
     save = _CheckpointSave(out_dir, step, model, optimizer, trainer_state, rank_state)
     tensors = checkpoint_tensors(model, optimizer, save_frozen)
     written = save_sharded_in_background(
@@ -162,6 +165,7 @@ def start_background_save(
         save.partial / SHARDS_DIR,
         process_group,
         before_write=lambda: fault_point(f"save_{step}_writing_in_background", save.rank),
+        stager=stager,
     )
     return BackgroundSave(save, written, keep_last)
 

@@ -58,11 +58,14 @@ class TrainConfig:
     """Write a resumable checkpoint every this many optimizer steps."""
     keep_last: int | None = None
     """Keep only the newest this-many step checkpoints (older ones are deleted after a new one is complete)."""
-    async_save: bool = False
-    """Write step checkpoints in the background: a save copies this rank's state to host memory (a copy of
-    it stays there while it is written) and training goes on; the checkpoint is published once every file
-    is on disk. A save still being written is waited for before the next one, before the final model is
-    saved and before a stop signal's checkpoint, which is written before exit like every last save."""
+    async_save: bool | None = None
+    """Write step checkpoints in the background: a save copies this rank's state to host memory and training
+    goes on; the checkpoint is published once every file is on disk. A save still being written is waited
+    for before the next one, before the final model is saved and before a stop signal's checkpoint, which is
+    written before exit like every last save. On a GPU the copy goes to page-locked buffers kept for the
+    run (one copy of the rank's checkpoint in host memory). Default: on for GPU runs where the node's
+    available memory holds every process's copy twice over (checked at the first save), off on the CPU,
+    where the writing thread takes the cores the step needs (benchmarks/results/async_save_cpu.txt)."""
     log_interval: int = 1
     """Log metrics every this many optimizer steps."""
     compile: bool | None = None
@@ -256,13 +259,13 @@ def with_defaults(run: RunConfig, default_precision: Precision) -> RunConfig:
         train=dataclasses.replace(
             run.train,
             max_seq_length=max_seq_length,
-            compile=compile_enabled(run.train.compile, str(run.accelerator)),
+            compile=on_cuda_by_default(run.train.compile, str(run.accelerator)),
         ),
     )
 
 
-def compile_enabled(setting: bool | None, device_type: str) -> bool:
-    """Whether to compile the blocks: as --train.compile says, else on CUDA only."""
+def on_cuda_by_default(setting: bool | None, device_type: str) -> bool:
+    """An on/off option (--train.compile, --train.async_save): as given, else on for CUDA runs only."""
     return setting if setting is not None else device_type == "cuda"
 
 

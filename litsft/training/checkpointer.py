@@ -4,8 +4,9 @@
 optimizer, the training loader's position and, under 16-mixed, the loss scale. `Checkpointer.save` writes it
 (with the run's config and this rank's random streams) through `litsft.checkpoint.training_checkpoint`;
 `Checkpointer.load` restores it in place, also into a different number of ranks. With `--train.async_save`
-a save returns once the state is copied to host memory and the files are written in the background; the
-next save, `finish` and a stop signal's save wait for it first.
+(on by default for GPU runs whose host memory holds the copies: `background_saves_fit`) a save returns once
+the state is copied to host memory and the files are written in the background; the next save, `finish`
+and a stop signal's save wait for it first.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any
 import torch
 
 from litsft.checkpoint import training_checkpoint as checkpoint
+from litsft.checkpoint.sharded_tensors import first_message, local_bytes, pinned_stager
 from litsft.runtime.faults import fault_point
-from litsft.training.args import RunConfig, describe
+from litsft.runtime.host_memory import available_host_memory
+from litsft.training.args import RunConfig, describe, on_cuda_by_default
 
 
 @dataclass
@@ -65,8 +68,14 @@ class Checkpointer:
         """Whether checkpoints hold frozen parameters too (LoRA: no, the base is loaded again)."""
         self.pending: checkpoint.BackgroundSave | None = None
         """The background save still being written, if any."""
+        self.in_background = on_cuda_by_default(run.train.async_save, fabric.device.type)
+        """Whether step checkpoints are written in the background; a default of on is checked against the host
+        memory at the first save."""
+        self.check_memory = self.in_background and run.train.async_save is None
+        self.stager = None
+        """A GPU's page-locked staging buffers, kept from the first background save to `close`."""
         self.background_group = None
-        if run.train.async_save and fabric.world_size > 1:
+        if self.in_background and fabric.world_size > 1:
             import torch.distributed as dist
 
             # The background writes' own collectives, on a CPU group of their own: on training's group
@@ -87,12 +96,18 @@ class Checkpointer:
         }
         rank_state = {"rng": checkpoint.rng_state(), **state.state_dict()}
         what = (out_dir, step, state.model.module, state.optimizer, trainer_state, rank_state)
-        if self.run.train.async_save and not wait:
+        if self.check_memory:
+            self.check_memory = False
+            self.in_background = self._background_saves_fit(state)
+        if self.in_background and not wait:
+            if self.stager is None and self.fabric.device.type == "cuda":
+                self.stager = pinned_stager()
             self.pending = checkpoint.start_background_save(
                 *what,
                 save_frozen=self.save_frozen,
                 process_group=self.background_group,
                 keep_last=self.run.train.keep_last,
+                stager=self.stager,
             )
             return self.pending.final
         path = checkpoint.save_training_checkpoint(*what, save_frozen=self.save_frozen)
@@ -108,6 +123,27 @@ class Checkpointer:
             path = pending.wait()
             fault_point(f"save_{pending.save.step}_after_rename", self.fabric.global_rank)
             self.fabric.print(f"Saved checkpoint {path}")
+
+    def close(self) -> None:
+        """`finish`, then release the staging buffers (before the final model needs host memory). Collective."""
+        self.finish()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+
+    def _background_saves_fit(self, state: TrainState) -> bool:
+        """Whether every rank's node holds its processes' host copies of a checkpoint twice over; if one does
+        not, every rank saves synchronously and the run says why. Collective."""
+        tensors = checkpoint.checkpoint_tensors(state.model.module, state.optimizer, self.save_frozen)
+        reason = background_saves_fit(local_bytes(tensors), self.run.devices, available_host_memory())
+        refusal = first_message(reason or "")
+        if refusal is not None:
+            rank, reason = refusal
+            self.fabric.print(
+                f"Checkpoints are written synchronously: {reason} (rank {rank}); --train.async_save true "
+                "writes them in the background anyway"
+            )
+        return refusal is None
 
     def load(self, path: Path, state: TrainState) -> None:
         fabric = self.fabric
@@ -126,6 +162,21 @@ class Checkpointer:
             checkpoint.set_rng_state(rank_state["rng"])
         state.load_state_dict({**rank_state, "step": step})
         fabric.print(f"Resumed from {path} at step {step}")
+
+
+def background_saves_fit(
+    staged_bytes: int, processes_per_node: int, available_bytes: int | None
+) -> str | None:
+    """Why a node cannot keep its processes' host copies of a checkpoint (`staged_bytes` each) for background
+    saves, or None if they take at most half of its available memory (the data loaders' workers and the
+    final model folder need the rest) or the system does not say what is available."""
+    node_bytes = staged_bytes * processes_per_node
+    if available_bytes is None or 2 * node_bytes <= available_bytes:
+        return None
+    return (
+        f"a background save would keep {node_bytes / 1e9:.1f} GB of host memory ({processes_per_node} x "
+        f"{staged_bytes / 1e9:.1f} GB) and {available_bytes / 1e9:.1f} GB is available"
+    )
 
 
 def resharding_notice(path: Path, written_by: int, world_size: int) -> str:

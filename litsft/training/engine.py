@@ -40,8 +40,8 @@ from litsft.training.args import (
     RunConfig,
     TrainConfig,
     accumulation_steps,
-    compile_enabled,
     describe,
+    on_cuda_by_default,
     profiled_steps,
 )
 from litsft.training.checkpointer import Checkpointer, TrainState
@@ -117,7 +117,7 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
     run_timer.mark("optimizer, resume, metrics")
     with metrics:
         train_loop(fabric, run, state, metrics, checkpointer, evaluate)
-        checkpointer.finish()
+        checkpointer.close()
         run_timer.mark("training loop (with its validations and checkpoints)")
         fault_point("before_final", fabric.global_rank)
         with metrics.paused():
@@ -271,7 +271,7 @@ def setup_model(fabric: Fabric, recipe: Recipe, run: RunConfig) -> nn.Module:
     fabric.print(
         f"Attention: {model.attention_kernel}, {describe_kernel(model.attention_kernel, softcapped)}"
     )
-    compile_blocks = compile_enabled(run.train.compile, fabric.device.type)
+    compile_blocks = on_cuda_by_default(run.train.compile, fabric.device.type)
     if fabric.world_size == 1:  # with more processes, Fabric's setup_module calls parallelize
         parallelize(model, None, run.fsdp, run.precision, compile_blocks, run.train.float8)
         model.to_empty(device=fabric.device)
