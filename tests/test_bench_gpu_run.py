@@ -30,7 +30,9 @@ def load(path: str, name: str):
 gpu_run = load("benchmarks/gpu/run.py", "gpu_run")
 prepare_wheels = load("benchmarks/gpu/prepare_wheels.py", "prepare_wheels")
 
-STEP_NAMES = ["install", "environment", "torch_api", "gpu_tests", "cpu_subset_on_cuda", "bench_gpu", "demo"]
+STEP_NAMES = [
+    "install", "environment", "torch_api", "gpu_tests", "cpu_subset_on_cuda", "bench_gpu", "async_save", "demo"
+]  # fmt: skip
 
 
 def test_the_dry_run_prints_every_step_and_budget_and_writes_nothing(tmp_path: Path) -> None:
@@ -50,6 +52,7 @@ def test_the_dry_run_prints_every_step_and_budget_and_writes_nothing(tmp_path: P
     assert budgets["total"] == sum(budgets[name] for name in STEP_NAMES) <= 480
     assert budgets["bench_gpu"] >= 200  # four training runs with compilation
     assert f"--results_json {out_dir}/bench_gpu.json" in result.stdout
+    assert f"--device cuda --repeats 2 --results_json {out_dir}/async_save.json" in result.stdout
     assert (
         f"--work_dir {gpu_run.WORK_DIR}/work/bench" in result.stdout
     )  # the 5 GB checkpoint stays out of OUT_DIR
@@ -137,12 +140,22 @@ def test_the_summary_tables_the_figures_and_judges_each_target(tmp_path: Path) -
         "float8_loss_max_relative_difference": 0.004,
     }  # fmt: skip
     (tmp_path / "bench_gpu.json").write_text(json.dumps(bench))
+    saves = {
+        "checkpoint_gb": 1.35,
+        "saves": {
+            "synchronous": {"blocked_s": 4.0, "published_s": 4.0},
+            "background, page-locked buffers reused": {"blocked_s": 0.2, "published_s": 4.5},
+        },
+    }
+    (tmp_path / "async_save.json").write_text(json.dumps(saves))
     write_junit(tmp_path / "junit-gpu_tests.xml", tests=9, failures=1, skipped=2)
     results = [gpu_run.StepResult("gpu_tests", 60, "failed (1)", 41.0, "logs/4-gpu_tests.log")]
     markdown = gpu_run.summarize(tmp_path, results)
     assert markdown.startswith("# GPU run: NVIDIA H100 80GB HBM3\n")
     assert "| gpu_tests | 60 | 41 | failed (1) | 6 passed, 1 failed, 2 skipped |" in markdown
     assert "| finetune_full | 40,000 | 42.0% | 30,000 | 31,000 |" in markdown
+    assert "| checkpoint save, 1.35 GB | step blocked s | published after s |" in markdown
+    assert "| background, page-locked buffers reused | 0.20 | 4.50 |" in markdown
     met = {
         row["target"]: row["met"] for row in json.loads((tmp_path / "results.json").read_text())["targets"]
     }

@@ -15,6 +15,7 @@ before anything is installed.
 
 OUT_DIR/logs/<n>-<step>.log      each step's output
 OUT_DIR/bench_gpu.json           benchmarks/bench_gpu.py's figures (rewritten after each of its runs)
+OUT_DIR/async_save.json          benchmarks/bench_async_save.py's figures (the time a save blocks a step)
 OUT_DIR/results.json, results.md every step's status and time, test counts, figures and targets
 """
 
@@ -98,13 +99,19 @@ def steps(out_dir: Path, work_dir: Path = WORK_DIR, python: str = "python3") -> 
             "test files that pass on the CPU, on the GPU machine",
         ),
         Step(
-            "bench_gpu", 255,
+            "bench_gpu", 230,
             f"{python} {repo}/benchmarks/bench_gpu.py --steps 30 --warmup 10 --max_seq_length 4096 --records 2000 "
             f"--float8 tensorwise --results_json {out}/bench_gpu.json --work_dir {work}/bench",
             "finetune_full, the compiled transformers loop, finetune_lora, finetune_full float8; plan vs peak",
         ),
         Step(
-            "demo", 55,
+            "async_save", 35,
+            f"{python} {repo}/benchmarks/bench_async_save.py --device cuda --repeats 2 "
+            f"--results_json {out}/async_save.json --work_dir {work}/async_save",
+            "a step blocked by a checkpoint save: synchronous, in the background into ordinary or page-locked memory",
+        ),
+        Step(
+            "demo", 45,
             f"{python} -m litsft demo --devices 1 --max_steps 60 --num_eval 20 --out_dir {work}/demo",
             "a shortened `litsft demo --devices 1` (60 steps, 20 held-out prompts)",
         ),
@@ -218,6 +225,13 @@ def summarize(out_dir: Path, results: list[StepResult]) -> str:
             lines.append(
                 f"| {name} | {run['tokens_per_second']:,.0f} | {run['mfu']:.1%} | {run['peak_mib']:,.0f} | {plan} |"
             )
+    saves_file = out_dir / "async_save.json"
+    saves = json.loads(saves_file.read_text()) if saves_file.is_file() else {}
+    if saves:
+        lines += ["", f"| checkpoint save, {saves['checkpoint_gb']:.2f} GB | step blocked s | published after s |",
+                  "|---|---:|---:|"]  # fmt: skip
+        for kind, save in saves["saves"].items():
+            lines.append(f"| {kind} | {save['blocked_s']:.2f} | {save['published_s']:.2f} |")
     rows = targets(bench)
     lines += ["", "| target | measured | wanted | met |", "|---|---:|---|---|"]
     for name, value, wanted, met in rows:
@@ -228,6 +242,7 @@ def summarize(out_dir: Path, results: list[StepResult]) -> str:
         "steps": [asdict(result) for result in results],
         "tests": tests,
         "bench_gpu": bench,
+        "async_save": saves,
         "targets": [dict(zip(("target", "measured", "wanted", "met"), row)) for row in rows],
     }
     (out_dir / "results.json").write_text(json.dumps(summary, indent=1))
