@@ -147,9 +147,10 @@ def test_ranks_agree_on_the_lowest_rank_with_something_to_say_and_count_only_the
         assert own_bytes == (24 + 24 + 1) * 4  # half of each 4x12 tensor, and the scalar every rank holds
 
 
-def _save_twice_in_background(directory: Path, make_stager) -> None:
-    """Two background saves through one stager (which keeps its host buffers between them), the tensors
-    changed after each save has staged them and before it is written: what is written is what was staged."""
+def _save_three_times_in_background(directory: Path, make_stager) -> None:
+    """Three background saves through one stager (which keeps its host buffers between them), the tensors
+    changed after each save has staged them and before it is written: what is written is what was staged.
+    The third save holds one tensor more (new buffers)."""
     import torch.distributed as dist
 
     group, stager = dist.new_group(backend="gloo"), make_stager()
@@ -157,7 +158,10 @@ def _save_twice_in_background(directory: Path, make_stager) -> None:
         "step": STEP.clone()
     }
     parts = [plain(t).to_local() if t.dim() else t for t in tensors.values()]
-    for save in range(2):
+    for save in range(3):
+        if save == 2:
+            tensors["extra"] = _distributed("dim1", FULL + 200)
+            parts.append(tensors["extra"].to_local())
         written = save_sharded_in_background(tensors, directory / f"save-{save}", group, stager=stager)
         for part in parts:
             part.add_(1000)  # the training step that runs while the files are written
@@ -168,25 +172,24 @@ def _save_twice_in_background(directory: Path, make_stager) -> None:
         stager.close()
 
 
-def _cpu_caching_stager():
-    """pinned_stager's staging, less what needs a GPU: the same host buffers kept and refilled between saves."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+def _kept_buffers_without_page_locking():
+    """pinned_stager as it stages on a GPU, less the page-locking, which needs the driver."""
+    torch.Tensor.pin_memory = lambda tensor: tensor  # in this forked rank only
+    return pinned_stager()
 
-    return DefaultStager(StagingOptions(False, False, False, False))
 
-
-@pytest.mark.parametrize("make_stager", [lambda: None, _cpu_caching_stager], ids=["default", "kept_buffers"])
+@pytest.mark.parametrize(
+    "make_stager", [lambda: None, _kept_buffers_without_page_locking], ids=["default", "kept_buffers"]
+)
 def test_a_background_save_writes_what_it_staged_also_into_kept_host_buffers(tmp_path, make_stager) -> None:
-    on_ranks(2, _save_twice_in_background, tmp_path, tmp_path, make_stager)
-    for save in range(2):
-        whole = {kind: torch.zeros_like(FULL) for kind in ("dim0", "dim1", "replicated")} | {
-            "step": torch.zeros(())
-        }
+    on_ranks(2, _save_three_times_in_background, tmp_path, tmp_path, make_stager)
+    for save in range(3):
+        kinds = ("dim0", "dim1", "replicated", "extra")[: 4 if save == 2 else 3]
+        whole = {kind: torch.zeros_like(FULL) for kind in kinds} | {"step": torch.zeros(())}
         ShardedReader(tmp_path / f"save-{save}", fix="").load(whole)
-        assert all(torch.equal(whole[kind], FULL + 100 * save) for kind in ("dim0", "dim1", "replicated")), (
-            save
-        )
+        assert all(torch.equal(whole[kind], FULL + 100 * save) for kind in kinds[:3]), save
         assert whole["step"].item() == STEP.item() + 100 * save
+    assert torch.equal(whole["extra"], FULL + 200)
 
 
 @pytest.mark.gpu
@@ -201,8 +204,7 @@ def test_on_a_gpu_background_saves_stage_into_page_locked_buffers_and_write_what
         tensors["weight"].add_(1000)
         written.result()
         tensors["weight"].sub_(1000).add_(100)
-    staged = list(stager._state_dict_stager._cached_storage_mapping.values())
-    assert staged and all(storage.is_pinned() for storage in staged if storage.nbytes() >= 64)
+    assert stager.state_dict_cache["weight"].is_pinned()
     stager.close()
     for save in range(2):
         whole = {"weight": torch.zeros_like(FULL), "step": torch.zeros(())}

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from litsft.model import attention
+from litsft.model import attention, quantization
 
 POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -38,9 +40,7 @@ CALLS = [
     ("torch.distributed.checkpoint", "save", ("state_dict",), ("storage_writer", "no_dist")),
     ("torch.distributed.checkpoint", "async_save", ("state_dict",),
      ("storage_writer", "process_group", "async_stager", "no_dist")),
-    ("torch.distributed.checkpoint.staging", "DefaultStager", ("config",), ()),
-    ("torch.distributed.checkpoint.staging", "StagingOptions", (),
-     ("use_pinned_memory", "use_shared_memory", "use_async_staging", "use_non_blocking_copy")),
+    ("torch.distributed.checkpoint.staging", "BlockingAsyncStager", (), ("cache_staged_state_dict",)),
     ("torch.distributed.checkpoint", "load", ("state_dict",), ("storage_reader", "no_dist")),
     ("torch.distributed.checkpoint", "HuggingFaceStorageWriter", ("path",),
      ("save_distributed", "enable_consolidation", "fqn_to_index_mapping")),
@@ -56,12 +56,13 @@ CALLS = [
     ("torchao.float8", "Float8LinearConfig", (), ("enable_fsdp_float8_all_gather",)),
     ("torchao.float8", "Float8LinearConfig.from_recipe_name", ("recipe_name",), ()),
     ("torchao.float8", "precompute_float8_dynamic_scale_for_fsdp", ("module",), ()),
-    ("torchao.quantization", "to_nf4", ("tensor", "block_size", "scaler_block_size"), ()),
+    (quantization.torchao_nf4, "to_nf4", ("tensor", "block_size", "scaler_block_size"), ()),
 ]  # fmt: skip
 
 
-def resolve(module: str, path: str) -> Any:
-    target: Any = importlib.import_module(module)
+def resolve(module: str | Callable[[], ModuleType], path: str) -> Any:
+    """`module.path`; `module` is a module's name or litsft's function finding it (where versions moved it)."""
+    target: Any = importlib.import_module(module) if isinstance(module, str) else module()
     for name in path.split("."):
         target = getattr(target, name)
     return target

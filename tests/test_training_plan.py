@@ -1,6 +1,7 @@
 import dataclasses
 import inspect
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from litsft.model.config import Config
 from litsft.model.flops import lora_parameters
 from litsft.model.lora import LoRAConfig, apply_lora
 from litsft.model.network import Transformer
-from litsft.model.quantization import NF4_BYTES_PER_WEIGHT, NF4Linear, load_nf4_weight, to_nf4
+from litsft.model.quantization import NF4_BYTES_PER_WEIGHT, NF4Linear, load_nf4_weight, to_nf4, torchao_nf4
 from litsft.model.sizes import model_sizes, num_parameters
 from litsft.training.args import FSDPConfig, TrainConfig
 from litsft.training.plan import (
@@ -348,8 +349,8 @@ def test_qlora_loading_holds_the_largest_weight_in_fp32_and_torchaos_working_mem
     by torch's MemTracker around `load_nf4_weight` of the model's largest weight read in bf16. For a small
     model at a short sequence that, not a training step, is the peak."""
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
 
+    nf4_tensor = sys.modules[torchao_nf4().to_nf4.__module__]  # where this torchao keeps it
     assert NF4_QUANTIZE_CHUNK_VALUES == nf4_tensor.CHUNK_SIZE
     config = Config.from_name(
         "demo-llama", num_layers=2, hidden_size=512, intermediate_size=2816, num_heads=8, num_kv_heads=2,

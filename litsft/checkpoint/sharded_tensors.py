@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from litsft.errors import LitsftError
@@ -195,16 +195,22 @@ def save_sharded_in_background(
 
 def pinned_stager() -> AsyncStager:
     """The host copy a background save makes on a GPU: page-locked buffers, allocated by the first save and
-    refilled by every later one, by copies that do not wait on each other (the device is synchronized once,
-    after the last). A device copies to page-locked memory at several times the rate it copies to ordinary,
-    pageable memory, which the driver stages through a page-locked buffer of its own
-    (https://pytorch.org/tutorials/intermediate/pinmem_nonblock.html), and the buffers are allocated once,
-    not at every save. They hold one copy of this rank's checkpoint until `close()`; a save must be written
-    before the next one refills them (the Checkpointer waits for it). CUDA only."""
-    options = StagingOptions(
-        use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
-    )
-    return DefaultStager(options)
+    refilled by every later one (DCP's `BlockingAsyncStager` with its cache). A device copies to page-locked
+    memory at several times the rate it copies to ordinary, pageable memory, which the driver stages through
+    a page-locked buffer of its own (https://pytorch.org/tutorials/intermediate/pinmem_nonblock.html), and
+    the buffers are allocated once, not at every save. They hold one copy of this rank's checkpoint while
+    the stager lives; a save must be written before the next one refills them (the Checkpointer waits for
+    it). CUDA only: page-locking needs the driver. (Not DCP's `DefaultStager`, whose copy of a DTensor fails
+    on torch 2.11 with `KeyError: <class 'type'>`.)"""
+    return _KeptBuffersStager(cache_staged_state_dict=True)
+
+
+class _KeptBuffersStager(BlockingAsyncStager):
+    def stage(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        cache = self.state_dict_cache
+        if cache is not None and cache.keys() != state_dict.keys():
+            self.state_dict_cache = None  # another set of tensors (the optimizer gained state): new buffers
+        return super().stage(state_dict)
 
 
 class _WriterCallingFirst(HuggingFaceStorageWriter):

@@ -68,8 +68,17 @@ class NF4Linear(nn.Linear):
 
 def to_nf4(weight: torch.Tensor) -> torch.Tensor:
     """`weight` (out, in) quantized to torchao's NF4Tensor, in weight's dtype."""
-    to_nf4 = import_torchao("torchao.quantization").to_nf4
-    return to_nf4(weight.contiguous(), NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE)
+    return torchao_nf4().to_nf4(weight.contiguous(), NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE)
+
+
+def torchao_nf4() -> ModuleType:
+    """The torchao module that holds NF4 (`to_nf4`): torchao.quantization from torchao 0.18, torchao.dtypes
+    before, as in 0.17.0, the release made for torch 2.11."""
+    for name in ("torchao.quantization", "torchao.dtypes"):
+        module = import_torchao(name)
+        if hasattr(module, "to_nf4"):
+            return module
+    raise LitsftError("the installed torchao has no to_nf4 for --quantize nf4; install torchao 0.17 or newer")
 
 
 @functools.cache
