@@ -98,32 +98,35 @@ def main() -> None:
     if stager is not None:
         kinds["background, page-locked buffers reused"] = lambda: save(True, stager)
     rows: dict[str, list[tuple[float, float, float]]] = {kind: [] for kind in kinds}
-    alone = []
+    alone: list[float] = []
+    state_gb = 3 * num_parameters(config) * 4 / 1e9
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+
+    def medians() -> dict[str, list[float]]:
+        return {kind: [statistics.median(column) for column in zip(*values)] for kind, values in rows.items()}
+
     for _ in range(args.repeats):
         alone.append(train_step())
         for kind, run in kinds.items():
             rows[kind].append(run())
             for old in work.glob("step-*"):
                 shutil.rmtree(old)
-    medians = {kind: [statistics.median(column) for column in zip(*values)] for kind, values in rows.items()}
-    state_gb = 3 * num_parameters(config) * 4 / 1e9
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+        if args.results_json is not None:  # after every repeat: a run cut short keeps what it measured
+            results = {"device": name, "checkpoint_gb": state_gb, "repeats": len(alone),
+                       "step_alone_s": statistics.median(alone), "first_page_locked_blocked_s": first_pinned,
+                       "saves": {kind: dict(zip(("blocked_s", "published_s", "step_during_write_s"), values))
+                                 for kind, values in medians().items()}}  # fmt: skip
+            args.results_json.write_text(json.dumps(results, indent=1))
     print(f"# benchmarks/bench_async_save.py on {name}; {machine_description()}")
     print(f"model: {num_parameters(config) / 1e6:.1f}M parameters, fp32, AdamW: a checkpoint of ~{state_gb:.2f} GB;"
           f" 1 process on {args.device}, {torch.get_num_threads()} threads; medians of {args.repeats}")  # fmt: skip
     print(f"{'save':<42}{'step blocked s':>15}{'published after s':>19}{'step during write s':>21}")
-    for kind, (blocked, published, during) in medians.items():
+    for kind, (blocked, published, during) in medians().items():
         during_text = f"{during:.2f}" if kind != "synchronous" else "-"
         print(f"{kind:<42}{blocked:>15.2f}{published:>19.2f}{during_text:>21}")
     if first_pinned is not None:
         print(f"{'background, page-locked, first (allocates)':<42}{first_pinned:>15.2f}")
     print(f"training step alone: {statistics.median(alone):.2f} s")
-    if args.results_json is not None:
-        results = {"device": name, "checkpoint_gb": state_gb, "step_alone_s": statistics.median(alone),
-                   "first_page_locked_blocked_s": first_pinned,
-                   "saves": {kind: dict(zip(("blocked_s", "published_s", "step_during_write_s"), values))
-                             for kind, values in medians.items()}}  # fmt: skip
-        args.results_json.write_text(json.dumps(results, indent=1))
     if stager is not None:
         stager.close()
 
