@@ -170,6 +170,7 @@ def _save_three_times_in_background(directory: Path, make_stager) -> None:
             part.sub_(1000).add_(100)
     if stager is not None:
         stager.close()
+        assert stager.state_dict_cache is None  # the buffers are dropped
 
 
 def _kept_buffers_without_page_locking():

@@ -212,6 +212,13 @@ class _KeptBuffersStager(BlockingAsyncStager):
             self.state_dict_cache = None  # another set of tensors (the optimizer gained state): new buffers
         return super().stage(state_dict)
 
+    def close(self) -> None:
+        """Drop the buffers and hand their page-locked memory back to the system: torch's host allocator
+        keeps freed page-locked blocks for later copies unless its cache is emptied."""
+        self.state_dict_cache = None
+        if torch.cuda.is_available():
+            torch._C._host_emptyCache()
+
 
 class _WriterCallingFirst(HuggingFaceStorageWriter):
     before_write: Callable[[], None]
