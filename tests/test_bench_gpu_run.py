@@ -239,10 +239,10 @@ def test_wheels_that_do_not_fit_or_do_not_belong_are_refused_in_one_line(tmp_pat
     with pytest.raises(SystemExit, match=r"holds torch: the image's own torch must be used; delete them$"):
         prepare_wheels.check_wheels(tmp_path)
     torch_wheel.unlink()
-    tiny_wheel(tmp_path, "requests", "2.0.0")
-    with pytest.raises(SystemExit, match=r"holds wheels not in the list \(requests\)"):
+    tiny_wheel(tmp_path, "flask", "2.0.0")
+    with pytest.raises(SystemExit, match=r"holds wheels not in the list \(flask\)"):
         prepare_wheels.check_wheels(tmp_path)
-    for path in tmp_path.glob("requests-*"):
+    for path in tmp_path.glob("flask-*"):
         path.unlink()
     next(tmp_path.glob("datasets-*")).unlink()
     with pytest.raises(SystemExit, match=r"lacks wheels for datasets; run this script again$"):
@@ -252,7 +252,8 @@ def test_wheels_that_do_not_fit_or_do_not_belong_are_refused_in_one_line(tmp_pat
 def test_the_install_check_requires_the_image_torch_and_what_the_steps_import(monkeypatch, capsys) -> None:
     check_install = load("benchmarks/gpu/check_install.py", "check_install")
     modules = {
-        name: types.SimpleNamespace(__file__=f"/image/{name}/__init__.py") for name in check_install.REQUIRED
+        name: types.SimpleNamespace(__file__=f"/image/{name}/__init__.py", LlamaForCausalLM=object)
+        for name, _, _ in (entry.partition(":") for entry in check_install.REQUIRED)
     }
 
     def import_module(name: str):
@@ -269,5 +270,22 @@ def test_the_install_check_requires_the_image_torch_and_what_the_steps_import(mo
     assert check_install.main("/site") == 1
     assert "torch comes from the carried wheels" in capsys.readouterr().out
     modules["torch"] = types.SimpleNamespace(__file__="/image/torch/__init__.py")
+
+    class TransformersWithoutUrllib3:  # its model classes import accelerate, which imports the carried boto3
+        __file__ = "/image/transformers/__init__.py"
+
+        def __getattr__(self, name: str):
+            raise ModuleNotFoundError("No module named 'urllib3'")
+
+    modules["transformers"] = TransformersWithoutUrllib3()
+    assert check_install.main("/site") == 1
+    assert (
+        "transformers: does not import: ModuleNotFoundError: No module named 'urllib3'"
+        in capsys.readouterr().out
+    )
+    modules["transformers"] = types.SimpleNamespace(
+        __file__="/image/transformers/__init__.py", LlamaForCausalLM=object
+    )
+    assert check_install.main("/site") == 0
     del modules["torchao"]
     assert check_install.main("/site") == 1

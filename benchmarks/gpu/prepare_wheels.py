@@ -31,6 +31,10 @@ WHEELS = (
     # Streaming data (--data LitData, litsft prepare) and what it imports.
     "litdata==0.2.76", "boto3==1.44.8", "botocore==1.44.8", "s3transfer==0.19.3", "jmespath==1.1.0",
     "obstore==0.12.1",
+    # What the carried boto3 and litdata import that the image lacks: botocore imports urllib3, and accelerate
+    # (in the image) imports boto3 whenever it can, so without urllib3 transformers' model classes fail to
+    # import; litdata's client imports requests (its certifi and charset_normalizer; idna the image has).
+    "urllib3==2.8.0", "requests==2.34.2", "certifi==2026.10.19.post1", "charset_normalizer==3.5.3",
     # --data HFDataset.
     "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19",
     # float8 training and QLoRA's NF4. 0.17.0 is the torchao release made for torch 2.11: its wheels use
