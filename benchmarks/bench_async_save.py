@@ -47,6 +47,10 @@ def main() -> None:
     parser.add_argument("--results_json", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            "error: --device cuda needs a CUDA GPU and found none; leave it out to measure on the CPU"
+        )
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="litsft-async-save-"))
     work.mkdir(parents=True, exist_ok=True)
     config = Config.from_name("tiny-llama", vocab_size=32000, hidden_size=args.hidden,
