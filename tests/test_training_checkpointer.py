@@ -3,6 +3,7 @@ loader position, random streams), and the run's identity is recorded for the che
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +18,7 @@ from litsft.checkpoint.checkpoint_dirs import TRAINER_STATE
 from litsft.data import JSON
 from litsft.model.config import Config
 from litsft.model.network import Transformer
-from litsft.training.args import OptimizerConfig, RunConfig
+from litsft.training.args import OptimizerConfig, RunConfig, TrainConfig
 from litsft.training.checkpointer import Checkpointer, TrainState, background_saves_fit
 from litsft.training.optimizer import build_optimizer
 from litsft.training.step import loss_scaler, train_step
@@ -152,9 +153,20 @@ def test_background_saves_need_half_the_available_memory_free_of_the_nodes_copie
 
 def test_on_the_cpu_checkpoints_are_written_synchronously_unless_asked(checkpointer) -> None:
     fabric, saver = checkpointer
-    assert saver.run.train.async_save is None and not saver.in_background
+    run = dataclasses.replace(saver.run, train=TrainConfig(save_interval=1))
+    saver = Checkpointer(fabric, run, "finetune_full", save_frozen=True)
+    assert run.train.async_save is None and not saver.in_background
     saver.save(train_state(fabric, seed=0))
     assert saver.pending is None
+    asked = Checkpointer(
+        fabric, dataclasses.replace(run, train=TrainConfig(save_interval=1, async_save=True)), "x", True
+    )
+    state = train_state(fabric, seed=0)
+    state.step = 1
+    asked.save(state)
+    assert asked.pending is not None
+    asked.close()
+    assert asked.pending is None
 
 
 def _gpu_default_decided_with(available: dict[int, int]) -> tuple[bool, list[str]]:
@@ -171,8 +183,13 @@ def _gpu_default_decided_with(available: dict[int, int]) -> tuple[bool, list[str
         device=torch.device("cuda"), world_size=2, global_rank=rank, print=printed.append
     )
     config = Config.from_name("tiny-llama")
-    saver = Checkpointer(fabric, RunConfig(config, None, None, Path("out"), devices=2), "finetune_full", True)
+    run = RunConfig(config, None, None, Path("out"), devices=2, train=TrainConfig(save_interval=10))
+    saver = Checkpointer(fabric, run, "finetune_full", True)
     assert saver.in_background and saver.background_group is not None
+    without_step_checkpoints = Checkpointer(
+        fabric, dataclasses.replace(run, train=TrainConfig()), "pretrain", True
+    )
+    assert not without_step_checkpoints.in_background and without_step_checkpoints.background_group is None
     model = Transformer(config)
     optimizer = build_optimizer(model, OptimizerConfig())
     state = TrainState(SimpleNamespace(module=model), optimizer, Loader())

@@ -68,9 +68,12 @@ class Checkpointer:
         """Whether checkpoints hold frozen parameters too (LoRA: no, the base is loaded again)."""
         self.pending: checkpoint.BackgroundSave | None = None
         """The background save still being written, if any."""
-        self.in_background = on_cuda_by_default(run.train.async_save, fabric.device.type)
-        """Whether step checkpoints are written in the background; a default of on is checked against the host
-        memory at the first save."""
+        self.in_background = bool(run.train.save_interval) and on_cuda_by_default(
+            run.train.async_save, fabric.device.type
+        )
+        """Whether step checkpoints (every --train.save_interval steps) are written in the background; a
+        default of on is checked against the host memory at the first save. A run without them needs no gloo
+        group for background writes (a stop signal's checkpoint is written synchronously)."""
         self.check_memory = self.in_background and run.train.async_save is None
         self.stager = None
         """A GPU's page-locked staging buffers, kept from the first background save to `close`."""
