@@ -138,15 +138,16 @@ class HFDataset(RecordDataModule):
                     f"--data.path {self.path} is neither an existing file or folder nor a hub dataset id "
                     "(org/name); check the path"
                 )
-            if path.is_dir() and not _saved_to_disk(path):
+            saved_to_disk = path.is_dir() and _saved_to_disk(path)
+            if path.is_dir() and not saved_to_disk:
                 _check_one_file_type(path, self.data_files)
             parquet = None
-            if READ_PARQUET_DIRECTLY and not (path.is_dir() and _saved_to_disk(path)):
+            if READ_PARQUET_DIRECTLY and not saved_to_disk:
                 parquet = parquet_split(self.path, self.name, self.revision, self.data_files, split)
             if parquet is not None and features_match(parquet):
                 rows, identity = ParquetRows(parquet.files), parquet.identities
             else:  # other file types, or a card whose features `datasets` casts the columns to
-                rows = self._load_with_datasets(split)
+                rows = self._load_with_datasets(split, saved_to_disk)
                 identity = rows._fingerprint
         except Exception as err:
             if path.exists() and not isinstance(err, LitsftError):
@@ -157,13 +158,14 @@ class HFDataset(RecordDataModule):
         wanted = set(record_fields()) | set(record_format.field_map.values())
         return rows.select_columns([column for column in rows.column_names if column in wanted]), identity
 
-    def _load_with_datasets(self, split: str) -> Any:
-        """The `datasets.Dataset` of one split, converted by `datasets` into its arrow cache."""
+    def _load_with_datasets(self, split: str, saved_to_disk: bool) -> Any:
+        """The `datasets.Dataset` of one split (`saved_to_disk`: from a `save_to_disk` folder), converted by
+        `datasets` into its arrow cache."""
         import datasets
         import pyarrow
 
         path = Path(self.path)
-        if path.is_dir() and _saved_to_disk(path):
+        if saved_to_disk:
             dataset = _pick_split(datasets.load_from_disk(str(path)), split, self.path)
         elif path.is_file():
             dataset = datasets.load_dataset(
