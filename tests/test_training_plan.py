@@ -481,3 +481,46 @@ def test_plan_counts_lora_on_a_mixture_of_experts_experts(capsys):
     main(["plan", "Qwen3-30B-A3B", "--devices", "8", "--lora.rank", "16", "--lora.dropout", "0",
           "--lora.targets", "[q, k, v, o, experts]", "--device_memory", "80GB"])  # fmt: skip
     assert "LoRA rank 16 on q, k, v, o, experts, bf16-mixed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("precision", "lora"),
+    [("32-true", None), ("bf16-true", None), ("bf16-mixed", LoRAConfig(rank=4, targets="all-linear"))],
+)
+def test_the_planned_checkpoint_is_what_a_checkpoint_of_the_built_model_and_optimizer_holds(precision, lora):
+    """The plan's step-checkpoint bytes against the tensors litsft's checkpoint stores for the model and
+    optimizer the recipe builds: every trained weight in its stored dtype, AdamW's moments, bf16-true's
+    compensation buffers; LoRA's adapters only. AdamW's 0-dim step counts are left out of both."""
+    from litsft.checkpoint.training_checkpoint import checkpoint_tensors
+    from litsft.training.args import OptimizerConfig
+    from litsft.training.optimizer import build_optimizer
+
+    config = Config.from_name("tiny-llama")
+    model = Transformer(config).to(torch.bfloat16 if precision == "bf16-true" else torch.float32)
+    if lora is not None:
+        model = apply_lora(model, lora)
+    optimizer = build_optimizer(model, OptimizerConfig())
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param) if param.requires_grad else None
+    optimizer.step()  # creates the optimizer's states
+    stored = checkpoint_tensors(model, optimizer, with_frozen=lora is None)
+    held = sum(t.numel() * t.element_size() for t in stored.values() if t.dim() > 0)
+
+    estimate = estimate_memory(config, precision=precision, lora=lora)
+    assert estimate.whole_checkpoint == estimate.checkpoint == held
+    sharded = estimate_memory(config, devices=4, precision=precision, lora=lora)
+    assert (sharded.whole_checkpoint, sharded.checkpoint) == (held, math.ceil(held / 4))
+    hybrid = estimate_memory(
+        config, devices=4, num_nodes=2, sharding_strategy="HYBRID_SHARD", precision=precision, lora=lora
+    )
+    assert (hybrid.whole_checkpoint, hybrid.checkpoint) == (held, math.ceil(held / 4))
+
+
+def test_plan_says_what_a_step_checkpoint_takes_on_disk_and_in_a_nodes_host_memory(capsys):
+    plan("Llama-3.1-8B", devices=8)
+    parameters = Config.from_name("Llama-3.1-8B")
+    whole = num_parameters(parameters) * (4 + 2 * 4)  # fp32 weights and AdamW's two fp32 moments
+    assert (
+        f"step checkpoint: {whole / 2**30:.2f} GiB on disk; a background save (--train.async_save) keeps "
+        f"{whole / 2**30:.2f} GiB of host memory per node (8 x {whole / 8 / 2**30:.2f} GiB) until it is written"
+    ) in capsys.readouterr().out.splitlines()

@@ -137,6 +137,13 @@ class MemoryEstimate:
     loading: int = 0
     """What loading the weights holds besides the parameters, before any optimizer state exists: quantizing
     the largest NF4 weight (`nf4_loading_bytes`); 0 without --quantize."""
+    checkpoint: int = 0
+    """This device's share of a step checkpoint: the trainable parameters as stored and their optimizer
+    states (LoRA's frozen base is not in it: it is loaded again). A background save (--train.async_save)
+    keeps a copy of it in host memory while it writes."""
+    whole_checkpoint: int = 0
+    """A step checkpoint on disk, every device's share together (replicas are written once). Both leave out
+    AdamW's step counts, a few bytes per parameter tensor."""
 
     @property
     def step(self) -> int:
@@ -287,6 +294,7 @@ def estimate_memory(
     # Weights stored in fewer than 4 bytes also keep a compensation buffer of their own dtype (litsft.training.optimizer).
     state_bytes = 4 * ADAM_STATES_PER_PARAMETER + (stored if stored < 4 else 0)
     optimizer_states = math.ceil(trainable * state_bytes / shard)
+    whole_checkpoint = trainable * (stored + state_bytes)
 
     tokens = micro_batch_size * max_seq_length
     per_block = block_activation_bytes_per_token(config, compute, lora) * tokens
@@ -332,6 +340,7 @@ def estimate_memory(
     return MemoryEstimate(
         parameters, gradients, optimizer_states, activations, transients,
         accumulating=accumulation_steps > 1, whole_gradients=trainable * stored, loading=loading,
+        checkpoint=math.ceil(whole_checkpoint / shard), whole_checkpoint=whole_checkpoint,
     )  # fmt: skip
 
 
@@ -395,7 +404,8 @@ def plan(
     optimizer: OptimizerConfig | None = None,
     log: LogConfig | None = None,
 ) -> None:
-    """Estimate the memory per device of a training run, and whether it fits.
+    """Estimate the memory per device of a training run, and whether it fits; and what a step checkpoint
+    takes on disk and in a node's host memory while written in the background.
 
     Takes a recipe's options (and its YAML: `litsft plan --config config_hub/finetune_lora/llama-3.1-8b.yaml`).
 
@@ -464,7 +474,19 @@ def plan(
     )
     if accumulation > 1 and world_size > 1:
         print(accumulation_summary(estimate, fsdp.sharding_strategy, accumulation))
+    print(checkpoint_summary(estimate, devices))
     print_estimate(estimate, memory, device_memory)
+
+
+def checkpoint_summary(estimate: MemoryEstimate, devices: int) -> str:
+    """One line on a step checkpoint's size on disk and the host memory a background save keeps on a node
+    (what `litsft.training.checkpointer.background_saves_fit` checks at the first save)."""
+    per_node = estimate.checkpoint * devices
+    return (
+        f"step checkpoint: {estimate.whole_checkpoint / 2**30:.2f} GiB on disk; a background save "
+        f"(--train.async_save) keeps {per_node / 2**30:.2f} GiB of host memory per node ({devices} x "
+        f"{estimate.checkpoint / 2**30:.2f} GiB) until it is written"
+    )
 
 
 def local_gpu() -> tuple[str, bool] | None:
