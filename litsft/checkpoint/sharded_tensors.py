@@ -217,7 +217,15 @@ class _KeptBuffersStager(BlockingAsyncStager):
         keeps freed page-locked blocks for later copies unless its cache is emptied."""
         self.state_dict_cache = None
         if torch.cuda.is_available():
-            torch._C._host_emptyCache()
+            empty_host_cache()()
+
+
+def empty_host_cache() -> Callable[[], None]:
+    """torch's call that hands the host allocator's cached page-locked blocks back to the system: public as
+    `torch.accelerator.empty_host_cache` from torch 2.13, the private `torch._C._host_emptyCache` before
+    (torch 2.11, the GPU image's), which CUDA builds of 2.13 still have."""
+    public = getattr(torch.accelerator, "empty_host_cache", None)
+    return public if public is not None else torch._C._host_emptyCache
 
 
 class _WriterCallingFirst(HuggingFaceStorageWriter):
