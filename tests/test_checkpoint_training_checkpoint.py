@@ -238,6 +238,21 @@ def test_a_rank_file_holding_python_objects_is_refused_unread(tmp_path) -> None:
     assert load_rank_state(path)["epoch"] == 2
 
 
+def test_a_rank_file_overwritten_with_other_bytes_is_called_damaged_not_python_objects(tmp_path) -> None:
+    """Bytes that are no pickle at all (a disk fault, a bad copy) at the size the file was written with,
+    so the size check before resuming passes them: the line says the file is damaged and how to go on."""
+    path = tmp_path / "step-00000004" / "rank-00000.pt"
+    path.parent.mkdir()
+    torch.save({"epoch": 2, "rng": torch.arange(3)}, path)
+    path.write_bytes(bytes(range(256)) * (path.stat().st_size // 256) + b"\xfc" * (path.stat().st_size % 256))
+    with pytest.raises(LitsftError) as refused:
+        load_rank_state(path)
+    message = str(refused.value)
+    assert message.startswith(f"{path} is damaged (") and "Python objects" not in message
+    assert message.endswith(f"move {path.parent} aside (rename it) to resume from the checkpoint before it, "
+                            "or pass --resume <an older step dir>")  # fmt: skip
+
+
 # ---- every layout, and elastic resume, on several processes of a CPU mesh ------------------------------------
 STAGES = [
     # (sharding, mesh shape): each stage resumes the previous one's checkpoint, takes one step and saves.

@@ -255,13 +255,17 @@ def _param_groups_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) ->
 
 
 # ---- loading ----------------------------------------------------------------------------------------------
-def stored_tensors(checkpoint_dir: Path) -> ShardedReader:
-    """The tensors a checkpoint stores (see `checkpoint_tensors` for their names), read from file headers."""
-    fix = (
+def _fix_for_damaged(checkpoint_dir: Path) -> str:
+    """What to do when a file of checkpoint_dir is damaged though its size is the one it was written with."""
+    return (
         f"move {checkpoint_dir} aside (rename it) to resume from the checkpoint before it, or pass "
         "--resume <an older step dir>"
     )
-    return ShardedReader(checkpoint_dir / SHARDS_DIR, fix)
+
+
+def stored_tensors(checkpoint_dir: Path) -> ShardedReader:
+    """The tensors a checkpoint stores (see `checkpoint_tensors` for their names), read from file headers."""
+    return ShardedReader(checkpoint_dir / SHARDS_DIR, _fix_for_damaged(checkpoint_dir))
 
 
 @torch.no_grad()
@@ -340,13 +344,18 @@ def load_rank_state(path: Path) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         refused = refused_global(err)
-        what = f" ({refused})" if refused else ""
+        if refused:
+            raise LitsftError(
+                f"{path} holds Python objects other than plain data ({refused}) and litsft refuses to unpickle "
+                "them; resume from a checkpoint litsft wrote"
+            ) from None
+        # No global named: the bytes are no pickle torch.save wrote (overwritten at the same size, so the
+        # size check before resuming let them through).
         raise LitsftError(
-            f"{path} holds Python objects other than plain data{what} and litsft refuses to unpickle them; "
-            "resume from a checkpoint litsft wrote"
+            f"{path} is damaged (not a file torch.save wrote); {_fix_for_damaged(path.parent)}"
         ) from None
     except (RuntimeError, OSError, EOFError) as err:
-        raise LitsftError(f"{path} is damaged ({first_line(err)}); resume from another checkpoint") from None
+        raise LitsftError(f"{path} is damaged ({first_line(err)}); {_fix_for_damaged(path.parent)}") from None
 
 
 # ---- cleaning up ------------------------------------------------------------------------------------------
