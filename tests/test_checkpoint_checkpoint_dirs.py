@@ -109,6 +109,34 @@ def test_resume_picks_the_newest_a_given_directory_or_none(tmp_path: Path) -> No
         resume_checkpoint(missing, tmp_path)
 
 
+def test_resume_given_a_file_an_out_dir_or_a_model_folder_says_what_it_was_given(tmp_path: Path) -> None:
+    """What users pass to --resume instead of a step checkpoint: each refused with the line naming what it
+    is and what to pass, before anything is read as a checkpoint."""
+    out_dir = tmp_path / "run"
+    newest = write_checkpoint(out_dir / checkpoint_name(4), {"a": b"1"})
+    write_checkpoint(out_dir / checkpoint_name(2), {"a": b"1"})
+    state_file = newest / "trainer_state.json"
+    with pytest.raises(
+        LitsftError, match=rf"^--resume {state_file} is a file; pass a step-XXXXXXXX checkpoint"
+    ):
+        resume_checkpoint(state_file, tmp_path / "new")
+    with pytest.raises(
+        LitsftError,
+        match=rf"^--resume {out_dir} is a run's out_dir, not one of its step checkpoints; pass {newest}, its "
+        rf"newest complete one, or `--out_dir {out_dir} --resume auto` to continue that run there$",
+    ):
+        resume_checkpoint(out_dir, tmp_path / "new")
+    for config in ("litsft_config.json", "config.json"):  # a finished run's final/, a Hugging Face folder
+        model = tmp_path / f"model-with-{config}"
+        model.mkdir()
+        (model / config).write_text("{}")
+        with pytest.raises(
+            LitsftError, match=rf"^--resume {model} is a model folder, not a training checkpoint"
+        ):
+            resume_checkpoint(model, tmp_path / "new")
+    assert resume_checkpoint(newest, tmp_path / "new") == newest
+
+
 def test_the_trainer_state_of_a_complete_checkpoint_only(tmp_path: Path) -> None:
     checkpoint = write_checkpoint(tmp_path / checkpoint_name(5), {"a": b"1"})
     state = read_trainer_state(checkpoint)

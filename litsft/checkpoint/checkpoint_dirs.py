@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from litsft.errors import LitsftError
+from litsft.model.config import CONFIG_FILENAME
 from litsft.runtime.files import read_json
 
 STEP_PREFIX = "step-"
@@ -127,11 +128,38 @@ def resume_checkpoint(resume: bool | str | Path, out_dir: Path) -> Path | None:
     if resume in ("auto", True):
         return latest_checkpoint(out_dir)
     path = Path(resume)
-    if not path.is_dir():
+    if not path.exists():
         raise LitsftError(
             f"--resume {path}: no such checkpoint directory; pass an existing step-XXXXXXXX dir or auto"
         )
+    if not path.is_dir():
+        raise LitsftError(f"--resume {path} is a file; pass a step-XXXXXXXX checkpoint directory or auto")
+    if not (path / TRAINER_STATE).exists() and not path.name.startswith(STEP_PREFIX):
+        _refuse_what_is_no_checkpoint(path)
     return path
+
+
+def _refuse_what_is_no_checkpoint(path: Path) -> None:
+    """--resume given a folder users mistake for a checkpoint: a run's out_dir, or a model folder (its
+    final/, a base checkpoint, a Hugging Face folder). A folder of neither kind is left to the checks of
+    `read_trainer_state`, which say what it lacks."""
+    if step_checkpoints(path):
+        newest = latest_checkpoint(path)
+        which = f"pass {newest}, its newest complete one, or" if newest is not None else "pass"
+        raise LitsftError(
+            f"--resume {path} is a run's out_dir, not one of its step checkpoints; {which} "
+            f"`--out_dir {path} --resume auto` to continue that run there"
+        )
+    if any((path / name).exists() for name in MODEL_FOLDER_FILES):
+        raise LitsftError(
+            f"--resume {path} is a model folder, not a training checkpoint (it has no {TRAINER_STATE}); "
+            "--resume takes a step-XXXXXXXX dir of an earlier run: to train this model further, pass it as "
+            "the checkpoint to start from, with another --out_dir"
+        )
+
+
+MODEL_FOLDER_FILES = (CONFIG_FILENAME, "config.json")
+"""A litsft model folder's config and a Hugging Face folder's."""
 
 
 def read_trainer_state(checkpoint_dir: Path) -> dict[str, Any]:
