@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import write_records, write_tiny_checkpoint
+from launch import max_difference, write_records, write_tiny_checkpoint
 from safetensors.torch import save_file
 from tiny_hf import save_tiny_hf, tiny_hf_model
 
@@ -476,6 +476,22 @@ CASES: dict[str, Case] = {
         "that run with the litsft that wrote it, or start this one in another --out_dir",
         NO_ENV,
     ),
+    "resume a run's out_dir": (
+        lambda ws, t: train(ws, t / "out", "--resume", str(ws / "interrupted")),
+        "interrupted is a run's out_dir, not one of its step checkpoints; pass ",
+        NO_ENV,
+    ),
+    "resume a finished model": (
+        lambda ws, t: train(ws, t / "out", "--resume", str(ws / "finished" / "final")),
+        "final is a model folder, not a training checkpoint (it has no trainer_state.json)",
+        NO_ENV,
+    ),
+    "train from a step checkpoint": (
+        lambda ws, t: train(ws, t / "out", base="interrupted/step-00000002"),
+        "step-00000002 is a step checkpoint of a finetune_full run (sharded training state, not a model); to "
+        "get the model of its step 2, run `litsft finetune_full <that run's model and --data options> --resume",
+        NO_ENV,
+    ),
     "resume an incomplete checkpoint": (
         lambda ws, t: train(ws, t / "out", "--resume", str(_truncated(copy_of(ws, t, "interrupted")))),
         "is not a complete litsft training checkpoint",
@@ -490,6 +506,21 @@ CASES: dict[str, Case] = {
     "convert into an unwritable place": (
         lambda ws, t: ["convert_to_hf", str(ws / "base"), "--out_dir", str(ws / "a-file" / "hf")],
         "a-file/hf (Not a directory: ",
+        NO_ENV,
+    ),
+    "convert a step checkpoint": (
+        lambda ws, t: [
+            "convert_to_hf",
+            str(ws / "interrupted" / "step-00000002"),
+            "--out_dir",
+            str(t / "hf"),
+        ],
+        "step-00000002 is a step checkpoint of a finetune_full run (sharded training state, not a model)",
+        NO_ENV,
+    ),
+    "generate from a run's out_dir": (
+        lambda ws, t: ["generate", str(ws / "finished")],
+        "finished is a run's out_dir; pass ",
         NO_ENV,
     ),
     "PEFT export of a full model": (
@@ -704,6 +735,18 @@ def test_crafted_pickle_is_refused_without_running(
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1, stderr
     assert "refuses to unpickle" in lines[0] and "posix.system" in lines[0], lines[0]
+
+
+def test_the_way_to_a_step_checkpoints_model_writes_that_steps_model(
+    ws: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The command the line for a step checkpoint given as a model suggests writes, without training a step,
+    the model the run had at that step: here the model of a run that ended there."""
+    step = ws / "interrupted" / "step-00000002"
+    code, stderr = run_cli(["convert_to_hf", str(step), "--out_dir", str(tmp_path / "hf")], capsys)
+    assert code == 2 and f"--resume {step} --train.max_steps 2 --out_dir <a new dir>`" in stderr, stderr
+    main(train(ws, tmp_path / "step-model", "--resume", str(step), "--train.max_steps", "2"))
+    assert max_difference(tmp_path / "step-model" / "final", ws / "finished" / "final") == 0.0
 
 
 def test_a_resume_with_another_learning_rate_says_so_in_one_line(

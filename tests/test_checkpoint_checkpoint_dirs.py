@@ -20,6 +20,7 @@ from litsft.checkpoint.checkpoint_dirs import (
     read_trainer_state,
     resume_checkpoint,
     set_aside_damaged_checkpoints,
+    training_folder_given_as_a_model,
 )
 from litsft.errors import LitsftError
 
@@ -135,6 +136,31 @@ def test_resume_given_a_file_an_out_dir_or_a_model_folder_says_what_it_was_given
         ):
             resume_checkpoint(model, tmp_path / "new")
     assert resume_checkpoint(newest, tmp_path / "new") == newest
+
+
+def test_a_step_checkpoint_or_an_out_dir_given_as_a_model_is_named_with_the_way_to_its_model(
+    tmp_path: Path,
+) -> None:
+    out_dir = tmp_path / "run"
+    step = write_checkpoint(out_dir / checkpoint_name(4), {"a": b"1"})
+    (step / "trainer_state.json").write_text(json.dumps({**read_trainer_state(step), "recipe": "pretrain"}))
+    assert training_folder_given_as_a_model(step) == (
+        f"{step} is a step checkpoint of a pretrain run (sharded training state, not a model); to get the model "
+        f"of its step 1, run `litsft pretrain <that run's model and --data options> --resume {step} "
+        "--train.max_steps 1 --out_dir <a new dir>`, which trains no step and writes <a new dir>/final, and "
+        "pass that final/ here"
+    )
+    assert training_folder_given_as_a_model(out_dir) == (
+        f"{out_dir} is the out_dir of a run that has not finished (no final/ yet); relaunch that run to finish "
+        f"it, or pass {step} here to see how to get the model of its newest step checkpoint"
+    )
+    (out_dir / "final").mkdir()
+    assert training_folder_given_as_a_model(out_dir) == (
+        f"{out_dir} is a run's out_dir; pass {out_dir / 'final'}, the model it finished with"
+    )
+    (step / "trainer_state.json").write_text("{")  # still named, without the step it cannot read
+    assert "step checkpoint of a <recipe> run" in training_folder_given_as_a_model(step)
+    assert training_folder_given_as_a_model(tmp_path / "empty") is None
 
 
 def test_the_trainer_state_of_a_complete_checkpoint_only(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """The step checkpoints in an out_dir, as directories: their names, whether one is complete (and how one is
-damaged: `find_damage`), damaged ones moved aside, which one a run resumes from, and the trainer_state.json
-each carries.
+damaged: `find_damage`), damaged ones moved aside, which one a run resumes from, the trainer_state.json
+each carries, and what to say when a step checkpoint or an out_dir is given where a model is read.
 
 Plain files, no torch: the checks before launch (litsft.cli.validation) read them before torch or Lightning
 is imported. Writing and loading checkpoints is litsft.checkpoint.training_checkpoint's.
@@ -160,6 +160,33 @@ def _refuse_what_is_no_checkpoint(path: Path) -> None:
 
 MODEL_FOLDER_FILES = (CONFIG_FILENAME, "config.json")
 """A litsft model folder's config and a Hugging Face folder's."""
+
+
+def training_folder_given_as_a_model(path: Path) -> str | None:
+    """The line for a command that reads a model (training's starting point, convert_to_hf, generate) given
+    a step checkpoint or a run's out_dir instead: what it is and the way to the model it holds. None for a
+    folder of neither kind."""
+    if (path / TRAINER_STATE).is_file():
+        try:
+            state = read_json(path / TRAINER_STATE)
+        except LitsftError:
+            state = {}
+        step, recipe = state.get("step", "N"), state.get("recipe", "<recipe>")
+        return (
+            f"{path} is a step checkpoint of a {recipe} run (sharded training state, not a model); to get the "
+            f"model of its step {step}, run `litsft {recipe} <that run's model and --data options> --resume "
+            f"{path} --train.max_steps {step} --out_dir <a new dir>`, which trains no step and writes "
+            "<a new dir>/final, and pass that final/ here"
+        )
+    if (path / FINAL_DIR).is_dir():
+        return f"{path} is a run's out_dir; pass {path / FINAL_DIR}, the model it finished with"
+    newest = latest_checkpoint(path)
+    if newest is not None:
+        return (
+            f"{path} is the out_dir of a run that has not finished (no {FINAL_DIR}/ yet); relaunch that run to "
+            f"finish it, or pass {newest} here to see how to get the model of its newest step checkpoint"
+        )
+    return None
 
 
 def read_trainer_state(checkpoint_dir: Path) -> dict[str, Any]:

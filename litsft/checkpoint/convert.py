@@ -21,6 +21,7 @@ from typing import Literal
 
 import torch
 
+from litsft.checkpoint.checkpoint_dirs import training_folder_given_as_a_model
 from litsft.checkpoint.lora_folder import LoRAFolder, is_lora_folder, read_lora_folder
 from litsft.checkpoint.model_folder import (
     WeightsFingerprint,
@@ -41,7 +42,7 @@ from litsft.checkpoint.weight_files import (
 from litsft.data.tokenizer import check_tokenizer_fits, read_tokenizer_file
 from litsft.errors import LitsftError
 from litsft.model.adapters import adapter_variant
-from litsft.model.config import Config, DType
+from litsft.model.config import CONFIG_FILENAME, Config, DType
 from litsft.model.families import FAMILIES, WeightMap, family_of
 from litsft.model.lora import EXPERT_ADAPTERS, iter_merged_tensors, merged_config, split_adapter_name
 from litsft.model.lora_config import LoRAConfig
@@ -158,6 +159,9 @@ def convert_to_hf(
             f"--lora_format peft: {checkpoint_dir} is a full model, not a LoRA checkpoint (it has no "
             "lora_config.json); drop --lora_format, or pass the final/ directory of a finetune_lora run"
         )
+    training_folder = training_folder_given_as_a_model(checkpoint_dir)
+    if training_folder is not None and not (checkpoint_dir / CONFIG_FILENAME).is_file():
+        raise LitsftError(training_folder)
     config = Config.from_checkpoint(checkpoint_dir)
     _check_checkpoint_tensors(checkpoint_dir, config)
     if dtype != "auto":

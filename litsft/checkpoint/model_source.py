@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from litsft.checkpoint.checkpoint_dirs import training_folder_given_as_a_model
 from litsft.errors import LitsftError
 from litsft.model.config import CONFIG_FILENAME
 from litsft.runtime import processes
@@ -37,6 +38,9 @@ def resolve_checkpoint(model: str | Path, quiet: bool = False) -> Path:
             return path
         if (path / "config.json").is_file():
             return _converted_hf_directory(path, report)
+        training_folder = training_folder_given_as_a_model(path)
+        if training_folder is not None:
+            raise LitsftError(training_folder)
         raise LitsftError(
             f"{path} is neither a litsft checkpoint ({CONFIG_FILENAME} is missing) nor a Hugging Face model "
             "directory (config.json is missing); pass a checkpoint directory or a hub id such as "
