@@ -54,6 +54,29 @@ def test_an_unknown_option_is_named_with_what_was_meant(argv: list[str], line: s
     assert explain_parse_error(make_parser, ["checkpoints/x", *argv]) == line
 
 
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--lora.r", "8"], "unknown option --lora.r; did you mean --lora.rank?"),
+        (["--lora.lora_alpha", "16"], "unknown option --lora.lora_alpha; did you mean --lora.alpha?"),
+        (["--lora.target_modules", "q_proj"], "unknown option --lora.target_modules; did you mean --lora.targets?"),
+        (["--lora_dropout", "0.1"], "unknown option --lora_dropout; did you mean --lora.dropout?"),
+        (["--lora.zzz", "1"], "unknown option --lora.zzz; --help lists every option"),
+    ],
+)  # fmt: skip
+def test_finetune_lora_names_its_own_lora_options_never_itself(argv: list[str], line: str) -> None:
+    """PEFT's LoraConfig names lead to litsft's; an unknown --lora.* is not sent to `litsft finetune_lora`,
+    the command it was given to."""
+    from litsft.recipes import finetune_lora
+
+    def make_lora_parser():
+        return capture_parser(
+            partial(CLI, finetune_lora.setup, as_positional=True, exit_on_error=False, args=[])
+        )
+
+    assert explain_parse_error(make_lora_parser, ["checkpoints/x", *argv]) == line
+
+
 # ---- a bad value in one line -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("message", "line"),

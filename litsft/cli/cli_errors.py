@@ -168,7 +168,8 @@ class Options:
             name = key.rpartition(".")[2]
             name = OTHER_TOOLS_NAMES.get(name, name)
             matches = sorted(option for option in self.keys if option.rpartition(".")[2] == name)
-        if not matches and group in OTHER_COMMANDS_OPTIONS:
+        # Only for a command without the group: finetune_lora's own --lora.* must not send users to itself.
+        if not matches and group in OTHER_COMMANDS_OPTIONS and not siblings:
             return f"unknown {'option' if prefix else 'key'} {prefix}{key}; {OTHER_COMMANDS_OPTIONS[group]}"
         return _unknown_line(prefix, key, matches, "")
 
@@ -183,8 +184,8 @@ OTHER_COMMANDS_OPTIONS = {
 }
 
 
-# Hugging Face TrainingArguments' names (https://huggingface.co/docs/transformers/main_classes/trainer) of
-# options litsft names otherwise.
+# Hugging Face TrainingArguments' names (https://huggingface.co/docs/transformers/main_classes/trainer), and
+# PEFT's, of options litsft names otherwise.
 OTHER_TOOLS_NAMES = {
     "learning_rate": "lr",
     "num_train_epochs": "epochs",
@@ -203,6 +204,11 @@ OTHER_TOOLS_NAMES = {
     "save_total_limit": "keep_last",
     "resume_from_checkpoint": "resume",
     "model_name_or_path": "checkpoint_dir",
+    # PEFT's LoraConfig (https://huggingface.co/docs/peft/package_reference/lora) names for --lora.*.
+    "r": "rank",
+    "lora_alpha": "alpha",
+    "lora_dropout": "dropout",
+    "target_modules": "targets",
 }
 
 
