@@ -128,6 +128,7 @@ def lora_finetuning(
         initialize=initialize,
         save_final=save_final,
         checkpoint_frozen=False,
+        frozen_base=checkpoint_dir,
         trainable="lora",
         lr_scale=lambda name: variant.lr_scale(lora, name),
     )

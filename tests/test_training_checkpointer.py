@@ -10,16 +10,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from launch import on_ranks, write_records
+from launch import on_ranks, write_records, write_tiny_checkpoint
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision
 
 from litsft.checkpoint.checkpoint_dirs import TRAINER_STATE
+from litsft.checkpoint.model_folder import read_manifest
 from litsft.data import JSON
+from litsft.errors import LitsftError
 from litsft.model.config import Config
 from litsft.model.network import Transformer
 from litsft.training.args import OptimizerConfig, RunConfig, TrainConfig
-from litsft.training.checkpointer import Checkpointer, TrainState, background_saves_fit
+from litsft.training.checkpointer import FROZEN_FINGERPRINT, Checkpointer, TrainState, background_saves_fit
 from litsft.training.optimizer import build_optimizer
 from litsft.training.step import loss_scaler, train_step
 
@@ -86,6 +88,32 @@ def test_a_checkpoint_records_what_the_checks_before_resuming_compare(checkpoint
     assert recorded["data"] == saver.run.data.fingerprint() and recorded["data"]
     assert recorded["config"]["hidden_size"] == Config.from_name("tiny-llama").hidden_size
     assert recorded["arguments"] == {"seed": 7}
+
+
+def test_a_resume_over_other_frozen_base_weights_is_refused_in_one_line(tmp_path: Path) -> None:
+    """LoRA's checkpoints leave the frozen base out: resuming them over other base weights of the same shape
+    would continue the adapters on a model they were not trained on, so the base's fingerprint is recorded
+    and compared."""
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    data = JSON(json_path=write_records(tmp_path / "data.json", count=8))
+    run = RunConfig(Config.from_name("tiny-llama"), None, data, tmp_path / "out", seed=7, cli_arguments={})
+    base, other = write_tiny_checkpoint(tmp_path / "base"), write_tiny_checkpoint(tmp_path / "other", seed=1)
+    saver = Checkpointer(fabric, run, "finetune_lora", save_frozen=False, frozen_base=base)
+    path = saver.save(train_state(fabric, seed=0))
+    recorded = json.loads((path / TRAINER_STATE).read_text())[FROZEN_FINGERPRINT]
+    assert recorded == read_manifest(base)["weights_sha256"] != read_manifest(other)["weights_sha256"]
+
+    Checkpointer(fabric, run, "finetune_lora", save_frozen=False, frozen_base=base).load(
+        path, train_state(fabric, seed=1)
+    )
+    over_other = Checkpointer(fabric, run, "finetune_lora", save_frozen=False, frozen_base=other)
+    with pytest.raises(LitsftError) as refused:
+        over_other.load(path, train_state(fabric, seed=1))
+    assert str(refused.value) == (
+        f"{path} was trained over other frozen base weights than {other} holds (fingerprint "
+        f"{read_manifest(other)['weights_sha256'][:12]}, recorded {recorded[:12]}); resume with the base "
+        "checkpoint it was trained over, or pass another --out_dir to start over"
+    )
 
 
 def test_another_number_of_ranks_reseeds_the_random_streams(checkpointer) -> None:

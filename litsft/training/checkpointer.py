@@ -18,10 +18,16 @@ from typing import Any
 import torch
 
 from litsft.checkpoint import training_checkpoint as checkpoint
+from litsft.checkpoint.checkpoint_dirs import read_trainer_state
+from litsft.checkpoint.model_folder import read_manifest
 from litsft.checkpoint.sharded_tensors import first_message, local_bytes, pinned_stager
+from litsft.errors import LitsftError
 from litsft.runtime.faults import fault_point
 from litsft.runtime.host_memory import available_host_memory
 from litsft.training.args import RunConfig, describe, on_cuda_by_default
+
+FROZEN_FINGERPRINT = "frozen_weights_sha256"
+"""trainer_state.json's fingerprint of the frozen weights a checkpoint leaves out (`Checkpointer.frozen_base`)."""
 
 
 @dataclass
@@ -62,10 +68,23 @@ class TrainState:
 class Checkpointer:
     """Saves and restores a TrainState under `run.out_dir` (collective: every rank calls save and load)."""
 
-    def __init__(self, fabric: Any, run: RunConfig, recipe_name: str, save_frozen: bool) -> None:
+    def __init__(
+        self,
+        fabric: Any,
+        run: RunConfig,
+        recipe_name: str,
+        save_frozen: bool,
+        frozen_base: Path | None = None,
+    ) -> None:
         self.fabric, self.run, self.recipe_name = fabric, run, recipe_name
         self.save_frozen = save_frozen
         """Whether checkpoints hold frozen parameters too (LoRA: no, the base is loaded again)."""
+        self.frozen_base = frozen_base
+        recorded = read_manifest(frozen_base).get("weights_sha256") if frozen_base is not None else None
+        self.frozen_fingerprint = recorded if isinstance(recorded, str) else None
+        """The fingerprint of the frozen weights checkpoints leave out (LoRA's base), recorded in each one: a
+        resume over other weights would continue adapters trained on one base over another. Read from the
+        base's manifest (a folder without one, written by an earlier litsft, is not read whole for it)."""
         self.pending: checkpoint.BackgroundSave | None = None
         """The background save still being written, if any."""
         self.in_background = bool(run.train.save_interval) and on_cuda_by_default(
@@ -97,6 +116,8 @@ class Checkpointer:
             "arguments": describe(self.run.cli_arguments),
             "data": self.run.data.fingerprint(),
         }
+        if self.frozen_fingerprint is not None:
+            trainer_state[FROZEN_FINGERPRINT] = self.frozen_fingerprint
         rank_state = {"rng": checkpoint.rng_state(), **state.state_dict()}
         what = (out_dir, step, state.model.module, state.optimizer, trainer_state, rank_state)
         if self.check_memory:
@@ -118,6 +139,18 @@ class Checkpointer:
         checkpoint.rotate_checkpoints(out_dir, self.run.train.keep_last)
         self.fabric.print(f"Saved checkpoint {path}")
         return path
+
+    def _check_frozen_base(self, path: Path) -> None:
+        """Refuse to resume over frozen weights other than those the checkpoint was trained over (checkpoints
+        written before the fingerprint was recorded are taken as they are)."""
+        recorded = read_trainer_state(path).get(FROZEN_FINGERPRINT)
+        if self.frozen_fingerprint is None or recorded is None or recorded == self.frozen_fingerprint:
+            return
+        raise LitsftError(
+            f"{path} was trained over other frozen base weights than {self.frozen_base} holds (fingerprint "
+            f"{self.frozen_fingerprint[:12]}, recorded {recorded[:12]}); resume with the base checkpoint it "
+            "was trained over, or pass another --out_dir to start over"
+        )
 
     def finish(self) -> None:
         """Wait for the background save, if one is being written, to be published. Collective."""
@@ -150,6 +183,7 @@ class Checkpointer:
 
     def load(self, path: Path, state: TrainState) -> None:
         fabric = self.fabric
+        self._check_frozen_base(path)
         trainer_state, rank_state = checkpoint.load_training_checkpoint(
             path, state.model.module, state.optimizer, load_frozen=self.save_frozen
         )

@@ -89,7 +89,9 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
         skipped_steps=torch.zeros((), device=fabric.device),
         loss_scaler=loss_scaler(fabric),
     )
-    checkpointer = Checkpointer(fabric, run, recipe.name, save_frozen=recipe.checkpoint_frozen)
+    checkpointer = Checkpointer(
+        fabric, run, recipe.name, save_frozen=recipe.checkpoint_frozen, frozen_base=recipe.frozen_base
+    )
     resume_from = resume_checkpoint(run.resume, out_dir)
     if resume_from is not None:
         checkpointer.load(resume_from, state)

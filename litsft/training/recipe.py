@@ -31,6 +31,9 @@ class Recipe:
     """Write the final model to the given directory (collective: every rank calls it)."""
     checkpoint_frozen: bool = True
     """Whether step checkpoints hold frozen parameters too (LoRA: no, the base is loaded again)."""
+    frozen_base: Path | None = None
+    """The model folder the frozen parameters left out of step checkpoints are loaded from again (LoRA's
+    base); a resume checks that its weights are those the checkpoint was trained over."""
     trainable: Literal["all", "lora"] = "all"
     """What is trained; decides the FLOPs per token behind MFU."""
     lr_scale: Callable[[str], float] | None = None
