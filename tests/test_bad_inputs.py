@@ -481,6 +481,13 @@ CASES: dict[str, Case] = {
         "interrupted is a run's out_dir, not one of its step checkpoints; pass ",
         NO_ENV,
     ),
+    "resume an earlier step over later checkpoints": (
+        lambda ws, t: train(
+            ws, _with_a_later_step(ws, t), "--resume", str(ws / "interrupted" / "step-00000002")
+        ),
+        "step-00000002 starts at step 2 but ",
+        NO_ENV,
+    ),
     "resume a finished model": (
         lambda ws, t: train(ws, t / "out", "--resume", str(ws / "finished" / "final")),
         "final is a model folder, not a training checkpoint (it has no trainer_state.json)",
@@ -581,6 +588,13 @@ def _locked(out_dir: Path) -> Path:
 
 def _damaged(out_dir: Path) -> Path:
     corrupt_header(out_dir / "step-00000002" / "shards" / "shard-00001-model-00001-of-00001.safetensors")
+    return out_dir
+
+
+def _with_a_later_step(ws: Path, tmp: Path) -> Path:
+    """An out_dir holding a complete checkpoint named step 4 (a copy of the earlier run's step 2)."""
+    out_dir = tmp / "later"
+    shutil.copytree(ws / "interrupted" / "step-00000002", out_dir / "step-00000004")
     return out_dir
 
 

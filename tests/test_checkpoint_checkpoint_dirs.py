@@ -14,6 +14,7 @@ from litsft.checkpoint.checkpoint_dirs import (
     CHECKPOINT_FORMAT,
     TRAINER_STATE,
     checkpoint_name,
+    complete_checkpoints_after,
     find_damage,
     is_complete,
     latest_checkpoint,
@@ -93,6 +94,13 @@ def test_the_latest_checkpoint_is_the_newest_complete_one(tmp_path: Path) -> Non
     damaged = write_checkpoint(out_dir / checkpoint_name(20), {"model.safetensors": b"xy"})
     (damaged / "model.safetensors").write_bytes(b"x")
     assert latest_checkpoint(out_dir) == out_dir / checkpoint_name(10)
+
+
+def test_the_complete_checkpoints_after_a_step(tmp_path: Path) -> None:
+    steps = {step: write_checkpoint(tmp_path / checkpoint_name(step), {"a": b"1"}) for step in (2, 4, 6)}
+    (steps[6] / "a").write_bytes(b"")  # damaged: moved aside before a run starts
+    assert complete_checkpoints_after(tmp_path, 2) == [steps[4]]
+    assert complete_checkpoints_after(tmp_path, 4) == [] == complete_checkpoints_after(tmp_path / "none", 0)
 
 
 def test_resume_picks_the_newest_a_given_directory_or_none(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ def fake_checkpoint(out_dir: Path, run: RunConfig, **recorded: object) -> Path:
     path = out_dir / "step-00000004"
     path.mkdir(parents=True)
     state = {
+        "step": 4,
         "recipe": "finetune_full",
         "data": run.data.fingerprint(),
         "config": asdict(run.config),
@@ -115,6 +116,25 @@ def test_an_incomplete_checkpoint_given_to_resume_is_refused(run: RunConfig, tmp
     (tmp_path / "step-00000001").mkdir()
     with pytest.raises(LitsftError, match="is not a complete litsft training checkpoint"):
         check_run(replace(run, resume=tmp_path / "step-00000001"), "finetune_full")
+
+
+def test_resuming_an_earlier_step_into_an_out_dir_with_later_checkpoints_is_refused(
+    run: RunConfig, tmp_path: Path
+) -> None:
+    """Its steps would reach a checkpoint out_dir holds already and fail there; each relaunch alike."""
+    earlier = fake_checkpoint(tmp_path / "other-run", run, step=2)
+    later = fake_checkpoint(run.out_dir, run)
+    damaged = run.out_dir / "step-00000006"  # moved aside when the run starts: no clash
+    damaged.mkdir()
+    with pytest.raises(LitsftError) as refused:
+        check_run(replace(run, resume=earlier), "finetune_full")
+    assert str(refused.value) == (
+        f"--resume {earlier} starts at step 2 but {run.out_dir} holds checkpoints of later steps "
+        f"(step-00000004), which this run would write again; move them out of {run.out_dir} to go on from "
+        "step 2 there, or pass another --out_dir"
+    )
+    check_run(replace(run, resume=later), "finetune_full")  # the newest of out_dir itself, or auto
+    check_run(replace(run, resume=earlier, out_dir=tmp_path / "new"), "finetune_full")
 
 
 @pytest.mark.parametrize(

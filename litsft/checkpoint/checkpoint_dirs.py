@@ -91,6 +91,12 @@ def step_checkpoints(out_dir: Path) -> list[Path]:
     )
 
 
+def complete_checkpoints_after(out_dir: Path, step: int) -> list[Path]:
+    """The complete checkpoints in out_dir of steps after `step`, oldest first (damaged ones are moved aside
+    before a run starts: `set_aside_damaged_checkpoints`)."""
+    return [p for p in step_checkpoints(out_dir) if int(p.name[len(STEP_PREFIX) :]) > step and is_complete(p)]
+
+
 def latest_checkpoint(out_dir: Path) -> Path | None:
     """The newest complete `step-*` checkpoint in out_dir; partial or damaged ones are never picked."""
     for candidate in reversed(step_checkpoints(out_dir)):

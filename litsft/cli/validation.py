@@ -13,7 +13,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from litsft.checkpoint.checkpoint_dirs import FINAL_DIR, STEP_PREFIX, read_trainer_state, resume_checkpoint
+from litsft.checkpoint.checkpoint_dirs import (
+    FINAL_DIR,
+    STEP_PREFIX,
+    complete_checkpoints_after,
+    read_trainer_state,
+    resume_checkpoint,
+)
 from litsft.errors import LitsftError, check_number
 from litsft.model.float8 import check_float8_device, check_float8_recipe
 from litsft.runtime.processes import check_world_size, is_first_process
@@ -146,9 +152,26 @@ def check_out_dir(run: RunConfig, recipe_name: str) -> None:
     path = resume_checkpoint(run.resume, out_dir)
     if path is not None:
         check_resumable(path, run, recipe_name)
+        check_no_later_checkpoints(path, out_dir)
         notice = schedule_changes(path, run)
         if notice is not None and is_first_process():
             print(notice, flush=True)
+
+
+def check_no_later_checkpoints(path: Path, out_dir: Path) -> None:
+    """A run resumed from an earlier step (--resume <dir>) must not reach a step whose checkpoint out_dir
+    holds already: it would fail there, its steps since the resume lost, as each relaunch of it would."""
+    step = read_trainer_state(path)["step"]
+    later = complete_checkpoints_after(out_dir, step)
+    if later:
+        names = ", ".join(p.name for p in later[:3]) + (
+            f" and {len(later) - 3} more" if len(later) > 3 else ""
+        )
+        raise LitsftError(
+            f"--resume {path} starts at step {step} but {out_dir} holds checkpoints of later steps ({names}), "
+            f"which this run would write again; move them out of {out_dir} to go on from step {step} there, "
+            "or pass another --out_dir"
+        )
 
 
 def check_resumable(path: Path, run: RunConfig, recipe_name: str) -> None:
