@@ -1,5 +1,5 @@
 """litsft/checkpoint/lora_folder.py: the folder finetune_lora writes, read back as written, and refused when its
-adapters do not fit the base, its base changed or is gone, or its config is not one litsft wrote."""
+adapters do not fit the base or are damaged, its base changed or is gone, or its config is not one litsft wrote."""
 
 from __future__ import annotations
 
@@ -89,6 +89,20 @@ def test_a_folder_whose_config_does_not_fit_is_refused(
     rewrite_config(tmp_path / "final", **changes)
     with pytest.raises(LitsftError, match=message):
         read_lora_folder(tmp_path / "final")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "overwritten"])
+def test_damaged_adapters_are_refused_in_one_line(base: Path, tmp_path: Path, damage: str) -> None:
+    """What convert_to_hf and generate read: a traceback from safetensors before."""
+    save_lora_folder(adapters(), LORA, base, tmp_path / "final")
+    path = tmp_path / "final" / ADAPTER_NAME
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\xff" * len(data))
+    with pytest.raises(LitsftError) as refused:
+        read_lora_folder(tmp_path / "final")
+    message = str(refused.value)
+    assert message.startswith(f"{path} is not a valid safetensors file (") and "\n" not in message
+    assert message.endswith("); the adapters are damaged; restore the file from a copy")
 
 
 def test_a_directory_that_is_no_lora_folder_is_refused(base: Path) -> None:

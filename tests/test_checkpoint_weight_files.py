@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from litsft.checkpoint.weight_files import (
     ShardedSafetensorsWriter,
     iter_tensors,
+    load_safetensors,
     parse_size,
     shard_numbers,
     tensor_infos,
@@ -152,6 +153,19 @@ def test_truncated_safetensors_is_an_error(tmp_path, keep, reason):
         f"{tmp_path / 'model.safetensors'} is not a valid safetensors file (Error while deserializing header: "
         f"{reason}); it may be truncated, download it again"
     )
+
+
+def test_load_safetensors_reads_every_tensor_or_names_the_fix(tmp_path):
+    path = tmp_path / "a.safetensors"
+    written = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}
+    save_file(written, path)
+    loaded = load_safetensors(path, fix="do this")
+    assert loaded.keys() == written.keys() and all(torch.equal(loaded[k], written[k]) for k in written)
+    path.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(
+        LitsftError, match=r"^.*a\.safetensors is not a valid safetensors file \(.*\); do this$"
+    ):
+        load_safetensors(path, fix="do this")
 
 
 def test_missing_shard_is_an_error(tmp_path):

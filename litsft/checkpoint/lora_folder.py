@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import get_args
 
 import torch
-from safetensors.torch import load_file
 
 from litsft.checkpoint.model_folder import copy_tokenizer_files, read_manifest, weights_fingerprint
-from litsft.checkpoint.weight_files import save_safetensors
+from litsft.checkpoint.weight_files import load_safetensors, save_safetensors
 from litsft.errors import LitsftError
 from litsft.model.config import Config
 from litsft.model.lora import check_adapter_shapes
@@ -136,6 +135,6 @@ def read_lora_folder(directory: Path) -> LoRAFolder:
     adapter_path = directory / ADAPTER_NAME
     if not adapter_path.is_file():
         raise LitsftError(f"{directory} has no {ADAPTER_NAME}; the LoRA checkpoint is incomplete")
-    adapters = load_file(adapter_path)
+    adapters = load_safetensors(adapter_path, fix="the adapters are damaged; restore the file from a copy")
     check_adapter_shapes(adapters, config, lora_config, source=str(adapter_path))
     return LoRAFolder(directory, lora_config, base_dir, adapters, base_fingerprint, base_quantization)

@@ -277,14 +277,18 @@ def _read_names(path: Path) -> list[str]:
     return list(_load_bin(path))
 
 
+def load_safetensors(path: Path, fix: str) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file; a file that is not one is refused in a line ending in `fix`."""
+    with _open_safetensors(path, fix) as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
 @contextmanager
-def _open_safetensors(path: Path) -> Iterator[Any]:
+def _open_safetensors(path: Path, fix: str = "it may be truncated, download it again") -> Iterator[Any]:
     try:
         handle = safe_open(path, framework="pt")
     except Exception as err:  # safetensors has its own error types
-        raise LitsftError(
-            f"{path} is not a valid safetensors file ({first_line(err)}); it may be truncated, download it again"
-        ) from None
+        raise LitsftError(f"{path} is not a valid safetensors file ({first_line(err)}); {fix}") from None
     with handle as f:
         yield f
 
