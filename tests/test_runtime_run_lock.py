@@ -46,6 +46,28 @@ def test_an_unreadable_lock_is_refused_while_fresh_and_taken_over_once_old(tmp_p
     assert not path.exists()
 
 
+def test_a_dead_runs_lock_in_a_read_only_out_dir_is_one_line_and_kept(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A preempted run's out_dir mounted read-only (root ignores file modes, so the file system's refusal is
+    what the test stands in for): the line says what to do, not only the errno."""
+    path = tmp_path / LOCK_NAME
+    path.write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 1, "start_time": 1}))
+    age(path, STALE_AFTER_S + 1)
+
+    def read_only(self: Path, missing_ok: bool = False) -> None:
+        raise OSError(30, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with pytest.raises(LitsftError) as refused:
+        RunLock(tmp_path).acquire()
+    assert str(refused.value) == (
+        f"cannot write to --out_dir {tmp_path}: Read-only file system; make it writable to resume the run "
+        "there, or pick a directory you can write to"
+    )
+    assert path.exists() and capsys.readouterr().out == ""  # no "Taking over" for a lock it could not take
+
+
 def test_an_out_dir_that_is_a_file_is_refused_and_kept(tmp_path: Path) -> None:
     (tmp_path / "out").write_text("mine")
     with pytest.raises(LitsftError, match=rf"^--out_dir {tmp_path / 'out'} is a file; pass a directory$"):

@@ -119,8 +119,14 @@ class RunLock:
                 f"{holder.get('pid')}, started {holder.get('started')}); wait for it to end or pass another "
                 f"--out_dir (if that run is dead, delete {self.path})"
             )
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError as err:  # a read-only out_dir: the dead run's lock stays, and so does everything else
+            raise LitsftError(
+                f"cannot write to --out_dir {self.out_dir}: {err.strerror}; make it writable to resume the run "
+                "there, or pick a directory you can write to"
+            ) from None
         print(f"Taking over {self.path} from a run that is gone ({describe(holder)})", flush=True)
-        self.path.unlink(missing_ok=True)
 
 
 def read_holder(path: Path) -> dict[str, Any] | None:
