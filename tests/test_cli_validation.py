@@ -112,6 +112,18 @@ def test_resuming_another_recipe_data_or_model_is_refused(
         check_run(run, "finetune_full")
 
 
+def test_a_checkpoint_whose_trainer_state_records_no_step_is_refused(run: RunConfig) -> None:
+    """Valid JSON listing every file, without the step (damaged, or not written by litsft): a traceback
+    from the first check that reads the step before."""
+    path = fake_checkpoint(run.out_dir, run, step=None)
+    with pytest.raises(LitsftError) as refused:
+        check_run(run, "finetune_full")
+    assert str(refused.value) == (
+        f"{path / TRAINER_STATE} records no step, so {path} is damaged; move it aside (rename it) to resume from "
+        "the checkpoint before it, or pass --resume <an older step dir>"
+    )
+
+
 def test_an_incomplete_checkpoint_given_to_resume_is_refused(run: RunConfig, tmp_path: Path) -> None:
     (tmp_path / "step-00000001").mkdir()
     with pytest.raises(LitsftError, match="is not a complete litsft training checkpoint"):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from litsft.checkpoint.checkpoint_dirs import (
     FINAL_DIR,
     STEP_PREFIX,
+    TRAINER_STATE,
     complete_checkpoints_after,
     read_trainer_state,
     resume_checkpoint,
@@ -176,6 +177,11 @@ def check_no_later_checkpoints(path: Path, out_dir: Path) -> None:
 
 def check_resumable(path: Path, run: RunConfig, recipe_name: str) -> None:
     state = read_trainer_state(path)
+    if not isinstance(state.get("step"), int):
+        raise LitsftError(
+            f"{path / TRAINER_STATE} records no step, so {path} is damaged; move it aside (rename it) to resume "
+            "from the checkpoint before it, or pass --resume <an older step dir>"
+        )
     if state.get("recipe") != recipe_name:
         raise LitsftError(
             f"{path} was written by {state.get('recipe')}, not {recipe_name}; resume it with "
