@@ -181,6 +181,33 @@ print("never")
     assert (tmp_path / "thread.txt").read_text() == "done"
 
 
+@pytest.mark.parametrize(("code", "left"), [(124, True), (0, True), (2, False)])
+def test_a_stopped_run_leaves_through_leave_with_its_status_and_an_error_does_not(tmp_path, code, left):
+    """A run stopped by a signal ends as a finished one does (124, or 0 on a rank the launcher reports for):
+    atexit handlers run and Python's teardown is skipped, so no C++ thread can end it in std::terminate
+    then. A usage error (2) exits through Python's shutdown as before."""
+    script = f"""
+import atexit, sys
+import litsft.__main__ as entry
+
+def stopped():
+    raise SystemExit({code})
+
+class TornDown:
+    def __del__(self):
+        sys.stdout.write(" torn down")
+        sys.stdout.flush()
+
+kept = TornDown()  # a module global: deleted by Python's teardown only
+entry.main = stopped
+atexit.register(lambda: print("atexit ran", end=""))
+entry.run()
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == code, result.stderr
+    assert result.stdout == ("atexit ran" if left else "atexit ran torn down"), result.stdout
+
+
 def test_the_console_script_leaves_through_leave():
     """The installed `litsft` command is `run` (main, then leave), and `python -m litsft` is the same."""
     from importlib.metadata import entry_points
