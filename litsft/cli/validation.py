@@ -152,17 +152,16 @@ def check_out_dir(run: RunConfig, recipe_name: str) -> None:
         )
     path = resume_checkpoint(run.resume, out_dir)
     if path is not None:
-        check_resumable(path, run, recipe_name)
-        check_no_later_checkpoints(path, out_dir)
-        notice = schedule_changes(path, run)
+        state = check_resumable(path, run, recipe_name)
+        check_no_later_checkpoints(path, state["step"], out_dir)
+        notice = schedule_changes(path, state, run)
         if notice is not None and is_first_process():
             print(notice, flush=True)
 
 
-def check_no_later_checkpoints(path: Path, out_dir: Path) -> None:
-    """A run resumed from an earlier step (--resume <dir>) must not reach a step whose checkpoint out_dir
-    holds already: it would fail there, its steps since the resume lost, as each relaunch of it would."""
-    step = read_trainer_state(path)["step"]
+def check_no_later_checkpoints(path: Path, step: int, out_dir: Path) -> None:
+    """A run resumed from an earlier step (--resume <dir>, at `step`) must not reach a step whose checkpoint
+    out_dir holds already: it would fail there, its steps since the resume lost, as each relaunch of it would."""
     later = complete_checkpoints_after(out_dir, step)
     if later:
         names = ", ".join(p.name for p in later[:3]) + (
@@ -175,7 +174,8 @@ def check_no_later_checkpoints(path: Path, out_dir: Path) -> None:
         )
 
 
-def check_resumable(path: Path, run: RunConfig, recipe_name: str) -> None:
+def check_resumable(path: Path, run: RunConfig, recipe_name: str) -> dict[str, Any]:
+    """Refuse in one line a checkpoint this run cannot continue; return its trainer state."""
     state = read_trainer_state(path)
     if not isinstance(state.get("step"), int):
         raise LitsftError(
@@ -201,12 +201,13 @@ def check_resumable(path: Path, run: RunConfig, recipe_name: str) -> None:
             f"{path} was written for a different model ({key}={saved.get(key)!r}, this run has "
             f"{current.get(key)!r}); pass the checkpoint_dir it was trained from, or another --out_dir"
         )
+    return state
 
 
-def schedule_changes(path: Path, run: RunConfig) -> str | None:
-    """One line naming the optimizer and run-length settings that differ from those `path` was trained with
-    (resuming applies the new ones from its step, so the learning rate may jump); None when none do."""
-    state = read_trainer_state(path)
+def schedule_changes(path: Path, state: dict[str, Any], run: RunConfig) -> str | None:
+    """One line naming the optimizer and run-length settings that differ from those the checkpoint `path`
+    (its trainer state `state`) was trained with (resuming applies the new ones from its step, so the
+    learning rate may jump); None when none do."""
     saved, current = state.get("arguments", {}), _json_round_trip(describe(run.cli_arguments))
     changes = [
         f"--{group}.{key} {saved[group].get(key)} -> {value}"
