@@ -30,9 +30,9 @@ from harness import machine_description
 
 from litsft.checkpoint.sharded_tensors import pinned_stager
 from litsft.checkpoint.training_checkpoint import save_training_checkpoint, start_background_save
+from litsft.model.accounting.sizes import num_parameters
 from litsft.model.config import Config
-from litsft.model.network import Transformer
-from litsft.model.sizes import num_parameters
+from litsft.model.network.transformer import Transformer
 from litsft.training.args import OptimizerConfig
 from litsft.training.optimizer import build_optimizer
 

@@ -37,7 +37,7 @@ def rank_main(rank: int, ranks: int, method: str, shape: tuple[int, int], work: 
     from torch.distributed.tensor import DTensor
 
     from litsft.checkpoint.model_folder import save_model_folder, save_model_folder_from_ranks
-    from litsft.model.network import Transformer
+    from litsft.model.network.transformer import Transformer
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -97,7 +97,7 @@ def main() -> None:
         )
     from safetensors.torch import load_file
 
-    from litsft.model.sizes import num_parameters
+    from litsft.model.accounting.sizes import num_parameters
 
     work = Path(tempfile.mkdtemp(prefix="litsft-final-folder-"))
     config = model_config(args.hidden, args.layers)

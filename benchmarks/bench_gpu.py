@@ -25,7 +25,7 @@ Each litsft run's measured peak is compared with `litsft plan`'s estimate for th
 Timing leaves the first `--warmup` steps out (compilation, allocator warm-up) on every side. litsft logs every
 `--warmup` steps (`--train.log_interval`), so it synchronizes with the GPU about as rarely as the plain loop;
 its tokens/s come from its own metrics.csv rows after the first. Tokens are the non-padding input tokens on
-every side. MFU counts the FLOPs each side executes (litsft.model.flops.executed_training_flops) over the GPU's
+every side. MFU counts the FLOPs each side executes (litsft.model.accounting.flops.executed_training_flops) over the GPU's
 datasheet bf16 peak: litsft's blocks on the real tokens, its output head on the loss tokens only and
 attention within each document; the plain loop's blocks and head on every position of the row and causal
 attention over the whole row. Each run's line is printed as soon as it finishes, then the ratios.
@@ -53,10 +53,10 @@ from harness import (
     write_mixed_length_data,
 )
 
+from litsft.model.accounting.flops import device_peak_flops, executed_training_flops, lora_parameters
+from litsft.model.accounting.sizes import num_parameters
 from litsft.model.config import Config
-from litsft.model.flops import device_peak_flops, executed_training_flops, lora_parameters
-from litsft.model.lora import LoRAConfig
-from litsft.model.sizes import num_parameters
+from litsft.model.lora.layers import LoRAConfig
 from litsft.training.plan import estimate_memory
 
 LLAMA_3_2_1B = "Llama-3.2-1B"

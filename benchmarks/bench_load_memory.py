@@ -26,7 +26,7 @@ def rank_main(checkpoint_dir: Path, strategy: str, result_file: Path) -> None:
 
     from litsft.checkpoint.model_folder import load_model_weights
     from litsft.model.config import Config
-    from litsft.model.network import Transformer
+    from litsft.model.network.transformer import Transformer
     from litsft.training.args import FSDPConfig, RunConfig
     from litsft.training.engine import Recipe, setup_model
     from litsft.training.parallel import build_fabric
@@ -56,9 +56,9 @@ def main() -> None:
         return rank_main(Path(args.rank_main[0]), args.rank_main[1], Path(args.rank_main[2]))
 
     from litsft.checkpoint.model_folder import save_model_folder
+    from litsft.model.accounting.sizes import num_parameters
     from litsft.model.config import Config
-    from litsft.model.network import Transformer
-    from litsft.model.sizes import num_parameters
+    from litsft.model.network.transformer import Transformer
 
     work = Path(tempfile.mkdtemp(prefix="litsft-load-memory-"))
     config = Config.from_name("tiny-llama", vocab_size=32000, hidden_size=args.hidden,

@@ -20,7 +20,7 @@ from harness import machine_description
 from transformers import OlmoeConfig
 from transformers.models.olmoe.modeling_olmoe import OlmoeExperts
 
-from litsft.model.moe import GroupedExperts, route
+from litsft.model.network.moe import GroupedExperts, route
 
 EXPERTS, PER_TOKEN, HIDDEN, INTERMEDIATE = 64, 8, 1024, 512
 

@@ -38,9 +38,9 @@ from pathlib import Path
 
 from harness import machine_description, make_checkpoint, run_litsft, training_rows, write_mixed_length_data
 
+from litsft.model.accounting.sizes import num_parameters
 from litsft.model.config import Config
-from litsft.model.lora import LoRAConfig
-from litsft.model.sizes import num_parameters
+from litsft.model.lora.layers import LoRAConfig
 from litsft.training.plan import estimate_memory
 
 SHAPE = dict(num_layers=8, hidden_size=768, intermediate_size=2048, num_heads=12, num_kv_heads=4, head_dim=64)

@@ -30,9 +30,9 @@ from harness import (
     write_mixed_length_data,
 )
 
+from litsft.model.accounting.flops import flops_per_token
+from litsft.model.accounting.sizes import num_parameters
 from litsft.model.config import Config
-from litsft.model.flops import flops_per_token
-from litsft.model.sizes import num_parameters
 
 RUNS = (
     ("full", 1, "NO_SHARD"),

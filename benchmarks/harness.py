@@ -24,7 +24,7 @@ from litsft.checkpoint.model_folder import save_model_folder
 from litsft.data.demo import WORDS, build_demo_tokenizer
 from litsft.data.tokenizer import Tokenizer
 from litsft.model.config import Config
-from litsft.model.network import Transformer
+from litsft.model.network.transformer import Transformer
 
 REPO = Path(__file__).resolve().parent.parent
 

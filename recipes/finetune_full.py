@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from litsft.checkpoint.model_source import local_model_dir, resolve_checkpoint
 from litsft.cli.launcher import launch
 from litsft.cli.validation import check_data
 from litsft.data import DataModule
+from litsft.huggingface.model_source import local_model_dir, resolve_checkpoint
 from litsft.model.config import Config
 from litsft.training.args import (
     Accelerator,
@@ -74,7 +74,7 @@ def full_finetuning(checkpoint_dir: Path, config: Config) -> Recipe:
     """Every weight trains, starting from the checkpoint's; the final model is a full checkpoint."""
     # Imported here: litsft.cli.launcher calls this once the run has passed its checks, and torch takes seconds.
     from litsft.checkpoint.model_folder import load_model_weights, save_model_folder_from_ranks
-    from litsft.model.network import Transformer
+    from litsft.model.network.transformer import Transformer
 
     return Recipe(
         name="finetune_full",

@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from litsft.checkpoint.model_source import local_model_dir, resolve_checkpoint
 from litsft.cli.launcher import launch
 from litsft.cli.validation import check_data
 from litsft.data import DataModule
+from litsft.huggingface.model_source import local_model_dir, resolve_checkpoint
 from litsft.model.config import Config
-from litsft.model.lora_config import LoRAConfig, Quantization
+from litsft.model.lora.config import LoRAConfig, Quantization
 from litsft.training.args import (
     Accelerator,
     EvalConfig,
@@ -60,7 +60,7 @@ def setup(
             checkpoint; false starts at step 0, refused when out_dir holds checkpoints (so that none is
             overwritten): pass another --out_dir to start over.
         seed: Seed for data order, adapter initialization, dropout and sampling.
-        lora: Rank, alpha, dropout, variant (a module of litsft/model/adapters/: --lora.variant's
+        lora: Rank, alpha, dropout, variant (a module of litsft/model/lora/variants/: --lora.variant's
             choices) and which projections get adapters.
         quantize: nf4 stores the frozen base weight of every adapted block projection in 4-bit NormalFloat
             (QLoRA): about 0.52 bytes per weight instead of 2 (bf16), sharded by FSDP like any frozen weight.
@@ -87,8 +87,7 @@ def lora_finetuning(
     from litsft.checkpoint.lora_folder import save_lora_folder
     from litsft.checkpoint.model_folder import load_model_weights
     from litsft.checkpoint.sharded_tensors import copy_local_part, global_rank
-    from litsft.model.adapters import adapter_variant
-    from litsft.model.lora import (
+    from litsft.model.lora.layers import (
         apply_lora,
         base_weight_name,
         check_expert_targets,
@@ -96,8 +95,9 @@ def lora_finetuning(
         initialize_from_base,
         lora_state_dict,
     )
-    from litsft.model.network import Transformer, parameter_generator
-    from litsft.model.quantization import check_nf4_shardable, quantize_base
+    from litsft.model.lora.variants import adapter_variant
+    from litsft.model.network.transformer import Transformer, parameter_generator
+    from litsft.model.precision.quantization import check_nf4_shardable, quantize_base
     from litsft.training.plan import shard_group_size
 
     variant = adapter_variant(lora.variant)

@@ -84,7 +84,7 @@ def pretraining(config: Config, tokenizer_dir: Path, seed: int) -> Recipe:
     # Imported here: litsft.cli.launcher calls this once the run has passed its checks, and torch takes seconds.
     from litsft.checkpoint.model_folder import save_model_folder_from_ranks
     from litsft.checkpoint.sharded_tensors import copy_local_part
-    from litsft.model.network import Transformer, parameter_generator
+    from litsft.model.network.transformer import Transformer, parameter_generator
 
     def initialize(model: Transformer) -> None:
         # Drawn per parameter from its own generator: the same weights on 1 GPU or 64.

@@ -23,7 +23,7 @@ LONGEST_FIRST = (
     "test_docs.py",
     "test_training_engine.py",
     "test_reliability.py",
-    "test_checkpoint_hub.py",
+    "test_huggingface_hub.py",
 )
 
 

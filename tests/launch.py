@@ -21,7 +21,7 @@ from tiny_tokenizer import write_tiny_tokenizer
 
 from litsft.checkpoint.model_folder import load_model_state_dict, save_model_folder
 from litsft.model.config import Config
-from litsft.model.network import Transformer
+from litsft.model.network.transformer import Transformer
 
 
 def test_env(tmp_path: Path) -> dict[str, str]:

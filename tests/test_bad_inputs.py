@@ -24,8 +24,8 @@ from tiny_hf import save_tiny_hf, tiny_hf_model
 
 from litsft.__main__ import main
 from litsft.model.config import CONFIG_FILENAME, Config
-from litsft.model.lora import LoRAConfig, apply_lora, lora_state_dict
-from litsft.model.network import Transformer
+from litsft.model.lora.layers import LoRAConfig, apply_lora, lora_state_dict
+from litsft.model.network.transformer import Transformer
 from litsft.runtime.preemption import PreemptionFlag
 from litsft.runtime.run_lock import LOCK_NAME, process_start_time
 

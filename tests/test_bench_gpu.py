@@ -44,9 +44,9 @@ def test_bench_gpu_counts_what_each_side_executes_and_times_after_the_warm_up(mo
     import bench_gpu
     from bench_gpu import StepWork
 
-    from litsft.model.attention import cumulative_lengths
+    from litsft.model.accounting.flops import executed_training_flops
     from litsft.model.config import Config
-    from litsft.model.flops import executed_training_flops
+    from litsft.model.network.attention import cumulative_lengths
 
     config = Config.from_name("tiny-llama")
     labels = torch.full((1, 16), -100)
@@ -86,7 +86,7 @@ def test_bench_gpu_compares_float8_losses_and_asks_the_planner_for_each_run(monk
     import bench_gpu
 
     from litsft.model.config import Config
-    from litsft.model.lora import LoRAConfig
+    from litsft.model.lora.layers import LoRAConfig
     from litsft.training.plan import estimate_memory
 
     assert bench_gpu.loss_difference(

@@ -20,9 +20,9 @@ from litsft.checkpoint.lora_folder import (
 from litsft.checkpoint.model_folder import weights_fingerprint
 from litsft.errors import LitsftError
 from litsft.model.config import Config
-from litsft.model.lora import apply_lora, lora_state_dict
-from litsft.model.lora_config import LoRAConfig
-from litsft.model.network import Transformer
+from litsft.model.lora.config import LoRAConfig
+from litsft.model.lora.layers import apply_lora, lora_state_dict
+from litsft.model.network.transformer import Transformer
 
 LORA = LoRAConfig(rank=2, alpha=4, targets=["q", "v"])
 

@@ -14,7 +14,7 @@ from litsft.checkpoint.model_folder import (
 )
 from litsft.errors import LitsftError
 from litsft.model.config import Config
-from litsft.model.network import Transformer
+from litsft.model.network.transformer import Transformer
 
 
 @pytest.mark.parametrize("tied", [False, True])

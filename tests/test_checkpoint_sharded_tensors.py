@@ -243,7 +243,7 @@ def test_weights_wrapped_for_float8_all_gather_are_saved_and_loaded_as_plain_ten
     lands in it (they share storage)."""
     from torch import nn
 
-    from litsft.model.float8 import convert_to_float8
+    from litsft.model.precision.float8 import convert_to_float8
 
     model = nn.Module()
     model.blocks = nn.ModuleList([nn.Module()])

@@ -274,7 +274,7 @@ def _stage(sharding: str, shape: tuple[int, ...], work: Path, index: int) -> lis
     from torch.distributed.tensor import DTensor, Shard
 
     from litsft.model.config import Config
-    from litsft.model.network import Transformer
+    from litsft.model.network.transformer import Transformer
     from litsft.training.args import FSDPConfig, OptimizerConfig
     from litsft.training.optimizer import build_optimizer
     from litsft.training.parallel import parallelize

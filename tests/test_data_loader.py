@@ -15,7 +15,7 @@ from litsft.data.loader import IGNORE_INDEX, SFTLoader, collate, pack, plan_epoc
 from litsft.data.samples import Samples
 from litsft.errors import LitsftError
 from litsft.model.config import Config
-from litsft.model.network import Transformer
+from litsft.model.network.transformer import Transformer
 
 
 def random_samples(lengths: list[int], vocab_size: int = 512, seed: int = 0) -> Samples:

@@ -1,7 +1,7 @@
 """The tree's two rules. Tests mirror modules: every module of litsft/ (and of recipes/, shipped as litsft.recipes)
 has a test file named after it, tests/test_<module>.py or tests/test_<package>_<module>.py, or is one of the few
 listed in TESTED_ELSEWHERE, whose test file names it; a module added without tests fails here, by name. Imports
-run only downwards through LAYERS (errors < runtime < model < data < checkpoint < inference < training < cli <
+run only downwards through LAYERS (errors < runtime < model < data < checkpoint < huggingface < inference < training < cli <
 __main__ and recipes), read from the source with ast; an import up a layer fails here, naming both ends."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ TESTED_ELSEWHERE = {
 }
 FAMILY_TESTS = "test_model_families.py"
 """Every litsft/model/families/<module>.py: one section per module there, parametrized over that folder's files."""
-ADAPTER_TESTS = "test_model_adapters.py"
-"""Every litsft/model/adapters/<variant>.py: tests parametrized over the registry, and a section per variant."""
+ADAPTER_TESTS = "test_model_lora_variants.py"
+"""Every litsft/model/lora/variants/<variant>.py: tests parametrized over the registry, and a section per variant."""
 
 
 def modules() -> dict[str, Path]:
@@ -44,7 +44,7 @@ def expected_test_file(module: str) -> str:
     parts = module.removeprefix("litsft.recipes.").removeprefix("litsft.").split(".")
     if parts[:2] == ["model", "families"]:
         return FAMILY_TESTS
-    if parts[:2] == ["model", "adapters"]:
+    if parts[:3] == ["model", "lora", "variants"]:
         return ADAPTER_TESTS
     return "test_" + "_".join(parts) + ".py"
 
@@ -52,7 +52,7 @@ def expected_test_file(module: str) -> str:
 def test_the_modules_are_found() -> None:
     found = modules()
     assert {
-        "litsft.model.loss",
+        "litsft.model.network.loss",
         "litsft.data.base",
         "litsft.checkpoint.checkpoint_dirs",
         "litsft.recipes.pretrain",
@@ -61,7 +61,7 @@ def test_the_modules_are_found() -> None:
     assert expected_test_file("litsft.checkpoint.checkpoint_dirs") == "test_checkpoint_checkpoint_dirs.py"
     assert expected_test_file("litsft.recipes.finetune_lora") == "test_finetune_lora.py"
     assert expected_test_file("litsft.model.families.qwen3") == "test_model_families.py"
-    assert expected_test_file("litsft.model.adapters.pissa") == "test_model_adapters.py"
+    assert expected_test_file("litsft.model.lora.variants.pissa") == "test_model_lora_variants.py"
 
 
 def test_every_module_has_a_test_file_named_after_it() -> None:
@@ -89,6 +89,7 @@ LAYERS = (
     ("litsft.model",),
     ("litsft.data",),
     ("litsft.checkpoint",),
+    ("litsft.huggingface",),
     ("litsft.inference",),
     ("litsft.training",),
     ("litsft.cli",),

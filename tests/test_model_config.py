@@ -8,9 +8,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from litsft.errors import LitsftError
+from litsft.model.accounting.sizes import list_models, model_sizes, num_parameters
 from litsft.model.config import NAMED_CONFIGS, Config, format_count
 from litsft.model.families import FAMILIES
-from litsft.model.sizes import list_models, model_sizes, num_parameters
 
 # The published numbers, typed in again from each model's config.json rather than copied from
 # litsft/model/config.py, so a typo in either place fails a test:

@@ -3,7 +3,7 @@ of the config.json keys it reads and ignores, held against transformers' config 
 and the refusal of a value it cannot compute; then one section per family module, its tests named by the module
 (`[gemma2]`, `[qwen3]`...): it registers its family, config.jsons resolve to it, its weight map names every
 parameter of its configs. Logits against transformers: below for Gemma 2, Gemma 3, OLMo 2 and Granite; every
-family's in tests/test_checkpoint_convert.py (conversion round trip) and tests/test_model_network.py (sliding
+family's in tests/test_huggingface_convert.py (conversion round trip) and tests/test_model_network_transformer.py (sliding
 windows)."""
 
 import copy
@@ -25,15 +25,15 @@ from tiny_hf import (
 from transformers import AutoConfig, PretrainedConfig
 
 from litsft.__main__ import main
-from litsft.checkpoint.convert import convert_from_hf, expected_shapes
 from litsft.checkpoint.model_folder import load_model_state_dict
 from litsft.errors import LitsftError
+from litsft.huggingface.convert import convert_from_hf, expected_shapes
 from litsft.inference.generate import generate_tokens
 from litsft.model.config import NAMED_CONFIGS, Config
 from litsft.model.families import FAMILIES, family_of_hf_config
 from litsft.model.families.phi3 import PHI3_WEIGHTS
 from litsft.model.families.spec import LLAMA_WEIGHTS, SHARED_HF_KEYS, Family
-from litsft.model.network import Transformer
+from litsft.model.network.transformer import Transformer
 
 torch.set_num_threads(1)
 

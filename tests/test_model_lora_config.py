@@ -1,11 +1,11 @@
-"""litsft/model/lora_config.py: the LoRA settings' defaults, derived values and the checks they make on themselves."""
+"""litsft/model/lora/config.py: the LoRA settings' defaults, derived values and the checks they make on themselves."""
 
 from __future__ import annotations
 
 import pytest
 
 from litsft.errors import LitsftError
-from litsft.model.lora_config import LoRAConfig
+from litsft.model.lora.config import LoRAConfig
 
 
 def test_defaults_spell_out_all_linear_and_scale_by_alpha_over_rank() -> None:

@@ -14,7 +14,7 @@ from tiny_tokenizer import write_tiny_tokenizer
 from litsft.checkpoint.model_folder import load_model_state_dict
 from litsft.data import write_demo_corpus
 from litsft.model.config import Config
-from litsft.model.network import Transformer
+from litsft.model.network.transformer import Transformer
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from litsft.model import attention, quantization
+from litsft.model.network import attention
+from litsft.model.precision import quantization
 
 POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -123,7 +124,7 @@ def test_sdpa_takes_the_options_litsft_passes():
 
 
 def test_grouped_mm_takes_offsets():
-    """torch._grouped_mm (litsft.model.moe on CUDA, `torch._grouped_mm(a, b, offs=offsets)`) is a builtin: its
+    """torch._grouped_mm (litsft.model.network.moe on CUDA, `torch._grouped_mm(a, b, offs=offsets)`) is a builtin: its
     signature is read from the stub torch ships with it, torch/_C/_VariableFunctions.pyi."""
     import ast
     from pathlib import Path

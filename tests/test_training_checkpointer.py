@@ -19,7 +19,7 @@ from litsft.checkpoint.model_folder import read_manifest
 from litsft.data import JSON
 from litsft.errors import LitsftError
 from litsft.model.config import Config
-from litsft.model.network import Transformer
+from litsft.model.network.transformer import Transformer
 from litsft.training.args import OptimizerConfig, RunConfig, TrainConfig
 from litsft.training.checkpointer import FROZEN_FINGERPRINT, Checkpointer, TrainState, background_saves_fit
 from litsft.training.optimizer import build_optimizer

@@ -163,7 +163,7 @@ def test_a_non_finite_gradient_skips_the_update_without_a_host_sync_and_stops_th
 
     from litsft.errors import LitsftError
     from litsft.model.config import Config
-    from litsft.model.network import Transformer
+    from litsft.model.network.transformer import Transformer
     from litsft.training.args import OptimizerConfig
     from litsft.training.optimizer import build_optimizer
     from litsft.training.step import raise_if_diverged, train_step
@@ -202,7 +202,7 @@ def test_every_validation_pass_scores_the_same_batches(tmp_path: Path) -> None:
     from litsft.data import JSON
     from litsft.data.tokenizer import Tokenizer
     from litsft.model.config import Config
-    from litsft.model.network import Transformer
+    from litsft.model.network.transformer import Transformer
     from litsft.training.evaluation import validate
 
     base = write_tiny_checkpoint(tmp_path / "base", seed=1)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 
 from litsft.model.config import Config
-from litsft.model.network import Transformer
+from litsft.model.network.transformer import Transformer
 from litsft.training.args import EvalConfig, RunConfig
 from litsft.training.evaluation import validate
 

@@ -11,8 +11,8 @@ from launch import on_ranks
 
 import litsft.training.metrics as metrics
 from litsft.errors import LitsftError
+from litsft.model.accounting.flops import executed_training_flops
 from litsft.model.config import Config
-from litsft.model.flops import executed_training_flops
 from litsft.training.metrics import CSV_COLUMNS, MetricsLogger, Throughput, TokenWeightedMean, peak_memory
 
 torch.set_num_threads(1)
@@ -159,7 +159,7 @@ def unpacked_rows(rows: int, length: int, loss_tokens: int) -> dict[str, torch.T
 def packed_row(lengths: list[int], padding: int, loss_tokens: int) -> dict[str, torch.Tensor]:
     """A packed row of documents of these lengths then `padding` positions, as the loader collates it; the
     first `loss_tokens` positions carry a loss."""
-    from litsft.model.attention import cumulative_lengths
+    from litsft.model.network.attention import cumulative_lengths
 
     row = unpacked_rows(1, sum(lengths) + padding, loss_tokens)
     document_ids = torch.cat(

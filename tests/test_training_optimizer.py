@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from litsft.errors import LitsftError
-from litsft.model.batch import model_inputs
 from litsft.model.config import Config
-from litsft.model.network import Transformer
+from litsft.model.network.batch import model_inputs
+from litsft.model.network.transformer import Transformer
 from litsft.training.args import OptimizerConfig
 from litsft.training.optimizer import (
     COMPENSATION,

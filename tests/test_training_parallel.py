@@ -13,7 +13,7 @@ from launch import on_ranks
 from torch import nn
 
 from litsft.model.config import Config
-from litsft.model.network import Transformer
+from litsft.model.network.transformer import Transformer
 from litsft.training.args import FSDPConfig
 from litsft.training.parallel import parallelize
 
@@ -85,7 +85,7 @@ def _sharded_facts(strategy: str, lora: bool) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from litsft.model.lora import LoRAConfig, apply_lora
+    from litsft.model.lora.layers import LoRAConfig, apply_lora
     from litsft.training.parallel import synchronize_gradients
 
     rank = dist.get_rank()
@@ -204,7 +204,7 @@ def _float8_facts(save_to: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from litsft.checkpoint.sharded_tensors import plain
-    from litsft.model.float8 import convert_to_float8, precompute_float8_scales
+    from litsft.model.precision.float8 import convert_to_float8, precompute_float8_scales
 
     rank = dist.get_rank()
 
@@ -335,7 +335,7 @@ def _moe_micro_batch(rank: int, index: int) -> dict[str, torch.Tensor]:
 def _moe_sharded_facts(rank: int, case: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from litsft.model.moe import expert_load
+    from litsft.model.network.moe import expert_load
     from litsft.training.parallel import synchronize_gradients
 
     strategy, shape = MOE_MESHES[case]

@@ -9,13 +9,19 @@ import torch
 
 from litsft.__main__ import main
 from litsft.errors import LitsftError
-from litsft.model.adapters import VARIANT_NAMES
+from litsft.model.accounting.flops import lora_parameters
+from litsft.model.accounting.sizes import model_sizes, num_parameters
 from litsft.model.config import Config
-from litsft.model.flops import lora_parameters
-from litsft.model.lora import LoRAConfig, apply_lora
-from litsft.model.network import Transformer
-from litsft.model.quantization import NF4_BYTES_PER_WEIGHT, NF4Linear, load_nf4_weight, to_nf4, torchao_nf4
-from litsft.model.sizes import model_sizes, num_parameters
+from litsft.model.lora.layers import LoRAConfig, apply_lora
+from litsft.model.lora.variants import VARIANT_NAMES
+from litsft.model.network.transformer import Transformer
+from litsft.model.precision.quantization import (
+    NF4_BYTES_PER_WEIGHT,
+    NF4Linear,
+    load_nf4_weight,
+    to_nf4,
+    torchao_nf4,
+)
 from litsft.training.args import FSDPConfig, TrainConfig
 from litsft.training.plan import (
     NF4_DEQUANTIZE_BYTES,
@@ -300,7 +306,7 @@ def test_lora_base_in_bf16_on_one_gpu():
 
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 def test_adapter_parameters_and_buffers_of_every_variant(variant):
-    """A and B per adapted projection (litsft.model.flops' formula), plus DoRA's magnitude per output row; PiSSA
+    """A and B per adapted projection (litsft.model.accounting.flops' formula), plus DoRA's magnitude per output row; PiSSA
     also keeps its initial A and B, fp32 buffers that FSDP2 does not shard: on every device, in full."""
     config = Config.from_name("tiny-llama")
     targets = ["q", "v", "down"]
@@ -461,8 +467,8 @@ def test_plan_counts_lora_on_a_mixture_of_experts_experts(capsys):
     """Naming the experts adds their adapters to the plan: the method line says so, the model the planner
     measures has E x r x (C + 2I + I + C) more trained parameters per block (A and B of both fused
     projections), and the optimizer states grow by their fp32 AdamW moments, sharded over 8."""
-    from litsft.model.lora import apply_lora
-    from litsft.model.network import Transformer
+    from litsft.model.lora.layers import apply_lora
+    from litsft.model.network.transformer import Transformer
 
     config = Config.from_name("Qwen3-30B-A3B")
     attention = LoRAConfig(rank=16, targets=["q", "k", "v", "o"])

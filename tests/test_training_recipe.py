@@ -20,7 +20,7 @@ from litsft.recipes.pretrain import pretraining
 from litsft.checkpoint.model_folder import load_model_state_dict
 from litsft.checkpoint.training_checkpoint import stored_tensors
 from litsft.model.config import Config
-from litsft.model.lora_config import LoRAConfig
+from litsft.model.lora.config import LoRAConfig
 from litsft.training.recipe import Recipe
 
 

@@ -12,7 +12,7 @@ from lightning.fabric.plugins.precision import MixedPrecision
 
 from litsft.errors import LitsftError
 from litsft.model.config import Config
-from litsft.model.network import Transformer
+from litsft.model.network.transformer import Transformer
 from litsft.training.args import OptimizerConfig
 from litsft.training.optimizer import build_optimizer
 from litsft.training.step import diverged, next_micro_batches, raise_if_diverged, train_step
@@ -220,7 +220,7 @@ class _Loader:
 
 def _packed_micro_batch(seed: int) -> dict[str, torch.Tensor]:
     """One packed row of 24 positions: documents of 9, 3 and 8 tokens, then 4 of padding."""
-    from litsft.model.attention import cumulative_lengths
+    from litsft.model.network.attention import cumulative_lengths
 
     generator = torch.Generator().manual_seed(seed)
     lengths = [9, 3, 8]

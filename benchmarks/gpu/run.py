@@ -38,8 +38,8 @@ REPO = Path(__file__).resolve().parents[2]
 TOTAL_BUDGET_S = 480
 """Eight minutes: a GPU call may run ten, and this leaves time to start the machine and carry the results."""
 CPU_SUBSET = (
-    "tests/test_model_network.py", "tests/test_model_loss.py", "tests/test_training_optimizer.py",
-    "tests/test_training_metrics.py", "tests/test_model_flops.py",
+    "tests/test_model_network_transformer.py", "tests/test_model_network_loss.py", "tests/test_training_optimizer.py",
+    "tests/test_training_metrics.py", "tests/test_model_accounting_flops.py",
 )  # fmt: skip
 """Test files that pass on the CPU, run again where torch sees a GPU: what picks its device itself goes to CUDA."""
 

@@ -5,7 +5,7 @@
                           QLoRA, "base_quantization" ("nf4": the base's adapted projections were 4-bit)
     adapter.safetensors   adapter tensors in litsft names (`blocks.0.attn.q_proj.lora_A.weight`), with the
                           variant's own (DoRA's magnitudes; PiSSA's initial A and B, from which its residual
-                          base is rebuilt: litsft.model.adapters)
+                          base is rebuilt: litsft.model.lora.variants)
     tokenizer files       copied from the base model folder
 
 Whatever uses the adapters with base weights (merging, exporting, generating) checks the base's
@@ -25,8 +25,8 @@ from litsft.checkpoint.model_folder import copy_tokenizer_files, read_manifest, 
 from litsft.checkpoint.weight_files import load_safetensors, save_safetensors
 from litsft.errors import LitsftError
 from litsft.model.config import Config
-from litsft.model.lora import check_adapter_shapes
-from litsft.model.lora_config import LoRAConfig, Quantization
+from litsft.model.lora.config import LoRAConfig, Quantization
+from litsft.model.lora.layers import check_adapter_shapes
 from litsft.runtime.files import read_json, write_json
 
 LORA_CONFIG_NAME = "lora_config.json"

@@ -37,7 +37,7 @@ from litsft.checkpoint.weight_files import (
 )
 from litsft.errors import LitsftError
 from litsft.model.config import Config
-from litsft.model.quantization import is_nf4, load_nf4_weight
+from litsft.model.precision.quantization import is_nf4, load_nf4_weight
 from litsft.runtime.faults import fault_point
 from litsft.runtime.files import read_json, write_json
 
@@ -247,7 +247,7 @@ def load_model_weights(
         )
     reader.load(targets, collective=False)
     for name, name_on_disk in nf4_weights.items():
-        # Quantized whole, then split into this rank's part (litsft.model.quantization): read one at a time.
+        # Quantized whole, then split into this rank's part (litsft.model.precision.quantization): read one at a time.
         shape, dtype = stored[name_on_disk]
         full = torch.empty(shape, dtype=dtype)
         reader.load({name_on_disk: full}, collective=False)

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStage
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from litsft.errors import LitsftError
-from litsft.model.float8 import without_float8_wrapper
+from litsft.model.precision.float8 import without_float8_wrapper
 from litsft.runtime.files import first_line
 
 # DCP warns on every save and load without a process group, though one process is what litsft means then;

@@ -21,7 +21,7 @@ from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError
 from litsft.inference.generate import generate_batch, load_model
 from litsft.model.config import Config
-from litsft.model.network import Transformer
+from litsft.model.network.transformer import Transformer
 from litsft.training.args import Accelerator
 from litsft.training.devices import demo_accelerator, gpu_count
 
@@ -75,7 +75,7 @@ def demo(
         raise LitsftError("the demo's training run failed; its output is above")
 
     after = exact_match_accuracy(finetune / "final", data)
-    from litsft.checkpoint.convert import convert_to_hf
+    from litsft.huggingface.convert import convert_to_hf
 
     convert_to_hf(finetune / "final", out_dir / "hf")
     print()

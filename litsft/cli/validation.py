@@ -22,7 +22,7 @@ from litsft.checkpoint.checkpoint_dirs import (
     resume_checkpoint,
 )
 from litsft.errors import LitsftError, check_number
-from litsft.model.float8 import check_float8_device, check_float8_recipe
+from litsft.model.precision.float8 import check_float8_device, check_float8_recipe
 from litsft.runtime.processes import check_world_size, is_first_process
 from litsft.training.args import FSDPConfig, RunConfig, describe
 from litsft.training.devices import check_devices, gpu_has_bf16

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from litsft.data.samples import Samples
 from litsft.errors import LitsftError
-from litsft.model.attention import cumulative_lengths
+from litsft.model.network.attention import cumulative_lengths
 from litsft.runtime.heap import release_freed_heap
 
 IGNORE_INDEX = -100

@@ -15,13 +15,13 @@ from torch import nn
 
 from litsft.checkpoint.lora_folder import is_lora_folder, read_lora_folder
 from litsft.checkpoint.model_folder import fingerprint_of_state_dict, load_model_state_dict
-from litsft.checkpoint.model_source import resolve_checkpoint
 from litsft.data.tokenizer import Tokenizer, check_tokenizer_fits
 from litsft.errors import LitsftError
+from litsft.huggingface.model_source import resolve_checkpoint
 from litsft.model.config import Config
-from litsft.model.lora import apply_lora, base_weight_name, load_adapters
-from litsft.model.network import Transformer, long_rope_length
-from litsft.model.quantization import is_quantized_weight, nf4_round_trip
+from litsft.model.lora.layers import apply_lora, base_weight_name, load_adapters
+from litsft.model.network.transformer import Transformer, long_rope_length
+from litsft.model.precision.quantization import is_quantized_weight, nf4_round_trip
 
 
 def sample_next_token(

@@ -108,10 +108,10 @@ class Config:
     """What attention multiplies its scores by (Granite); None: `query_pre_attn_scalar` ** -0.5, or the
     kernels' head_dim ** -0.5."""
     logits_scaling: float = 1.0
-    """Output logits are divided by this, before any soft-cap (Granite; litsft.model.loss.output_logits)."""
+    """Output logits are divided by this, before any soft-cap (Granite; litsft.model.network.loss.output_logits)."""
     # ---- mixture of experts (OLMoE, Qwen3-MoE, Mixtral; off by default) ----
     num_experts: int = 0
-    """Routed experts in each block's MLP (litsft.model.moe); 0: a dense MLP."""
+    """Routed experts in each block's MLP (litsft.model.network.moe); 0: a dense MLP."""
     experts_per_token: int = 0
     """How many experts each token is routed to (transformers' num_experts_per_tok)."""
     expert_intermediate_size: int = 0

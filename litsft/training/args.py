@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from litsft.errors import LitsftError, check_number
 from litsft.model.config import Config
-from litsft.model.float8 import Float8Recipe
+from litsft.model.precision.float8 import Float8Recipe
 
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
 Precision = Literal["bf16-mixed", "bf16-true", "16-mixed", "32-true"]

@@ -27,11 +27,11 @@ from litsft.checkpoint.checkpoint_dirs import (
     set_aside_damaged_checkpoints,
 )
 from litsft.errors import LitsftError
-from litsft.model.attention import choose_kernel, describe_kernel
+from litsft.model.accounting.sizes import num_parameters
 from litsft.model.config import Config
-from litsft.model.float8 import precompute_float8_scales
-from litsft.model.quantization import is_nf4, stored_bytes
-from litsft.model.sizes import num_parameters
+from litsft.model.network.attention import choose_kernel, describe_kernel
+from litsft.model.precision.float8 import precompute_float8_scales
+from litsft.model.precision.quantization import is_nf4, stored_bytes
 from litsft.runtime.faults import fault_point
 from litsft.runtime.files import publish_atomically
 from litsft.runtime.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag

@@ -31,9 +31,9 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from litsft.model.batch import attended_lengths
+from litsft.model.accounting.flops import TrainingFlops, device_peak_flops
 from litsft.model.config import Config
-from litsft.model.flops import TrainingFlops, device_peak_flops
+from litsft.model.network.batch import attended_lengths
 from litsft.runtime.timings import peak_rss_bytes
 from litsft.training.loggers import CSVWriter, LoggerName, MetricWriter, check_loggers, metric_loggers
 

@@ -28,8 +28,8 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from litsft.model.float8 import Float8Recipe, convert_to_float8
-from litsft.model.quantization import is_nf4
+from litsft.model.precision.float8 import Float8Recipe, convert_to_float8
+from litsft.model.precision.quantization import is_nf4
 from litsft.training.args import FSDPConfig, Precision, ShardingStrategy
 from litsft.training.devices import Device
 
@@ -104,7 +104,7 @@ def parallelize(
     float8: Float8Recipe | None = None,
 ) -> nn.Module:
     """Prepare `model` (in place; parameter names do not change) for training: its large block projections
-    swapped for float8 ones if asked (`litsft.model.float8`), activation checkpointing on each block if asked,
+    swapped for float8 ones if asked (`litsft.model.precision.float8`), activation checkpointing on each block if asked,
     then each block and the loss's cross-entropy compiled if asked, then FSDP2 on `mesh` (None: one process,
     no FSDP). The order matters: compile sees the float8 casts and the recomputation, and FSDP wraps the
     compiled blocks (and all-gathers tensorwise float8 weights in float8 when it shards them)."""
@@ -118,7 +118,7 @@ def parallelize(
         # Dynamic shapes from the first compilation: every packed batch brings a new document layout (the
         # number of real tokens, the number of documents in cu_seqlens, the longest one, an int varlen_attn
         # takes). Compiled for the first shapes it saw, a block would recompile for the next ones; with
-        # dynamic=True they are symbols and one graph serves every layout (tests/test_model_attention.py checks
+        # dynamic=True they are symbols and one graph serves every layout (tests/test_model_network_attention.py checks
         # that nothing recompiles). Parameters keep static shapes.
         for block in model.blocks:
             block.compile(dynamic=True)

@@ -18,7 +18,7 @@ ModelParallelStrategy; one process runs without FSDP. The byte counts:
 LoRA's frozen base is stored in the compute dtype (bf16 under bf16-mixed: no fp32 master copy, no compute
 copy; litsft.training.engine.store_frozen_in_compute_dtype); its adapters are stored like trained parameters. With
 `--quantize nf4` (QLoRA) the adapted block projections are stored, sharded and all-gathered in NF4
-(litsft.model.quantization.NF4_BYTES_PER_WEIGHT: 4 bits plus the scales), and each is dequantized for its matmul,
+(litsft.model.precision.quantization.NF4_BYTES_PER_WEIGHT: 4 bits plus the scales), and each is dequantized for its matmul,
 one at a time (NF4_DEQUANTIZE_BYTES per weight of the largest one, a transient). Loading quantizes each NF4
 weight whole on every rank, one at a time, before any optimizer state exists: the largest one's fp32 values
 and torchao's working memory (`nf4_loading_bytes`, 128 MiB of it fixed) on top of the parameters. The run's
@@ -55,13 +55,13 @@ from typing import Any
 import torch
 
 from litsft.errors import LitsftError
+from litsft.model.accounting.sizes import block_saved_bytes_per_token, model_sizes, num_parameters
 from litsft.model.config import Config, format_count
-from litsft.model.lora import EXPERT_TARGETS, apply_lora, base_weight_name
-from litsft.model.lora_config import LoRAConfig, Quantization
-from litsft.model.loss import FP32_BYTES_PER_LOGIT, loss_chunk_tokens
-from litsft.model.network import Transformer
-from litsft.model.quantization import NF4_BLOCK_SIZE, NF4_BYTES_PER_WEIGHT
-from litsft.model.sizes import block_saved_bytes_per_token, model_sizes, num_parameters
+from litsft.model.lora.config import LoRAConfig, Quantization
+from litsft.model.lora.layers import EXPERT_TARGETS, apply_lora, base_weight_name
+from litsft.model.network.loss import FP32_BYTES_PER_LOGIT, loss_chunk_tokens
+from litsft.model.network.transformer import Transformer
+from litsft.model.precision.quantization import NF4_BLOCK_SIZE, NF4_BYTES_PER_WEIGHT
 from litsft.training.args import (
     MAX_DEFAULT_SEQ_LENGTH,
     Accelerator,
@@ -98,7 +98,7 @@ for `F.linear` (int64 codes, fp32 levels and scales, the fp32 result; measured o
 weight: 20.1)."""
 NF4_QUANTIZE_BYTES = 4 + 4 + 1 + (4 + 1) / NF4_BLOCK_SIZE
 """Bytes per weight that loading an NF4 weight holds at its peak besides the parameters
-(litsft.model.quantization.load_nf4_weight with torchao's NF4Tensor.from_tensor): the whole weight in fp32, its
+(litsft.model.precision.quantization.load_nf4_weight with torchao's NF4Tensor.from_tensor): the whole weight in fp32, its
 values divided by their block's scale (fp32), a code byte per value before two are packed into one, and per
 block of NF4_BLOCK_SIZE an fp32 scale and its int8 quantization."""
 NF4_QUANTIZE_CHUNK_VALUES = 2**20
@@ -204,7 +204,7 @@ def block_activation_bytes_per_token(
     config: Config, compute_bytes: int, lora: LoRAConfig | None = None
 ) -> int:
     """Bytes one block saves for the backward pass per token: the tensors autograd saves in a forward pass of
-    the model's largest block as built, recorded by litsft.model.sizes.block_saved_bytes_per_token with the
+    the model's largest block as built, recorded by litsft.model.accounting.sizes.block_saved_bytes_per_token with the
     activations in a dtype of `compute_bytes` bytes (so a new family's block is counted as it is built).
 
     Assumes a fused attention kernel (flash or memory-efficient: q, k, v, the output and a logsumexp per head
@@ -330,12 +330,12 @@ def estimate_memory(
         # One block's unsharded gradients (compute dtype) and their copy in the reduce dtype. The root's
         # gradients are reduced at the very end of backward, when the activations are gone.
         reduce_buffers = (adapters_per_block if lora is not None else block_size) * (compute + stored)
-    # One chunk of the loss's logits (litsft.model.loss sizes the chunks), recomputed in the backward pass.
+    # One chunk of the loss's logits (litsft.model.network.loss sizes the chunks), recomputed in the backward pass.
     loss_chunk = loss_chunk_tokens(config.vocab_size, COMPUTE_DTYPES[compute])
     logits = min(loss_chunk, tokens) * config.vocab_size * (compute + FP32_BYTES_PER_LOGIT)
     dequantized = max(quantized_linears, default=0) * NF4_DEQUANTIZE_BYTES
     transients = math.ceil(gathered - gathered_nf4_savings) + reduce_buffers + logits + dequantized
-    # Each rank quantizes every NF4 weight whole, one at a time (litsft.model.quantization.load_nf4_weight).
+    # Each rank quantizes every NF4 weight whole, one at a time (litsft.model.precision.quantization.load_nf4_weight).
     loading = nf4_loading_bytes(max(quantized_linears)) if quantized_linears else 0
     return MemoryEstimate(
         parameters, gradients, optimizer_states, activations, transients,

@@ -14,11 +14,11 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from litsft.errors import LitsftError
-from litsft.model.attention import Documents
-from litsft.model.batch import model_inputs
-from litsft.model.moe import expert_load
-from litsft.model.network import Transformer
-from litsft.model.sample_dropout import DropoutSamples, dropout_samples, samples_in_micro_batch
+from litsft.model.network.attention import Documents
+from litsft.model.network.batch import model_inputs
+from litsft.model.network.moe import expert_load
+from litsft.model.network.sample_dropout import DropoutSamples, dropout_samples, samples_in_micro_batch
+from litsft.model.network.transformer import Transformer
 from litsft.training.args import ShardingStrategy
 from litsft.training.parallel import synchronize_gradients
 
@@ -89,7 +89,7 @@ def train_step(
     `sharding_strategy` decides how the micro-batches' gradients are reduced (`synchronize_gradients`);
     without FSDP (one process) it changes nothing. LoRA's dropout masks come from (`seed`, `step`, each
     sample's position in the global batch): `dropout_samples_of`. A mixture of experts adds its load-balancing
-    loss's gradient in its forward pass (litsft.model.network.Transformer.router_loss_gradient); `routing` counts
+    loss's gradient in its forward pass (litsft.model.network.transformer.Transformer.router_loss_gradient); `routing` counts
     what its routers did, for the logs. `after_update` runs after the optimizer step (float8's scales)."""
     device = fabric.device
     inputs = [to_device(mb, device) for mb in micro_batches]

@@ -12,10 +12,10 @@ Adding a family:
    experts; fused tensors go in `fused`, the hub's per-expert tensors in `experts`), the name of its block
    variant, and its named configs, each with the URL of the config.json it was typed from. Nothing imports it
    by name: the package imports each of its modules, which registers the family.
-2. If it needs a new block, add it to `litsft.model.network.BLOCK_VARIANTS`; new per-layer features are `Config`
+2. If it needs a new block, add it to `litsft.model.network.transformer.BLOCK_VARIANTS`; new per-layer features are `Config`
    fields, off by default.
 The engine, the recipes and storage do not change. The tests that are parametrized over every registered
-family (tests/test_model_families.py, tests/test_model_flops.py, tests/test_model_sizes.py) cover it at once:
+family (tests/test_model_families.py, tests/test_model_accounting_flops.py, tests/test_model_accounting_sizes.py) cover it at once:
 among them, its declared keys against transformers' config class (a key it neither reads nor ignores fails);
 add its tiny transformers model to tests/tiny_hf.py for the conversion and logits tests.
 """

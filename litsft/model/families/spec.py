@@ -308,7 +308,7 @@ def unsupported(why: str, *supported: Any) -> IgnoredKey:
 DECODER_IGNORED: dict[str, IgnoredKey] = {
     "initializer_range": harmless(
         "the spread of transformers' random init: converted weights are loaded, and litsft's pretraining draws "
-        "its own (litsft.model.network.Transformer.initial_value)"
+        "its own (litsft.model.network.transformer.Transformer.initial_value)"
     ),
     "use_cache": harmless("whether transformers' generate keeps a KV cache; litsft's generation always does"),
     "pad_token_id": harmless(
@@ -344,7 +344,7 @@ class Family:
             tests/test_model_families.py holds read and ignored together against transformers' class: a key
             of the class in neither fails the test. Keys in neither are kept in `Config.hf_extra`.
         weights: Its weight-name map.
-        block: The block variant litsft.model.network builds for it (a key of litsft.model.network.BLOCK_VARIANTS).
+        block: The block variant litsft.model.network.transformer builds for it (a key of litsft.model.network.transformer.BLOCK_VARIANTS).
         named_configs: name -> `Config` field values of each published model, with its source cited in the
             family's module.
     """

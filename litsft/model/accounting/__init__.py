@@ -1,0 +1,1 @@
+"""What a model costs, computed from the model: parameter and memory sizes, FLOPs."""

@@ -1,6 +1,0 @@
-"""Plain LoRA (Hu et al. 2021, https://arxiv.org/abs/2106.09685): W x + (alpha / r) B A x, all of it
-`AdapterVariant`'s defaults."""
-
-from litsft.model.adapters.spec import AdapterVariant
-
-VARIANT = AdapterVariant()

@@ -1,0 +1,1 @@
+"""LoRA: the adapter layers (layers.py), their settings (config.py) and the variants (variants/)."""

@@ -1,0 +1,1 @@
+"""The network: the Transformer (transformer.py) and its parts."""

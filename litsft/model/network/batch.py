@@ -1,0 +1,62 @@
+"""Host-side batch preparation: a collated batch from the data loader turned into the model's keyword
+arguments (packed rows joined into one row of their real tokens, their `Documents`, the positions that carry
+a loss), on the host, so that the device never reports boundaries back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from litsft.model.network.attention import Documents
+
+
+def without_padding(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    document_ids: torch.Tensor,
+    labels: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """A packed batch (B, T) as one row (1, N) of its N real tokens, dropping the padding (document id -1)
+    that fills the ends of rows, so that no layer computes it. Document ids are made unique across rows,
+    so that the last document of one row and the first of the next stay apart. Reads the ids on the host
+    (a sync on a GPU: the engine does this on the host before moving the batch, `model_inputs`)."""
+    B, T = document_ids.shape
+    real = (document_ids >= 0).flatten()
+    if bool(real.all()) or not bool(real.any()):  # nothing to drop, or an all-padding filler batch
+        return input_ids, position_ids, document_ids, labels
+    if position_ids is None:
+        position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+    document_ids = document_ids + T * torch.arange(B, device=document_ids.device)[:, None]
+    return tuple(x.flatten()[real][None] for x in (input_ids, position_ids, document_ids, labels))
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The model's keyword arguments for a collated host batch: packed rows joined into one row of their
+    real tokens with the loader's `Documents` (so the device never reports boundaries back to the host),
+    and the flat indices of the labels that carry a loss (`loss_positions_of`)."""
+    names = ("input_ids", "position_ids", "document_ids", "labels")
+    inputs: dict[str, Any] = {name: batch[name] for name in names if name in batch}
+    if "cu_seqlens" in batch and int(batch["cu_seqlens"][-1]) > 0:
+        input_ids, position_ids, _, labels = without_padding(
+            inputs["input_ids"], inputs.get("position_ids"), inputs.pop("document_ids"), inputs["labels"]
+        )
+        inputs.update(input_ids=input_ids, position_ids=position_ids, labels=labels)
+        inputs["documents"] = Documents(batch["cu_seqlens"], int(batch["max_seqlen"]))
+    inputs["loss_positions"] = loss_positions_of(inputs["labels"])
+    return inputs
+
+
+def loss_positions_of(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the labels (B, T) that carry a loss (are not -100)."""
+    return (labels.flatten() != -100).nonzero().flatten()
+
+
+def attended_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The lengths of the sequences attention runs over in a collated host batch, as a 1-D tensor found
+    without reading one: each packed document (`cu_seqlens`), or each row whole when rows are not packed
+    (a causal row is attended over its full, padded length)."""
+    if "cu_seqlens" in batch:
+        return torch.diff(batch["cu_seqlens"].long())
+    rows, length = batch["input_ids"].shape
+    return torch.full((rows,), length)

@@ -1,0 +1,280 @@
+"""Mixture-of-experts MLP (OLMoE, Qwen3-MoE, Mixtral): a router that picks `k` of `E` SwiGLU experts per token,
+the experts as two fused 3D weights, computed dropless, and the load-balancing loss over the routing.
+
+Shapes in comments: N tokens, C hidden size, E experts, k experts per token, I an expert's intermediate size,
+A = N * k (token, expert) assignments, L MoE layers.
+
+Layout: `gate_up_proj` (E, 2I, C), each expert's gate rows then its up rows, and `down_proj` (E, C, I): the
+layout transformers 5 builds in memory from the hub's per-expert tensors (`MergeModulelist` then
+`Concatenate` in transformers' conversion_mapping.py), so each expert's slice is an `F.linear` weight and
+conversion is a stack. One parameter per projection also means every rank computes a gradient for every
+expert (zero for the experts it routed nothing to), so FSDP2's reduce-scatter never waits on a rank that
+skipped one, and FSDP2 shards both along the expert dimension (dim 0).
+
+Dropless: every assignment is computed, none is dropped for capacity. The assignments are sorted by expert so
+that each expert's tokens are one contiguous slice: on CUDA in bf16 both projections are one
+`torch._grouped_mm` each over those slices; elsewhere (CPU, fp32) each expert with tokens runs one matmul over
+its slice, exact and without padding.
+
+LoRA on the experts (litsft.model.lora.layers.ExpertLoRA, when `--lora.targets` names them) gives a projection
+per-expert A (E, r, in) and B (E, out, r), set here as `gate_up_lora` / `down_lora`; each assignment adds
+(x A_e^T) B_e^T * scaling through the same sorted slices and kernels as its expert's base weight, so no
+per-expert delta B_e A_e (E, out, in) is ever built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from litsft.model.config import Config
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What one MoE layer's router did in the last forward pass, per sequence (each packed document, or each
+    row), for the load-balancing loss and the logs."""
+
+    expert_tokens: torch.Tensor
+    """(S, E) fp32: the assignments each expert received from each sequence's tokens (k per token)."""
+    probability_sums: torch.Tensor
+    """(S, E) fp32: each expert's router probability summed over each sequence's tokens; carries the
+    router's gradient."""
+    tokens: torch.Tensor
+    """(S,) fp32: each sequence's tokens."""
+
+
+def route(
+    logits: torch.Tensor, experts_per_token: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router of OLMoE, Qwen3-MoE and Mixtral (transformers' *TopKRouter): softmax over all E experts in
+    fp32, then the top k; with `normalize` (Mixtral always, the others when `norm_topk_prob`) the k
+    probabilities are rescaled to sum to 1. Mixtral's original "top-k logits, then softmax over them" is the
+    same thing. logits (N, E) -> (weights (N, k) fp32, experts (N, k), probabilities (N, E) fp32)."""
+    probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (N, E)
+    weights, experts = torch.topk(probabilities, experts_per_token, dim=-1)  # (N, k)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts, probabilities
+
+
+def load_balancing_loss(routings: Iterable[Routing], num_experts: int) -> torch.Tensor:
+    """Each sequence's auxiliary load-balancing loss (S,), that of Switch Transformer
+    (https://arxiv.org/abs/2101.03961, eq. 4-6) as transformers' `load_balancing_loss_func` computes it for
+    these families: E * sum_e f_e * P_e, where f_e is expert e's share of the assignments and P_e its mean
+    router probability, both pooled over every layer (a token counted once per layer). Only P carries a
+    gradient. k for perfectly even routing.
+
+    transformers pools the whole batch of a forward pass; litsft pools each sequence (each packed document,
+    each unpacked row), as DeepSeek-V3's sequence-wise balance loss does (https://arxiv.org/abs/2412.19437,
+    eq. 17-20): a sum over sequences does not depend on which micro-batch or rank a sequence lands in, so
+    accumulation and N processes train exactly as one process. For one sequence it is transformers' value."""
+    routings = list(routings)
+    rows = (len(routings) * routings[0].tokens).clamp(min=1)[:, None]  # (S, 1)
+    assigned = torch.stack([routing.expert_tokens for routing in routings]).sum(0) / rows  # (S, E)
+    probability = torch.stack([routing.probability_sums for routing in routings]).sum(0) / rows  # (S, E)
+    return num_experts * (assigned * probability).sum(-1)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as two fused weights: gate and up (E, 2I, C), down (E, C, I)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # Per-expert low-rank adapters on each projection (litsft.model.lora.layers.ExpertLoRA): modules with
+        # `lora_A.weight` (E, r, in), `lora_B.weight` (E, out, r) and `scaling`, or None.
+        self.gate_up_lora: nn.Module | None = None
+        self.down_lora: nn.Module | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Each expert as nn.Linear would initialize its weight (kaiming-uniform over its fan-in).
+        for weight in (self.gate_up_proj, self.down_proj):
+            bound = weight.shape[-1] ** -0.5
+            nn.init.uniform_(weight, -bound, bound)
+
+    def forward(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """x (N, C), each token's k experts (N, k), their weights (N, k) and each expert's assignments (E,) ->
+        (N, C): for each token, the sum over its k experts of weight * down(silu(gate(x)) * up(x))."""
+        k = experts.shape[1]
+        order = experts.flatten().argsort(stable=True)  # assignments grouped by expert, in token order
+        token_of = order // k  # (A,) the token of each sorted assignment
+        sorted_x = x[token_of]  # (A, C)
+        if uses_grouped_mm(sorted_x, self):
+            out = self._grouped(sorted_x, counts)
+        else:
+            out = self._per_expert(sorted_x, counts)  # (A, C)
+        out = out * weights.flatten()[order, None].to(out.dtype)
+        return torch.zeros_like(x, dtype=out.dtype).index_add_(0, token_of, out).to(x.dtype)
+
+    def _grouped(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # torch._grouped_mm(a (A, K), b (E, K, M), offs) multiplies each expert's rows of a by its b: the
+        # weights go in transposed, as views. It is not autocast-aware, so inputs are cast to the weights'
+        # compute dtype (bf16) here.
+        offsets = counts.cumsum(0, dtype=torch.int32)  # (E,) end of each expert's slice
+        dtype = compute_dtype(self.gate_up_proj)
+        gate_up = self.gate_up_proj.to(dtype).transpose(-2, -1)  # (E, C, 2I)
+        down = self.down_proj.to(dtype).transpose(-2, -1)  # (E, I, C)
+        sorted_x = sorted_x.to(dtype)
+        hidden = torch._grouped_mm(sorted_x, gate_up, offs=offsets)  # (A, 2I)
+        if self.gate_up_lora is not None:
+            hidden = hidden + _grouped_low_rank(self.gate_up_lora, sorted_x, offsets, dtype)
+        gate, up = hidden.chunk(2, dim=-1)
+        activated = F.silu(gate) * up  # (A, I)
+        out = torch._grouped_mm(activated, down, offs=offsets)  # (A, C)
+        if self.down_lora is not None:
+            out = out + _grouped_low_rank(self.down_lora, activated, offsets, dtype)
+        return out
+
+    def _per_expert(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # One matmul per expert over its contiguous slice. The counts are read on the host: free on a CPU,
+        # and the price of this path on a GPU (where the grouped path is the one that runs in bf16).
+        # unbind, not gate_up_proj[e]: the backward of one unbind stacks the experts' gradients into one
+        # (E, 2I, C) tensor, where each indexing adds a zero-filled full-size gradient of its own (64 per
+        # projection for OLMoE: 36x slower at 128 tokens, forward and backward; benchmarks/bench_moe_cpu.py).
+        gate_ups, downs = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        gate_up_lora, down_lora = (
+            _per_expert_adapters(self.gate_up_lora),
+            _per_expert_adapters(self.down_lora),
+        )
+        outputs = []
+        for expert, rows in enumerate(sorted_x.split(slice_sizes(counts, sorted_x.shape[0]))):
+            if rows.shape[0] == 0:
+                continue
+            hidden = F.linear(rows, gate_ups[expert])  # (n_e, 2I)
+            if gate_up_lora is not None:
+                hidden = hidden + _low_rank(gate_up_lora, expert, rows)
+            gate, up = hidden.chunk(2, dim=-1)  # (n_e, I) each
+            activated = F.silu(gate) * up
+            out = F.linear(activated, downs[expert])  # (n_e, C)
+            if down_lora is not None:
+                out = out + _low_rank(down_lora, expert, activated)
+            outputs.append(out)
+        return torch.cat(outputs)
+
+
+def _per_expert_adapters(
+    adapter: nn.Module | None,
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], float] | None:
+    """An expert adapter's A and B, each unbound into its E experts' slices (one gradient for all of them, as
+    for the base weights), and its scaling; None without an adapter."""
+    if adapter is None:
+        return None
+    return adapter.lora_A.weight.unbind(0), adapter.lora_B.weight.unbind(0), adapter.scaling
+
+
+def _low_rank(
+    adapter: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], float], expert: int, rows: torch.Tensor
+) -> torch.Tensor:
+    """(rows A_e^T * scaling) B_e^T for one expert's rows (n_e, in) -> (n_e, out): rank-wide intermediates only."""
+    lora_A, lora_B, scaling = adapter
+    return F.linear(F.linear(rows, lora_A[expert]) * scaling, lora_B[expert])
+
+
+def _grouped_low_rank(
+    adapter: nn.Module, sorted_rows: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The adapter's term for every sorted assignment (A, in) -> (A, out), as two grouped matmuls."""
+    lora_A = adapter.lora_A.weight.to(dtype).transpose(-2, -1)  # (E, in, r)
+    lora_B = adapter.lora_B.weight.to(dtype).transpose(-2, -1)  # (E, r, out)
+    narrow = torch._grouped_mm(sorted_rows, lora_A, offs=offsets) * adapter.scaling  # (A, r)
+    return torch._grouped_mm(narrow.to(dtype), lora_B, offs=offsets)
+
+
+def compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype the experts multiply in: autocast's when it is on (one process under bf16-mixed), else the
+    weight's (FSDP2 casts it to bf16 for the forward pass under bf16-mixed)."""
+    device = weight.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
+def uses_grouped_mm(x: torch.Tensor, experts: GroupedExperts) -> bool:
+    """Whether the experts run as `torch._grouped_mm`: on CUDA in bf16 where the kernel exists (torch 2.9+
+    on SM80+, Hopper only before; transformers' `_can_use_grouped_mm` in integrations/moe.py keeps the same
+    table) and every row it reads is 16-byte aligned, as the kernel needs (C, I and a LoRA rank multiples of 8)."""
+    weight = experts.gate_up_proj
+    if (
+        x.device.type != "cuda"
+        or compute_dtype(weight) != torch.bfloat16
+        or not hasattr(torch, "_grouped_mm")
+    ):
+        return False
+    sizes = [weight.shape[-1], experts.down_proj.shape[-1]]
+    sizes += [
+        adapter.lora_A.weight.shape[1]
+        for adapter in (experts.gate_up_lora, experts.down_lora)
+        if adapter is not None
+    ]
+    aligned = all(size % 8 == 0 for size in sizes)
+    return aligned and torch.cuda.get_device_capability(x.device) >= (8, 0)
+
+
+def slice_sizes(counts: torch.Tensor, assignments: int) -> list[int]:
+    """Each expert's assignments as host ints. A tensor without data (the meta device, the fake tensors that
+    litsft.model.accounting.sizes records activations on) has no routing to read: the assignments are then split evenly,
+    which changes no count that grows with the tokens, as every expert's work does."""
+    if counts.device.type != "meta" and not isinstance(counts, torch._subclasses.fake_tensor.FakeTensor):
+        return counts.tolist()
+    experts = counts.shape[0]
+    return [assignments // experts + (e < assignments % experts) for e in range(experts)]
+
+
+def expert_load(model: nn.Module) -> torch.Tensor | None:
+    """The assignments each expert of each MoE layer of `model` (or of a wrapper around it) received in its
+    last forward pass, (L, E), detached; None for a dense model."""
+    routings = [module.routing for module in model.modules() if isinstance(module, MoE)]
+    if not routings or any(routing is None for routing in routings):
+        return None
+    return torch.stack([routing.expert_tokens.sum(0) for routing in routings]).detach()  # type: ignore[union-attr]
+
+
+class MoE(nn.Module):
+    """The MLP of an MoE block: route each token (N, C) to k of E experts and sum their weighted outputs.
+    After each forward pass `routing` holds what the router did for each sequence (`Routing`); the model
+    sets `sequences` before it, the sequence of each token (litsft.model.network.transformer.Transformer)."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.experts_per_token = config.experts_per_token
+        self.normalize = config.normalize_expert_weights
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.expert_intermediate)
+        self.sequences: tuple[torch.Tensor, int] | None = None
+        """(the sequence of each token (N,), the number of sequences S); None: all tokens one sequence."""
+        self.routing: Routing | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(B * T, C)  # (N, C)
+        weights, experts, probabilities = route(self.router(flat), self.experts_per_token, self.normalize)
+        E = probabilities.shape[-1]
+        flat_experts = experts.flatten()  # (A,)
+        # A bincount of fixed length, so that its shape never depends on the data (meta and fake tensors).
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device)
+        counts = counts.index_add_(0, flat_experts, torch.ones_like(flat_experts))  # (E,)
+        self.routing = self._routing_per_sequence(experts, probabilities)
+        return self.experts(flat, experts, weights, counts).view(B, T, C)
+
+    def _routing_per_sequence(self, experts: torch.Tensor, probabilities: torch.Tensor) -> Routing:
+        N, E = probabilities.shape
+        if self.sequences is None or self.sequences[0].numel() != N:
+            sequence, S = torch.zeros(N, dtype=torch.int64, device=probabilities.device), 1
+        else:
+            sequence, S = self.sequences[0].to(torch.int64), self.sequences[1]
+        ones = torch.ones(experts.numel(), device=probabilities.device)
+        slots = (sequence[:, None] * E + experts).flatten()  # (A,) sequence x expert of each assignment
+        expert_tokens = torch.zeros(S * E, device=probabilities.device).index_add_(0, slots, ones).view(S, E)
+        if S == 1:  # a plain sum keeps nothing for its backward; index_add keeps the (N,) sequence ids
+            probability_sums = probabilities.sum(0, keepdim=True)
+        else:
+            probability_sums = probabilities.new_zeros(S, E).index_add(0, sequence, probabilities)
+        tokens = torch.zeros(S, device=probabilities.device).index_add_(0, sequence, ones[:N])
+        return Routing(expert_tokens, probability_sums, tokens)

@@ -1,0 +1,1 @@
+"""Lower-precision weights and matmuls: NF4 quantization for QLoRA, float8 training matmuls."""
