@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from litsft.model.config import Config
+from litsft.model.network.mlp import gated_activation
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ class GroupedExperts(nn.Module):
         if self.gate_up_lora is not None:
             hidden = hidden + _grouped_low_rank(self.gate_up_lora, sorted_x, offsets, dtype)
         gate, up = hidden.chunk(2, dim=-1)
-        activated = F.silu(gate) * up  # (A, I)
+        activated = gated_activation(gate, up)  # (A, I)
         out = torch._grouped_mm(activated, down, offs=offsets)  # (A, C)
         if self.down_lora is not None:
             out = out + _grouped_low_rank(self.down_lora, activated, offsets, dtype)
@@ -153,7 +154,7 @@ class GroupedExperts(nn.Module):
             if gate_up_lora is not None:
                 hidden = hidden + _low_rank(gate_up_lora, expert, rows)
             gate, up = hidden.chunk(2, dim=-1)  # (n_e, I) each
-            activated = F.silu(gate) * up
+            activated = gated_activation(gate, up)
             out = F.linear(activated, downs[expert])  # (n_e, C)
             if down_lora is not None:
                 out = out + _low_rank(down_lora, expert, activated)

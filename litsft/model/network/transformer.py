@@ -35,6 +35,7 @@ from litsft.model.network.attention import (
 )
 from litsft.model.network.batch import loss_positions_of, without_padding
 from litsft.model.network.loss import chunked_cross_entropy, logits_dtype, loss_chunk_tokens, output_logits
+from litsft.model.network.mlp import MLP
 from litsft.model.network.moe import MoE, load_balancing_loss
 
 
@@ -234,20 +235,6 @@ class Attention(nn.Module):
             q, k, v, attention, dropout, self.config.attention_scale(), self.config.softcap_attention
         )  # (B, T, H, D)
         return self.o_proj(y.reshape(B, T, H * D))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: Config) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.gelu = config.mlp_activation == "gelu_tanh"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
-        activated = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)  # GeGLU or SwiGLU
-        return self.down_proj(activated * self.up_proj(x))
 
 
 class Block(nn.Module):
