@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from litsft.checkpoint.checkpoint_dirs import is_step_checkpoint
 from litsft.cli.launcher import launch
 from litsft.cli.validation import check_data
 from litsft.data import DataModule
 from litsft.errors import LitsftError
+from litsft.huggingface.model_source import resolve_checkpoint
 from litsft.model.config import CONFIG_FILENAME, Config
 from litsft.training.args import (
     Accelerator,
@@ -66,6 +68,8 @@ def setup(
         log: Metric loggers.
     """
     arguments = dict(locals())
+    if is_step_checkpoint(Path(model_name)):  # its model's config and tokenizer
+        model_name = str(resolve_checkpoint(model_name))
     is_dir = (Path(model_name) / CONFIG_FILENAME).is_file()
     config = Config.from_checkpoint(model_name) if is_dir else Config.from_name(model_name)
     if tokenizer_dir is None:

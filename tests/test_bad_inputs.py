@@ -493,10 +493,10 @@ CASES: dict[str, Case] = {
         "final is a model folder, not a training checkpoint (it has no trainer_state.json)",
         NO_ENV,
     ),
-    "train from a step checkpoint": (
-        lambda ws, t: train(ws, t / "out", base="interrupted/step-00000002"),
-        "step-00000002 is a step checkpoint of a finetune_full run (sharded training state, not a model); to "
-        "get the model of its step 2, run `litsft finetune_full <that run's model and --data options> --resume",
+    "train from an incomplete step checkpoint": (
+        lambda ws, t: train(ws, t / "out", base=str(_truncated(copy_of(ws, t, "interrupted")))),
+        "step-00000002 is not a complete step checkpoint (shards/shard-00001-model-00001-of-00001.safetensors "
+        "is truncated",
         NO_ENV,
     ),
     "resume an incomplete checkpoint": (
@@ -515,14 +515,15 @@ CASES: dict[str, Case] = {
         "a-file/hf (Not a directory: ",
         NO_ENV,
     ),
-    "convert a step checkpoint": (
+    "convert an incomplete step checkpoint": (
         lambda ws, t: [
             "convert_to_hf",
-            str(ws / "interrupted" / "step-00000002"),
+            str(_truncated(copy_of(ws, t, "interrupted"))),
             "--out_dir",
             str(t / "hf"),
         ],
-        "step-00000002 is a step checkpoint of a finetune_full run (sharded training state, not a model)",
+        "step-00000002 is not a complete step checkpoint (shards/shard-00001-model-00001-of-00001.safetensors "
+        "is truncated",
         NO_ENV,
     ),
     "generate from a run's out_dir": (
@@ -751,14 +752,11 @@ def test_crafted_pickle_is_refused_without_running(
     assert "refuses to unpickle" in lines[0] and "posix.system" in lines[0], lines[0]
 
 
-def test_the_way_to_a_step_checkpoints_model_writes_that_steps_model(
-    ws: Path, tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
-    """The command the line for a step checkpoint given as a model suggests writes, without training a step,
-    the model the run had at that step: here the model of a run that ended there."""
+def test_a_resume_to_a_steps_own_step_writes_that_steps_model(ws: Path, tmp_path: Path) -> None:
+    """Resumed into a new out_dir with its own step as the last, a step checkpoint writes, without training
+    a step, the model the run had there (the way a PiSSA run's step is named: its final/ holds tensors the
+    checkpoint does not): here the model of a run that ended there."""
     step = ws / "interrupted" / "step-00000002"
-    code, stderr = run_cli(["convert_to_hf", str(step), "--out_dir", str(tmp_path / "hf")], capsys)
-    assert code == 2 and f"--resume {step} --train.max_steps 2 --out_dir <a new dir>`" in stderr, stderr
     main(train(ws, tmp_path / "step-model", "--resume", str(step), "--train.max_steps", "2"))
     assert max_difference(tmp_path / "step-model" / "final", ws / "finished" / "final") == 0.0
 

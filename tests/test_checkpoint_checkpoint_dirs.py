@@ -6,6 +6,7 @@ tests/test_checkpoint_training_checkpoint.py."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -17,13 +18,17 @@ from litsft.checkpoint.checkpoint_dirs import (
     complete_checkpoints_after,
     find_damage,
     is_complete,
+    is_step_checkpoint,
     latest_checkpoint,
+    out_dir_given_as_a_model,
     read_trainer_state,
     resume_checkpoint,
     set_aside_damaged_checkpoints,
-    training_folder_given_as_a_model,
+    step_model_config,
+    step_model_state,
 )
 from litsft.errors import LitsftError
+from litsft.model.config import Config
 
 
 def write_checkpoint(directory: Path, files: dict[str, bytes], state: object = None) -> Path:
@@ -146,29 +151,49 @@ def test_resume_given_a_file_an_out_dir_or_a_model_folder_says_what_it_was_given
     assert resume_checkpoint(newest, tmp_path / "new") == newest
 
 
-def test_a_step_checkpoint_or_an_out_dir_given_as_a_model_is_named_with_the_way_to_its_model(
-    tmp_path: Path,
-) -> None:
+def test_an_out_dir_given_as_a_model_is_named_with_the_model_to_pass(tmp_path: Path) -> None:
     out_dir = tmp_path / "run"
     step = write_checkpoint(out_dir / checkpoint_name(4), {"a": b"1"})
-    (step / "trainer_state.json").write_text(json.dumps({**read_trainer_state(step), "recipe": "pretrain"}))
-    assert training_folder_given_as_a_model(step) == (
-        f"{step} is a step checkpoint of a pretrain run (sharded training state, not a model); to get the model "
-        f"of its step 1, run `litsft pretrain <that run's model and --data options> --resume {step} "
-        "--train.max_steps 1 --out_dir <a new dir>`, which trains no step and writes <a new dir>/final, and "
-        "pass that final/ here"
-    )
-    assert training_folder_given_as_a_model(out_dir) == (
-        f"{out_dir} is the out_dir of a run that has not finished (no final/ yet); relaunch that run to finish "
-        f"it, or pass {step} here to see how to get the model of its newest step checkpoint"
+    assert out_dir_given_as_a_model(out_dir) == (
+        f"{out_dir} is the out_dir of a run that has not finished (no final/ yet); pass {step}, the model of "
+        "its newest step checkpoint, or relaunch that run to finish it"
     )
     (out_dir / "final").mkdir()
-    assert training_folder_given_as_a_model(out_dir) == (
+    assert out_dir_given_as_a_model(out_dir) == (
         f"{out_dir} is a run's out_dir; pass {out_dir / 'final'}, the model it finished with"
     )
-    (step / "trainer_state.json").write_text("{")  # still named, without the step it cannot read
-    assert "step checkpoint of a <recipe> run" in training_folder_given_as_a_model(step)
-    assert training_folder_given_as_a_model(tmp_path / "empty") is None
+    assert out_dir_given_as_a_model(tmp_path / "empty") is None
+
+
+def test_a_step_checkpoint_given_as_a_model_is_read_only_when_complete_and_of_a_recipe_with_a_model(
+    tmp_path: Path,
+) -> None:
+    step = write_checkpoint(tmp_path / "run" / checkpoint_name(1), {"shards/a": b"12"})
+    assert is_step_checkpoint(step) and not is_step_checkpoint(tmp_path / "run")
+    state = {
+        **read_trainer_state(step),
+        "recipe": "pretrain",
+        "config": asdict(Config.from_name("tiny-llama")),
+    }
+    (step / TRAINER_STATE).write_text(json.dumps(state))
+    assert step_model_state(step)["recipe"] == "pretrain"
+    assert step_model_config(step) == Config.from_name("tiny-llama")
+    (step / TRAINER_STATE).write_text(json.dumps({**state, "recipe": "evaluate"}))
+    with pytest.raises(
+        LitsftError, match="names none of finetune_full, pretrain, finetune_lora with its model"
+    ):
+        step_model_state(step)
+    (step / TRAINER_STATE).write_text(json.dumps({**state, "format": None}))
+    with pytest.raises(LitsftError, match="in litsft's earlier row-sharded format"):
+        step_model_state(step)
+    (step / TRAINER_STATE).write_text(json.dumps(state))
+    (step / "shards" / "a").write_bytes(b"1")
+    with pytest.raises(
+        LitsftError,
+        match=r"run/step-00000001 is not a complete step checkpoint \(shards/a is truncated \(1 of 2 bytes\)\), "
+        "so it holds no model; pass another step checkpoint of that run, or its final/",
+    ):
+        step_model_state(step)
 
 
 def test_the_trainer_state_of_a_complete_checkpoint_only(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from tiny_hf import save_tiny_hf, tiny_hf_model
 
 from litsft.errors import LitsftError
 from litsft.huggingface import model_source
-from litsft.huggingface.model_source import hf_conversion_cache_dir, resolve_checkpoint
+from litsft.huggingface.model_source import conversion_cache_dir, hf_conversion_cache_dir, resolve_checkpoint
 
 
 def test_finetune_full_on_a_hugging_face_folder_converts_it_once(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -75,3 +75,15 @@ def test_other_ranks_wait_for_the_first_to_publish_the_checkpoint(tmp_path: Path
     monkeypatch.setenv(model_source.WAIT_ENV, "1")
     with pytest.raises(LitsftError, match="waited 1 s for the first process to write .*never"):
         model_source._first_process_makes(tmp_path / "never", lambda: None)
+
+
+def test_the_cache_of_a_step_is_named_after_its_run_and_changes_with_its_files(tmp_path: Path) -> None:
+    step = tmp_path / "run" / "step-00000002"
+    (step / "shards").mkdir(parents=True)
+    (step / "trainer_state.json").write_text("{}")
+    (step / "shards" / "a.safetensors").write_bytes(b"1")
+    files = lambda: sorted(p for p in step.rglob("*") if p.is_file())  # noqa: E731
+    first = conversion_cache_dir(step, files())
+    assert first.name.startswith("run-step-00000002-") and first.parent.name == "converted"
+    (step / "shards" / "a.safetensors").write_bytes(b"22")
+    assert conversion_cache_dir(step, files()) != first

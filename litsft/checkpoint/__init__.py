@@ -9,4 +9,5 @@ each module imports only the ones above it here (plain file writes are `litsft.r
     model_folder         the litsft model folder: config, weights, tokenizer files, manifest (one writer)
     lora_folder          the folder finetune_lora writes: adapters, LoRA config, the base it was trained on
     training_checkpoint  resumable step checkpoints: sharded save, atomic publish, exact resume, rotation
+    step_model           a step checkpoint written as the final/ folder its run would have had at that step
 """

@@ -1,6 +1,7 @@
 """The step checkpoints in an out_dir, as directories: their names, whether one is complete (and how one is
 damaged: `find_damage`), damaged ones moved aside, which one a run resumes from, the trainer_state.json
-each carries, and what to say when a step checkpoint or an out_dir is given where a model is read.
+each carries, and what to say when a run's out_dir is given where a model is read (a step checkpoint is
+one: `litsft.checkpoint.step_model`).
 
 Plain files, no torch: the checks before launch (litsft.cli.validation) read them before torch or Lightning
 is imported. Writing and loading checkpoints is litsft.checkpoint.training_checkpoint's.
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from litsft.errors import LitsftError
-from litsft.model.config import CONFIG_FILENAME
+from litsft.model.config import CONFIG_FILENAME, Config
 from litsft.runtime.files import read_json
 
 STEP_PREFIX = "step-"
@@ -27,6 +28,12 @@ DELETING_SUFFIX = ".deleting"
 """An old checkpoint being deleted is renamed `.step-XXXXXXXX.deleting/` first."""
 TRAINER_STATE = "trainer_state.json"
 """Written last: step, config and the list of every file with its size."""
+FROZEN_FINGERPRINT = "frozen_weights_sha256"
+"""trainer_state.json's fingerprint of the frozen weights a checkpoint leaves out (finetune_lora's base)."""
+FROZEN_BASE = "frozen_base"
+"""trainer_state.json's model folder those frozen weights are read from, as an absolute path."""
+TOKENIZER_DIR = "tokenizer_dir"
+"""trainer_state.json's folder the run's tokenizer files come from (copied into final/), as an absolute path."""
 CHECKPOINT_FORMAT = "dcp-safetensors"
 """trainer_state.json's `format`: tensors written by torch.distributed.checkpoint's Hugging Face safetensors
 storage. Checkpoints without it were written in litsft's earlier format (rows and their offsets, per rank)."""
@@ -168,29 +175,53 @@ MODEL_FOLDER_FILES = (CONFIG_FILENAME, "config.json")
 """A litsft model folder's config and a Hugging Face folder's."""
 
 
-def training_folder_given_as_a_model(path: Path) -> str | None:
-    """The line for a command that reads a model (training's starting point, convert_to_hf, generate) given
-    a step checkpoint or a run's out_dir instead: what it is and the way to the model it holds. None for a
-    folder of neither kind."""
-    if (path / TRAINER_STATE).is_file():
-        try:
-            state = read_json(path / TRAINER_STATE)
-        except LitsftError:
-            state = {}
-        step, recipe = state.get("step", "N"), state.get("recipe", "<recipe>")
-        return (
-            f"{path} is a step checkpoint of a {recipe} run (sharded training state, not a model); to get the "
-            f"model of its step {step}, run `litsft {recipe} <that run's model and --data options> --resume "
-            f"{path} --train.max_steps {step} --out_dir <a new dir>`, which trains no step and writes "
-            "<a new dir>/final, and pass that final/ here"
+def is_step_checkpoint(path: Path) -> bool:
+    """Whether `path` is a step checkpoint (complete or not): a folder with a trainer_state.json."""
+    return (path / TRAINER_STATE).is_file()
+
+
+STEP_MODEL_RECIPES = ("finetune_full", "pretrain", "finetune_lora")
+"""The recipes whose step checkpoints open as a model (trainer_state.json's `recipe`)."""
+
+
+def step_model_state(step_dir: Path) -> dict[str, Any]:
+    """The trainer_state.json of a step checkpoint given as a model, refused in one line when the checkpoint
+    is incomplete or damaged, of an earlier format, or of a recipe whose steps hold no model."""
+    damage = find_damage(step_dir)
+    if damage is not None:
+        raise LitsftError(
+            f"{step_dir} is not a complete step checkpoint ({damage}), so it holds no model; pass another "
+            "step checkpoint of that run, or its final/"
         )
+    state = read_json(step_dir / TRAINER_STATE, fix="pass another step checkpoint of that run")
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise LitsftError(
+            f"{step_dir} is a step checkpoint in litsft's earlier row-sharded format, which this version no "
+            "longer reads; pass another step checkpoint of that run, or its final/"
+        )
+    if state.get("recipe") not in STEP_MODEL_RECIPES or not isinstance(state.get("config"), dict):
+        raise LitsftError(
+            f"{step_dir}/{TRAINER_STATE} names none of {', '.join(STEP_MODEL_RECIPES)} with its model config, "
+            "so the checkpoint cannot be read as a model; pass another step checkpoint of that run, or its final/"
+        )
+    return state
+
+
+def step_model_config(step_dir: Path) -> Config:
+    """The config of a step checkpoint's model (for finetune_lora, its base's), without reading a weight."""
+    return Config.from_values(step_model_state(step_dir)["config"], step_dir / TRAINER_STATE)
+
+
+def out_dir_given_as_a_model(path: Path) -> str | None:
+    """The line for a command that reads a model (training's starting point, convert_to_hf, generate) given
+    a run's out_dir instead: the model in it to pass. None for a folder of another kind."""
     if (path / FINAL_DIR).is_dir():
         return f"{path} is a run's out_dir; pass {path / FINAL_DIR}, the model it finished with"
     newest = latest_checkpoint(path)
     if newest is not None:
         return (
-            f"{path} is the out_dir of a run that has not finished (no {FINAL_DIR}/ yet); relaunch that run to "
-            f"finish it, or pass {newest} here to see how to get the model of its newest step checkpoint"
+            f"{path} is the out_dir of a run that has not finished (no {FINAL_DIR}/ yet); pass {newest}, the "
+            "model of its newest step checkpoint, or relaunch that run to finish it"
         )
     return None
 

@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from litsft.checkpoint.checkpoint_dirs import training_folder_given_as_a_model
+from litsft.checkpoint.checkpoint_dirs import is_step_checkpoint, out_dir_given_as_a_model
 from litsft.checkpoint.lora_folder import LoRAFolder, is_lora_folder, read_lora_folder
 from litsft.checkpoint.model_folder import (
     WeightsFingerprint,
@@ -41,6 +41,7 @@ from litsft.checkpoint.weight_files import (
 )
 from litsft.data.tokenizer import check_tokenizer_fits, read_tokenizer_file
 from litsft.errors import LitsftError
+from litsft.huggingface.model_source import open_step_checkpoint
 from litsft.model.config import CONFIG_FILENAME, Config, DType
 from litsft.model.families import FAMILIES, WeightMap, family_of
 from litsft.model.lora.config import LoRAConfig
@@ -150,6 +151,7 @@ def convert_to_hf(
     """
     checkpoint_dir = Path(checkpoint_dir)
     out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir.with_name(checkpoint_dir.name + "-hf")
+    checkpoint_dir = open_step_checkpoint(checkpoint_dir)
     if is_lora_folder(checkpoint_dir):
         export_lora_to_hf(checkpoint_dir, out_dir, lora_format, dtype)
         print(f"Saved Hugging Face {lora_format} export of the LoRA checkpoint to {out_dir}")
@@ -159,9 +161,9 @@ def convert_to_hf(
             f"--lora_format peft: {checkpoint_dir} is a full model, not a LoRA checkpoint (it has no "
             "lora_config.json); drop --lora_format, or pass the final/ directory of a finetune_lora run"
         )
-    training_folder = training_folder_given_as_a_model(checkpoint_dir)
-    if training_folder is not None and not (checkpoint_dir / CONFIG_FILENAME).is_file():
-        raise LitsftError(training_folder)
+    run_out_dir = out_dir_given_as_a_model(checkpoint_dir)
+    if run_out_dir is not None and not (checkpoint_dir / CONFIG_FILENAME).is_file():
+        raise LitsftError(run_out_dir)
     config = Config.from_checkpoint(checkpoint_dir)
     _check_checkpoint_tensors(checkpoint_dir, config)
     if dtype != "auto":
@@ -211,8 +213,15 @@ def merge_lora(checkpoint_dir: Path, out_dir: Path | None = None, dtype: DType =
             NF4 base (--quantize nf4) are folded into the dequantized NF4 weights they were trained with.
     """
     checkpoint_dir = Path(checkpoint_dir)
+    if out_dir is None:
+        # Beside a step checkpoint, not in it: a file it was not written with would make it damaged.
+        out_dir = (
+            checkpoint_dir.with_name(checkpoint_dir.name + "-merged")
+            if is_step_checkpoint(checkpoint_dir)
+            else checkpoint_dir / "merged"
+        )
+    checkpoint_dir = open_step_checkpoint(checkpoint_dir)
     folder = read_lora_folder(checkpoint_dir)
-    out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir / "merged"
     with publish_atomically(out_dir, "the merged checkpoint") as tmp_dir:
         with _merged_base(folder, dtype) as (tensors, config):
             save_model_folder(tensors, config, tmp_dir, tokenizer_source_dir=checkpoint_dir)

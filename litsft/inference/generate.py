@@ -17,7 +17,7 @@ from litsft.checkpoint.lora_folder import is_lora_folder, read_lora_folder
 from litsft.checkpoint.model_folder import fingerprint_of_state_dict, load_model_state_dict
 from litsft.data.tokenizer import Tokenizer, check_tokenizer_fits
 from litsft.errors import LitsftError
-from litsft.huggingface.model_source import resolve_checkpoint
+from litsft.huggingface.model_source import open_step_checkpoint, resolve_checkpoint
 from litsft.model.config import Config
 from litsft.model.lora.layers import apply_lora, base_weight_name, load_adapters
 from litsft.model.network.transformer import Transformer, long_rope_length
@@ -296,6 +296,7 @@ def generate(
         dtype: Weights and compute dtype. Default: bfloat16 on a GPU that supports it, else float32.
     """
     _check_sampling(temperature, top_k, top_p)
+    checkpoint_dir = open_step_checkpoint(checkpoint_dir, quiet=True)
     if not is_lora_folder(Path(checkpoint_dir)):  # a LoRA folder is read as is, with its base
         checkpoint_dir = resolve_checkpoint(checkpoint_dir, quiet=True)  # stdout: the completion alone
     checkpoint_dir = Path(checkpoint_dir)

@@ -265,7 +265,13 @@ class Config:
                 f"{checkpoint_dir} is not a litsft checkpoint: {CONFIG_FILENAME} is missing. "
                 "Convert a Hugging Face checkpoint first with `litsft convert_from_hf <hf_dir> --out_dir <dir>`"
             )
-        values = read_json(path)
+        return cls.from_values(read_json(path), path)
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any], source: Path | str) -> Config:
+        """A Config from the values `save` writes (also recorded in a step checkpoint's trainer_state.json);
+        `source` names where they were read, for the error on keys this version does not know."""
+        values = dict(values)
         if "max_window_layers" in values:  # written before layer_types: the windowed layers came last
             first = values.pop("max_window_layers")
             values["layer_types"] = [
@@ -275,7 +281,7 @@ class Config:
         unknown = sorted(set(values) - known)
         if unknown:
             raise LitsftError(
-                f"{path} has unknown keys {unknown}; it was written by a different litsft version"
+                f"{source} has unknown keys {unknown}; it was written by a different litsft version"
             )
         return cls(**values)
 

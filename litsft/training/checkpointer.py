@@ -18,16 +18,18 @@ from typing import Any
 import torch
 
 from litsft.checkpoint import training_checkpoint as checkpoint
-from litsft.checkpoint.checkpoint_dirs import read_trainer_state
+from litsft.checkpoint.checkpoint_dirs import (
+    FROZEN_BASE,
+    FROZEN_FINGERPRINT,
+    TOKENIZER_DIR,
+    read_trainer_state,
+)
 from litsft.checkpoint.model_folder import read_manifest
 from litsft.checkpoint.sharded_tensors import first_message, local_bytes, pinned_stager
 from litsft.errors import LitsftError
 from litsft.runtime.faults import fault_point
 from litsft.runtime.host_memory import available_host_memory
 from litsft.training.args import RunConfig, describe, on_cuda_by_default
-
-FROZEN_FINGERPRINT = "frozen_weights_sha256"
-"""trainer_state.json's fingerprint of the frozen weights a checkpoint leaves out (`Checkpointer.frozen_base`)."""
 
 
 @dataclass
@@ -116,6 +118,12 @@ class Checkpointer:
             "arguments": describe(self.run.cli_arguments),
             "data": self.run.data.fingerprint(),
         }
+        # Where the files final/ takes from outside the run come from, so that a step checkpoint opens as
+        # the model final/ would hold at its step (litsft.checkpoint.step_model).
+        if self.run.tokenizer_dir is not None:
+            trainer_state[TOKENIZER_DIR] = str(Path(self.run.tokenizer_dir).resolve())
+        if self.frozen_base is not None:
+            trainer_state[FROZEN_BASE] = str(Path(self.frozen_base).resolve())
         if self.frozen_fingerprint is not None:
             trainer_state[FROZEN_FINGERPRINT] = self.frozen_fingerprint
         rank_state = {"rng": checkpoint.rng_state(), **state.state_dict()}

@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from litsft.checkpoint.checkpoint_dirs import is_step_checkpoint, step_model_config
 from litsft.errors import LitsftError
 from litsft.model.accounting.sizes import block_saved_bytes_per_token, model_sizes, num_parameters
 from litsft.model.config import Config, format_count
@@ -380,6 +381,8 @@ def load_model_config(checkpoint_dir: str) -> Config:
     """The model a recipe's checkpoint_dir names: a litsft checkpoint directory, or else the named config of its
     last part (Llama-3.1-8B, meta-llama/Llama-3.1-8B or checkpoints/meta-llama/Llama-3.1-8B before the
     recipe has downloaded it)."""
+    if is_step_checkpoint(Path(checkpoint_dir)):
+        return step_model_config(Path(checkpoint_dir))
     if Path(checkpoint_dir).is_dir():
         return Config.from_checkpoint(checkpoint_dir)
     return Config.from_name(Path(checkpoint_dir).name)
