@@ -8,7 +8,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
-from launch import write_records
+from launch import TINY_MOE, write_records
 from tiny_tokenizer import write_tiny_tokenizer
 
 from litsft.checkpoint.checkpoint_dirs import CHECKPOINT_FORMAT, TRAINER_STATE
@@ -17,7 +17,7 @@ from litsft.data import JSON
 from litsft.errors import LitsftError
 from litsft.model.config import Config
 from litsft.runtime.files import write_json
-from litsft.training.args import FSDPConfig, RunConfig, TrainConfig
+from litsft.training.args import FSDPConfig, RunConfig, TrainConfig, with_defaults
 
 
 @pytest.fixture
@@ -110,6 +110,23 @@ def test_resuming_another_recipe_data_or_model_is_refused(
     fake_checkpoint(run.out_dir, run, **recorded)
     with pytest.raises(LitsftError, match=message):
         check_run(run, "finetune_full")
+
+
+def test_a_checkpoint_trained_with_a_load_balancing_weight_of_its_own_resumes_with_it(run: RunConfig) -> None:
+    """A checkpoint records the model as the run trained it, --train.router_aux_loss_coef applied: the same
+    option resumes it (from out_dir or named by --resume), leaving it out is refused naming the option."""
+    moe = replace(
+        run, config=Config.from_name("tiny-llama", **TINY_MOE), train=TrainConfig(router_aux_loss_coef=0.1)
+    )
+    path = fake_checkpoint(moe.out_dir, with_defaults(moe, "32-true"))
+    check_run(moe, "finetune_full")
+    check_run(replace(moe, resume=path), "finetune_full")
+    with pytest.raises(LitsftError) as refused:
+        check_run(replace(moe, train=TrainConfig()), "finetune_full")
+    assert str(refused.value) == (
+        f"{path} was written for a different model (router_aux_loss_coef=0.1, this run has 0.01); pass "
+        "--train.router_aux_loss_coef 0.1 as it was trained with, or another --out_dir"
+    )
 
 
 def test_a_checkpoint_whose_trainer_state_records_no_step_is_refused(run: RunConfig) -> None:

@@ -204,6 +204,27 @@ def test_lora_on_a_mixture_of_experts_exports_a_peft_adapter_equal_to_the_merged
     assert torch.equal(experts, base_model.blocks[0].mlp.experts.gate_up_proj)
 
 
+def test_lora_on_a_mixture_of_experts_resumes_with_its_own_load_balancing_weight(
+    workspace: Path, capsys
+) -> None:
+    """finetune_lora --train.router_aux_loss_coef, stopped after step 2 of 4 and relaunched with the same
+    command: it resumes (it was refused as "written for a different model") to the uninterrupted run's
+    adapters."""
+    base, data = (
+        write_tiny_checkpoint(workspace / "base-moe-coef", seed=1, **TINY_MOE),
+        workspace / "data.json",
+    )
+    args = ("--train.save_interval", "2", "--train.router_aux_loss_coef", "0.1")
+    uninterrupted, resumed = workspace / "moe-coef-uninterrupted", workspace / "moe-coef-resumed"
+    litsft_in_process(lora_args(base, data, uninterrupted, 2, 4, *args, dropout=0.0), workspace, capsys)
+    stopped_copy(uninterrupted, resumed, last_step=4)
+    result = litsft_in_process(lora_args(base, data, resumed, 2, 4, *args, dropout=0.0), workspace, capsys)
+    assert "Resumed from" in result.stdout + result.stderr
+    a = load_file(uninterrupted / "final" / "adapter.safetensors")
+    b = load_file(resumed / "final" / "adapter.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+
+
 EXPERT_FAMILIES = {
     "qwen3-moe": TINY_MOE,
     "olmoe": dict(

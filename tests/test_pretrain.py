@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import litsft, litsft_in_process, max_difference
+from launch import TINY_MOE, litsft, litsft_in_process, max_difference, stopped_copy
 from tiny_tokenizer import write_tiny_tokenizer
 
 from litsft.checkpoint.model_folder import load_model_state_dict
@@ -80,6 +80,31 @@ def test_the_init_check_fails_an_all_zero_init(workspace: Path, capsys, monkeypa
     assert not any(w.any() for w in load_model_state_dict(workspace / "init-zero" / "final").values())
     with pytest.raises(AssertionError, match=r"weight', 0\.0, 0\.02"):
         assert_drawn_from_the_init(workspace / "init-zero" / "final")
+
+
+def test_a_mixture_of_experts_pretrained_with_its_own_load_balancing_weight_resumes(
+    workspace: Path, capsys
+) -> None:
+    """pretrain --train.router_aux_loss_coef, stopped after step 2 of 4 and relaunched with the same command:
+    it resumes (it was refused as "written for a different model") to the uninterrupted run's weights."""
+    model = workspace / "tiny-moe"
+    model.mkdir()
+    Config.from_name("tiny-llama", **TINY_MOE).save(model)
+
+    def args(out: str) -> list[str]:
+        command = pretrain_args(workspace, out, 4, 1e-3, "--train.save_interval", "2")
+        return [command[0], str(model), *command[2:], "--train.router_aux_loss_coef", "0.1"]
+
+    litsft_in_process(args("moe-coef-uninterrupted"), workspace, capsys)
+    stopped_copy(workspace / "moe-coef-uninterrupted", workspace / "moe-coef-resumed", last_step=4)
+    result = litsft_in_process(args("moe-coef-resumed"), workspace, capsys)
+    assert "Resumed from" in result.stdout + result.stderr
+    assert (
+        max_difference(
+            workspace / "moe-coef-uninterrupted" / "final", workspace / "moe-coef-resumed" / "final"
+        )
+        == 0.0
+    )
 
 
 def test_pretraining_on_text_files_lowers_the_loss(workspace: Path) -> None:

@@ -22,6 +22,7 @@ from litsft.training.args import (
     describe,
     on_cuda_by_default,
     profiled_steps,
+    run_model_config,
     with_defaults,
 )
 
@@ -98,6 +99,7 @@ def test_the_load_balancing_coefficient_is_the_models_unless_given_and_refused_f
     assert with_defaults(moe, "bf16-mixed").config.router_aux_loss_coef == 0.001  # its config.json's
     given = replace(moe, train=TrainConfig(router_aux_loss_coef=0.0))
     assert with_defaults(given, "bf16-mixed").config.router_aux_loss_coef == 0.0
+    assert run_model_config(given) == with_defaults(given, "bf16-mixed").config  # what a resume compares
     assert moe.config.router_aux_loss_coef == 0.001  # the original is left alone
     with pytest.raises(
         LitsftError, match="^--train.router_aux_loss_coef: tiny-llama is not a mixture of experts"

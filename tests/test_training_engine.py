@@ -138,6 +138,30 @@ def test_a_mixture_of_experts_resumes_exactly_with_two_processes_and_on_one(work
     assert max_difference(uninterrupted / "final", elastic / "final") < 1e-5
 
 
+def test_a_mixture_of_experts_trained_with_its_own_load_balancing_weight_resumes(
+    workspace: Path, capsys
+) -> None:
+    """--train.router_aux_loss_coef changes the model the run trains, and the checkpoint records it: a relaunch
+    with the same command resumes (it was refused as "written for a different model") and finishes with the
+    uninterrupted run's weights; the same checkpoint relaunched without the option is refused, naming it."""
+    base, data = workspace / "base-tiny-moe", workspace / "data.json"
+    args = ["--train.save_interval", "2", "--train.router_aux_loss_coef", "0.1"]
+    uninterrupted, resumed = workspace / "moe-coef-uninterrupted", workspace / "moe-coef-resumed"
+    litsft_in_process(finetune_args(base, data, uninterrupted, 2, 4, *args), workspace, capsys)
+    recorded = json.loads((uninterrupted / "step-00000002" / "trainer_state.json").read_text())
+    assert recorded["config"]["router_aux_loss_coef"] == 0.1 != TINY_MOE["router_aux_loss_coef"]
+    stopped_copy(uninterrupted, resumed, last_step=4)
+    without = litsft_in_process(finetune_args(base, data, resumed, 2, 4), workspace, capsys, check=False)
+    assert without.returncode == 2
+    assert (
+        "(router_aux_loss_coef=0.1, this run has 0.01); pass --train.router_aux_loss_coef 0.1"
+        in without.stderr
+    )
+    result = litsft_in_process(finetune_args(base, data, resumed, 2, 4, *args), workspace, capsys)
+    assert "Resumed from" in result.stdout + result.stderr
+    assert max_difference(uninterrupted / "final", resumed / "final") == 0.0
+
+
 def test_interrupted_checkpoint_is_never_resumed(tmp_path: Path) -> None:
     complete = tmp_path / "step-00000004"
     (complete / "shards").mkdir(parents=True)

@@ -24,7 +24,7 @@ from litsft.checkpoint.checkpoint_dirs import (
 from litsft.errors import LitsftError, check_number
 from litsft.model.precision.float8 import check_float8_device, check_float8_recipe
 from litsft.runtime.processes import check_world_size, is_first_process
-from litsft.training.args import FSDPConfig, RunConfig, describe
+from litsft.training.args import CONFIG_OPTIONS, FSDPConfig, RunConfig, describe, run_model_config
 from litsft.training.devices import check_devices, gpu_has_bf16
 
 if TYPE_CHECKING:
@@ -193,13 +193,19 @@ def check_resumable(path: Path, run: RunConfig, recipe_name: str) -> dict[str, A
             f"{path} was trained on other data than --data gives now (data fingerprint {state['data'][:12]}, "
             f"now {data[:12]}); resume with the data it was trained on, or pass another --out_dir to start over"
         )
-    saved, current = state.get("config", {}), _json_round_trip(asdict(run.config))
+    # The model as this run will build it, the command line's changes included, as the checkpoint recorded it.
+    saved, current = state.get("config", {}), _json_round_trip(asdict(run_model_config(run)))
     different = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
     if different:
         key = different[0]
+        fix = (
+            f"pass {CONFIG_OPTIONS[key]} {saved.get(key)} as it was trained with"
+            if key in CONFIG_OPTIONS
+            else "pass the checkpoint_dir it was trained from"
+        )
         raise LitsftError(
             f"{path} was written for a different model ({key}={saved.get(key)!r}, this run has "
-            f"{current.get(key)!r}); pass the checkpoint_dir it was trained from, or another --out_dir"
+            f"{current.get(key)!r}); {fix}, or another --out_dir"
         )
     return state
 

@@ -237,13 +237,15 @@ class RunConfig:
         return self.devices * self.num_nodes
 
 
-def with_defaults(run: RunConfig, default_precision: Precision) -> RunConfig:
-    """A copy of `run` with the unset precision and sequence length filled in: `default_precision` (what
-    the machine supports best) and the model's context length capped at MAX_DEFAULT_SEQ_LENGTH; a
-    --train.router_aux_loss_coef replaces the model's own (refused for a dense model)."""
-    max_seq_length = run.train.max_seq_length or min(
-        run.config.max_position_embeddings, MAX_DEFAULT_SEQ_LENGTH
-    )
+CONFIG_OPTIONS = {"router_aux_loss_coef": "--train.router_aux_loss_coef"}
+"""The model config's fields that a command-line option sets (`run_model_config`), by the option."""
+
+
+def run_model_config(run: RunConfig) -> Config:
+    """The model `run` trains: its checkpoint's config with what the command line changes in it (each of
+    CONFIG_OPTIONS; --train.router_aux_loss_coef is refused for a dense model). `with_defaults` puts it into the
+    run, which builds the model and records it in each checkpoint, and a resume compares the checkpoint's record
+    with it: one function, so that a run resumed with the command that started it is always the same model."""
     config = run.config
     if run.train.router_aux_loss_coef is not None:
         if not config.num_experts:
@@ -252,9 +254,19 @@ def with_defaults(run: RunConfig, default_precision: Precision) -> RunConfig:
                 "drop the flag"
             )
         config = dataclasses.replace(config, router_aux_loss_coef=run.train.router_aux_loss_coef)
+    return config
+
+
+def with_defaults(run: RunConfig, default_precision: Precision) -> RunConfig:
+    """A copy of `run` with the unset precision and sequence length filled in: `default_precision` (what
+    the machine supports best) and the model's context length capped at MAX_DEFAULT_SEQ_LENGTH; and its model
+    config as the command line changes it (`run_model_config`)."""
+    max_seq_length = run.train.max_seq_length or min(
+        run.config.max_position_embeddings, MAX_DEFAULT_SEQ_LENGTH
+    )
     return dataclasses.replace(
         run,
-        config=config,
+        config=run_model_config(run),
         precision=run.precision or default_precision,
         train=dataclasses.replace(
             run.train,
