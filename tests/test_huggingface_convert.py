@@ -203,6 +203,59 @@ def test_missing_tensor(tmp_path, llama_dir):
 
 
 @pytest.mark.parametrize(
+    ("kind", "dropped"),
+    [
+        ("qwen3-moe", ("gate_proj", "up_proj", "down_proj")),  # a whole expert of one layer
+        ("mixtral", ("w3",)),  # one part of it
+    ],
+)
+def test_a_weight_file_without_an_expert_names_what_it_lacks(tmp_path, kind, dropped):
+    """Expert 3 of layer 1 lost from the weights (layer 0 keeps all 4): the missing tensors are named, not
+    the config (it was "has shape [3, ...] but the config requires [4, ...]; restore the original config")."""
+    hf_dir = save_tiny_hf(tiny_hf_model(kind), tmp_path / "hf")
+    tensors = load_file(hf_dir / "model.safetensors")
+    prefix = (
+        "model.layers.1.mlp.experts.3" if kind == "qwen3-moe" else "model.layers.1.block_sparse_moe.experts.3"
+    )
+    lost = [f"{prefix}.{part}.weight" for part in dropped]
+    save_file({n: t for n, t in tensors.items() if n not in lost}, hf_dir / "model.safetensors")
+    _expect_error_and_nothing_written(
+        tmp_path,
+        hf_dir,
+        f"{hf_dir} lacks expert tensors {', '.join(sorted(lost))} (its fullest layer has 4 experts); the checkpoint is "
+        "incomplete, download it again",
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            dict(num_experts_per_tok=0),
+            "config.json's num_experts_per_tok is 0, but each token is routed to between 1 and num_experts=4 "
+            "experts; restore the original config.json, or set it in that range",
+        ),
+        (
+            dict(num_experts_per_tok=9),
+            "config.json's num_experts_per_tok is 9, but each token is routed to between 1 and num_experts=4 "
+            "experts; restore the original config.json, or set it in that range",
+        ),
+        (
+            dict(num_experts_per_tok=None),
+            "config.json lacks num_experts_per_tok, which a mixture of experts needs; restore the original "
+            "config.json",
+        ),
+    ],
+)
+def test_a_config_json_routing_tokens_to_no_expert_or_too_many_names_the_value(tmp_path, change, message):
+    """num_experts_per_tok 0 was called missing, and 9 of 4 experts was refused by litsft's own field name
+    (experts_per_token) with no fix."""
+    hf_dir = save_tiny_hf(tiny_hf_model("olmoe"), tmp_path / "hf")
+    _edit_config(hf_dir, **change)
+    _expect_error_and_nothing_written(tmp_path, hf_dir, message)
+
+
+@pytest.mark.parametrize(
     ("extra", "message"),
     [
         (

@@ -374,16 +374,37 @@ def test_each_granite_multiplier_changes_the_logits(tmp_path, key):
 
 
 # ---- mixtures of experts -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind, key", [("olmoe", "num_experts"), ("mixtral", "num_experts_per_tok")])
-def test_an_moe_config_json_without_its_experts_is_refused_in_one_line(kind, key):
-    """(The MoE keys litsft computes only at their published values, clip_qkv, router_jitter_noise,
-    decoder_sparse_step and mlp_only_layers, are refused by the test of every ignored key above.)"""
+@pytest.mark.parametrize(
+    "kind, change, message",
+    [
+        ("olmoe", dict(num_experts=None), "config.json lacks num_experts, which a mixture of experts needs"),
+        (
+            "mixtral",
+            dict(num_local_experts=None, num_experts_per_tok=None),
+            "config.json lacks num_local_experts and num_experts_per_tok, which a mixture of experts needs",
+        ),
+        (
+            "mixtral",
+            dict(num_local_experts=0),
+            "config.json's num_local_experts is 0, but a mixture of experts",
+        ),
+        (
+            "mixtral",
+            dict(num_experts_per_tok=2.5),
+            r"config.json's num_experts_per_tok is 2.5, but each token is routed to between 1 and "
+            r"num_local_experts=4 experts; restore the original config.json, or set it in that range$",
+        ),
+    ],
+)
+def test_an_moe_config_json_without_its_experts_is_refused_in_one_line(kind, change, message):
+    """A missing key and a value no model has are named by their config.json names. (The MoE keys litsft
+    computes only at their published values, clip_qkv, router_jitter_noise, decoder_sparse_step and
+    mlp_only_layers, are refused by the test of every ignored key above.)"""
     hf_config = TINY_HF_MODELS[kind][0].to_dict()
     Config.from_hf_config(hf_config)  # as published: accepted
-    with pytest.raises(
-        LitsftError, match=r"^config.json lacks num_.* or num_experts_per_tok, which a mixture"
-    ):
-        Config.from_hf_config({**hf_config, key: None})
+    assert Config.from_hf_config({**hf_config, "num_experts_per_tok": 4.0}).experts_per_token == 4
+    with pytest.raises(LitsftError, match=f"^{message}"):
+        Config.from_hf_config({**hf_config, **change})
 
 
 @pytest.mark.parametrize("kind", MOE_KINDS)

@@ -517,28 +517,37 @@ def _check_hf_tensors(hf_dir: Path, config: Config) -> dict[str, tuple[str, ...]
             )
         for target, size in zip(targets, rows):
             found[target] = ((size, *shape[1:]) if len(targets) > 1 else shape, str(files[name]))
+    # The checkpoint's experts per layer: as many as its fullest layer has, so that a layer short of some is
+    # named as incomplete, and only a checkpoint short of them in every layer is held against the config.
+    experts = max((1 + max(expert for expert, _ in parts) for parts in expert_parts.values()), default=0)
+    lacking = sorted(
+        name
+        for target, parts in expert_parts.items()
+        for expert in range(experts)
+        for part, name in enumerate(weights.expert_names(target, expert))
+        if (expert, part) not in parts
+    )
+    if lacking:
+        more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
+        raise LitsftError(
+            f"{hf_dir} lacks expert tensors {', '.join(lacking[:3])}{more} (its fullest layer has {experts} "
+            "experts); the checkpoint is incomplete, download it again"
+        )
     for target, parts in expert_parts.items():
-        found[target] = _stacked_shape(target, parts, weights)
+        found[target] = _stacked_shape(target, parts, experts, weights)
     _check_shapes(found, config, str(hf_dir), weights.hf_name)
     return names
 
 
 def _stacked_shape(
-    target: str, parts: dict[tuple[int, int], tuple[tuple[int, ...], str]], weights: WeightMap
+    target: str, parts: dict[tuple[int, int], tuple[tuple[int, ...], str]], experts: int, weights: WeightMap
 ) -> tuple[tuple[int, ...], str]:
-    """The (E, rows, cols) shape the per-expert tensors of `target` stack to, after checking that every expert
-    from 0 up has every part, all of one shape."""
-    experts = 1 + max(expert for expert, _ in parts)
-    per_expert = weights.expert_part(weights.hf_name(target).replace("*", "0"))[3]  # type: ignore[index]
+    """The (experts, rows, cols) shape the per-expert tensors of `target` (every part of experts 0 to
+    experts - 1, checked by the caller) stack to, after checking that they are all of one shape."""
+    per_expert = len(weights.expert_names(target, 0))
     (shape, file), *_ = parts.values()
     for expert in range(experts):
         for part in range(per_expert):
-            if (expert, part) not in parts:
-                hf = weights.hf_name(target).replace("*", str(expert))
-                raise LitsftError(
-                    f"{file}: the checkpoint lacks expert {expert}'s part {part + 1} of {target!r} ({hf} or its "
-                    "siblings); the checkpoint is incomplete, download it again"
-                )
             if parts[expert, part][0] != shape:
                 raise LitsftError(
                     f"{parts[expert, part][1]}: the experts of {target!r} differ in shape "

@@ -78,6 +78,10 @@ class WeightMap:
             return None
         return tuple(part.format(i=match.group(1)) if match else part for part in parts)
 
+    def expert_names(self, litsft_name: str, expert: int) -> tuple[str, ...]:
+        """The Hugging Face names of expert `expert`'s parts of the stacked tensor `litsft_name`, in order."""
+        return tuple(template.format(e=expert) for template in _rename_all(litsft_name, self.experts))
+
     def is_ignored(self, hf_name: str) -> bool:
         return any(re.fullmatch(pattern, hf_name) for pattern in self.ignored)
 
@@ -234,20 +238,43 @@ ROUTED_EXPERT_KEYS = frozenset({"num_experts_per_tok", "router_aux_loss_coef"})
 def routed_experts_from_hf(hf_config: Mapping[str, Any], count_keys: tuple[str, ...]) -> dict[str, Any]:
     """The `Config` fields every MoE family reads alike: the experts (the first of `count_keys` that is set:
     the hub's Qwen3-MoE and OLMoE files say `num_experts`, Mixtral's and transformers 5's `num_local_experts`),
-    how many each token takes, the load-balancing loss's coefficient."""
-    counts = [hf_config.get(key) for key in count_keys]  # every key looked up: the declaration reads them all
-    experts = next((count for count in counts if count), None)
+    how many each token takes, the load-balancing loss's coefficient. A key that is missing, and one whose value
+    no model has, are refused by their config.json names."""
+    counts = {
+        key: hf_config.get(key) for key in count_keys
+    }  # every key looked up: the declaration reads them all
+    given = [key for key, count in counts.items() if count is not None]
+    count_key = next((key for key in given if counts[key]), given[0] if given else None)
     per_token = hf_config.get("num_experts_per_tok")
-    if not experts or not per_token:
+    missing = ([] if count_key else [" or ".join(count_keys)]) + (
+        [] if per_token is not None else ["num_experts_per_tok"]
+    )
+    if missing:
         raise LitsftError(
-            f"config.json lacks {' or '.join(count_keys)} or num_experts_per_tok, which a mixture of experts "
-            "needs; restore the original config.json"
+            f"config.json lacks {' and '.join(missing)}, which a mixture of experts needs; restore the original "
+            "config.json"
+        )
+    experts = counts[count_key]
+    if not _is_count(experts) or experts < 1:
+        raise LitsftError(
+            f"config.json's {count_key} is {experts!r}, but a mixture of experts has at least one expert in each "
+            "layer; restore the original config.json (its count is that of the experts in the weights)"
+        )
+    if not _is_count(per_token) or not 1 <= per_token <= experts:
+        raise LitsftError(
+            f"config.json's num_experts_per_tok is {per_token!r}, but each token is routed to between 1 and "
+            f"{count_key}={int(experts)} experts; restore the original config.json, or set it in that range"
         )
     return {
         "num_experts": int(experts),
         "experts_per_token": int(per_token),
         "router_aux_loss_coef": float(hf_config.get("router_aux_loss_coef") or 0.0),
     }
+
+
+def _is_count(value: Any) -> bool:
+    """Whether a config.json value is a whole number (JSON may spell 8 as 8.0)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer()
 
 
 LLAMA_WEIGHTS = WeightMap(
