@@ -1,7 +1,7 @@
 """`litsft plan` against measured peak memory: 2-process finetune_full (or, with --qlora, finetune_lora
 --quantize nf4) on this CPU, per sharding strategy.
 
-python benchmarks/bench_plan_vs_measured.py [--steps 3] [--max_seq_length 256] [--qlora | --moe]
+python benchmarks/bench_plan_vs_measured.py [--steps 3] [--max_seq_length 256] [--qlora | --moe | --small]
 
 The model is a ~50M-parameter Llama shape (8 layers, hidden 768, GQA 12/4, MLP 2048; the demo tokenizer's
 449-token vocabulary), so weights, gradients and AdamW state (16 bytes a parameter, 800 MB unsharded)
@@ -21,6 +21,12 @@ devices, strategy, precision, micro batch and sequence length: parameters + load
 larger being its total. Printed: both in MiB and the ratio of the totals (plan / measured); the planner's
 claim is "within 15%".
 
+--small: the whole process instead, for models small enough that the runtime dominates (SMALL_SHAPE, a 4-layer
+hidden-256 Llama shape, and SMALL_MOE_SHAPE, the same with 8 experts of 512, 2 per token): measured = rank 0's
+peak RSS itself, no baseline taken away; planned = `estimate_memory(...)`'s total plus the runtime `litsft plan`
+prints beside it (litsft.training.plan.RUNTIME_BYTES). The runtime is measured first, as the resident memory of
+a fresh process that has imported what a training process imports (`runtime_rss_mib`), and printed.
+
 --qlora: LoRA rank 8 on all-linear over an NF4 base (QLORA_SHAPE: 4 layers, hidden 1024, MLP 2816, whose
 projections split into whole NF4 scale blocks over 2 ranks), baseline the same recipe on QLORA_BASELINE_SHAPE
 (the smallest shape whose projections do; quantizing it takes 18 MiB, added back as above). Quantizing the
@@ -33,15 +39,24 @@ import argparse
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
-from harness import machine_description, make_checkpoint, run_litsft, training_rows, write_mixed_length_data
+from harness import (
+    bench_env,
+    machine_description,
+    make_checkpoint,
+    run_litsft,
+    training_rows,
+    write_mixed_length_data,
+)
 
 from litsft.model.accounting.sizes import num_parameters
 from litsft.model.config import Config
 from litsft.model.lora.layers import LoRAConfig
-from litsft.training.plan import estimate_memory
+from litsft.training.plan import RUNTIME_BYTES, estimate_memory
 
 SHAPE = dict(num_layers=8, hidden_size=768, intermediate_size=2048, num_heads=12, num_kv_heads=4, head_dim=64)
 BASELINE_SHAPE = dict(
@@ -67,6 +82,29 @@ MOE_SHAPE = dict(
 )
 """--moe: SHAPE's attention with Qwen3-MoE's routed MLP, 8 experts of 512, 2 per token (75.5M of its 88.8M
 parameters are experts)."""
+SMALL_SHAPE = dict(
+    num_layers=4, hidden_size=256, intermediate_size=1024, num_heads=4, num_kv_heads=2, head_dim=64
+)
+SMALL_MOE_SHAPE = dict(
+    SMALL_SHAPE,
+    hf_architecture="Qwen3MoeForCausalLM",
+    qk_norm=True,
+    num_experts=8,
+    experts_per_token=2,
+    expert_intermediate_size=512,
+    normalize_expert_weights=True,
+    router_aux_loss_coef=0.001,
+)
+"""--small: a 4.2M-parameter dense model and a 13.6M-parameter mixture of experts whose plans (0.07-0.09 and
+0.16-0.24 GiB per process at 256 tokens) are smaller than the runtime beside them."""
+RUNTIME_IMPORTS = (
+    "litsft.recipes.finetune_full",
+    "litsft.recipes.finetune_lora",
+    "litsft.training.engine",
+    "litsft.training.parallel",
+    "litsft.data",
+)
+"""What a training process has imported once the launcher has built its recipe (torch, Lightning, litsft)."""
 
 
 LOADED_PHASE = "model: built, weights loaded, sharded"
@@ -101,9 +139,58 @@ def peak_rss_mib(
     return float(loaded.group(1).replace(",", "")), run
 
 
+def runtime_rss_mib(work_dir: Path) -> float:
+    """Peak RSS of a fresh process (one thread, as the runs) that has imported RUNTIME_IMPORTS and nothing else."""
+    code = f"import {', '.join(RUNTIME_IMPORTS)}; from litsft.runtime.timings import peak_rss_bytes; print(peak_rss_bytes())"
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=bench_env(work_dir, threads=1), capture_output=True, text=True,
+        cwd=work_dir, check=True,
+    )  # fmt: skip
+    return int(result.stdout.split()[-1]) / 2**20
+
+
+def whole_process(args: argparse.Namespace, data: Path) -> None:
+    """--small: each model's whole-process peak against its plan's total plus the runtime."""
+    runtime = [runtime_rss_mib(args.work_dir) for _ in range(3)]
+    print(
+        f"runtime: a fresh process that imported {', '.join(RUNTIME_IMPORTS)}: {', '.join(f'{r:.0f}' for r in runtime)} "
+        f"MiB peak RSS (3 processes); litsft plan prints {RUNTIME_BYTES / 2**20:.0f} MiB"
+    )
+    print(
+        f"{'model':<16}{'parameters':>11}{'strategy':>15}{'peak RSS':>10}{'planned':>9}{'+ runtime':>11}{'plan/peak':>11}"
+    )
+    for label, shape in (("dense", SMALL_SHAPE), ("MoE", SMALL_MOE_SHAPE)):
+        model = make_checkpoint(args.work_dir / f"small-{label}", **shape)
+        config = Config.from_checkpoint(model)
+        for strategy in args.strategies:
+            peak = max(peak_rss_mib(model, data, strategy, args))
+            estimate = estimate_memory(
+                config, devices=2, sharding_strategy=strategy, precision="32-true", micro_batch_size=1,
+                max_seq_length=args.max_seq_length,
+            )  # fmt: skip
+            planned = (estimate.total + RUNTIME_BYTES) / 2**20
+            print(
+                f"{label:<16}{num_parameters(config) / 1e6:>10.1f}M{strategy:>15}{peak:>10.0f}"
+                f"{estimate.total / 2**20:>9.0f}{planned:>11.0f}{planned / peak:>11.2f}",
+                flush=True,
+            )
+    print(
+        "MiB (2**20 bytes), rank 0; peak RSS = the larger of once loaded and over the run; plan/peak = (planned + runtime) / peak RSS"
+    )
+
+
 def main(args: argparse.Namespace) -> None:
     args.work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="litsft-plan-"))
     os.environ["LITSFT_CACHE_DIR"] = str(args.work_dir / "cache")
+    if args.small:
+        data = write_mixed_length_data(args.work_dir / "train.json", 200, max_words=400)
+        print(machine_description())
+        print(
+            f"2 processes, 32-true, micro batch 1 x {args.max_seq_length} tokens, {args.steps} steps, "
+            "MALLOC_MMAP_THRESHOLD_=131072"
+        )
+        whole_process(args, data)
+        return
     shape = QLORA_SHAPE if args.qlora else MOE_SHAPE if args.moe else SHAPE
     model = make_checkpoint(args.work_dir / "model", **shape)
     baseline_model = make_checkpoint(
@@ -155,4 +242,9 @@ if __name__ == "__main__":
     parser.add_argument("--work_dir", default=None, help="default: a new temporary directory")
     parser.add_argument("--qlora", action="store_true", help="finetune_lora --quantize nf4 instead")
     parser.add_argument("--moe", action="store_true", help="a mixture of experts (MOE_SHAPE) instead")
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="the whole process's peak for small models (SMALL_SHAPE, SMALL_MOE_SHAPE)",
+    )
     main(parser.parse_args())

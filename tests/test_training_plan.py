@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import TINY_MOE
 
 from litsft.__main__ import main
 from litsft.errors import LitsftError
@@ -27,6 +28,7 @@ from litsft.training.plan import (
     NF4_DEQUANTIZE_BYTES,
     NF4_QUANTIZE_CHUNK_VALUES,
     PREFETCHED_BLOCKS,
+    RUNTIME_BYTES,
     adapter_buffer_bytes,
     adapter_parameters,
     block_activation_bytes_per_token,
@@ -271,6 +273,27 @@ def test_plan_prints_breakdown_and_verdict(capsys):
     assert "Llama-2-7b-hf (6.74B parameters), full fine-tuning, bf16-mixed" in out
     assert "optimizer states      50.21" in out.splitlines()
     assert out.strip().endswith("does not fit: 100.41 GiB needed, 67.06 GiB usable of 80GB (90%)")
+
+
+def test_plan_prints_the_runtime_beside_the_total_and_what_a_process_peaks_at(tmp_path, capsys):
+    """A small mixture of experts plans less than the runtime every process holds besides it (Python, torch,
+    Lightning): the lines under the total give it, and what a CPU process peaks at with it."""
+    Config.from_name("tiny-llama", **TINY_MOE).save(tmp_path)
+    plan(str(tmp_path), devices=2, precision="32-true")
+    lines = capsys.readouterr().out.splitlines()
+    estimate = estimate_memory(
+        Config.from_checkpoint(tmp_path), devices=2, precision="32-true", max_seq_length=1024
+    )
+    assert estimate.total < RUNTIME_BYTES == 370 * 2**20
+    after_total = lines[lines.index(f"total{estimate.total / 2**30:>22.2f}") + 1 :]
+    assert after_total[0] == (
+        "runtime                0.36  per process, not in the total: Python, torch and Lightning (measured on a CPU)"
+    )
+    assert after_total[1] == (
+        f"A CPU process peaks near total + runtime = {(estimate.total + RUNTIME_BYTES) / 2**30:.2f} GiB. On a GPU "
+        "the runtime is host memory, and the CUDA context takes about 0.37 GiB more of each device (PyTorch's "
+        "figure, not measured here)."
+    )
 
 
 def test_plan_reads_a_checkpoint_directory(tmp_path, capsys):

@@ -39,7 +39,9 @@ micro-batch's gradients (litsft.training.parallel.synchronize_gradients), one re
 of per step; held whole until the last micro-batch they would take `whole_gradients` on every device (fp32
 under bf16-mixed, where FSDP2 accumulates in the reduce dtype), which `litsft plan` prints beside them. On this CPU, 2 processes, a 51M-parameter model, 32-true, that total is within
 15% of the measured peak for FULL_SHARD, SHARD_GRAD_OP and NO_SHARD
-(benchmarks/bench_plan_vs_measured.py; adding every term, as before, overestimated by 28-33%).
+(benchmarks/bench_plan_vs_measured.py; adding every term, as before, overestimated by 28-33%). What every process
+holds besides the total, its runtime (RUNTIME_BYTES: Python, torch, Lightning) and on a GPU the CUDA context
+(CUDA_CONTEXT_BYTES), is printed under it (`runtime_summary`): for a small model it is most of the process.
 """
 
 from __future__ import annotations
@@ -111,6 +113,15 @@ NF4_LEVELS = 16
 USABLE_FRACTION = 0.9
 """Share of a device's memory that tensors can use; the rest goes to the CUDA context, NCCL buffers and
 allocator fragmentation."""
+RUNTIME_BYTES = 370 * 2**20
+"""Host memory a training process holds before it has a model or data: Python with torch, Lightning and litsft's
+training modules imported (the peak resident memory of a fresh process that imported them, torch 2.13.0+cpu:
+370 MiB on the CPU of benchmarks/results/plan_vs_measured_small_cpu.txt). Not in a plan's per-device total: on a
+CPU each process's peak is about the total plus this, on a GPU it stays in host memory."""
+CUDA_CONTEXT_BYTES = 400 * 10**6
+"""Device memory the CUDA context takes on each GPU a process uses, outside PyTorch's allocator and so outside
+the total: about 400 MB with CUDA 11.7+ and lazy module loading (PyTorch's default), as a PyTorch maintainer put
+it in https://github.com/pytorch/pytorch/issues/109888; not measured here. USABLE_FRACTION leaves room for it."""
 
 MEMORY_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 MEMORY_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -517,6 +528,19 @@ def precision_note(precision: Precision, gpu: tuple[str, bool] | None, world_siz
     return None
 
 
+def runtime_summary(estimate: MemoryEstimate) -> str:
+    """The lines under the total on what each process holds besides it: the runtime (RUNTIME_BYTES), and on a
+    GPU the CUDA context (CUDA_CONTEXT_BYTES). For a small model they are most of the process."""
+    process = (estimate.total + RUNTIME_BYTES) / 2**30
+    return (
+        f"{'runtime':<18}{RUNTIME_BYTES / 2**30:>9.2f}  per process, not in the total: Python, torch and Lightning "
+        "(measured on a CPU)\n"
+        f"A CPU process peaks near total + runtime = {process:.2f} GiB. On a GPU the runtime is host memory, and the "
+        f"CUDA context takes about {CUDA_CONTEXT_BYTES / 2**30:.2f} GiB more of each device (PyTorch's figure, "
+        "not measured here)."
+    )
+
+
 def print_estimate(estimate: MemoryEstimate, memory: int | None, device_memory: str | None) -> None:
     """The breakdown table and, given a device memory, the verdict."""
     peak = (
@@ -531,6 +555,7 @@ def print_estimate(estimate: MemoryEstimate, memory: int | None, device_memory: 
     for name, size in estimate.breakdown().items():
         print(f"{name:<18}{size / 2**30:>9.2f}")
     print(f"{'total':<18}{estimate.total / 2**30:>9.2f}")
+    print(runtime_summary(estimate))
     if memory is None:
         print("\nPass --device_memory (e.g. 80GB) for a verdict.")
         return
