@@ -80,7 +80,9 @@ def full_finetuning(checkpoint_dir: Path, config: Config) -> Recipe:
         name="finetune_full",
         build_model=Transformer,
         initialize=lambda model: load_model_weights(model, checkpoint_dir),
+        # The model's config: the one the run trained and each step checkpoint records
+        # (--train.router_aux_loss_coef applied), so final/ and a step opened as a model agree.
         save_final=lambda model, final_dir: save_model_folder_from_ranks(
-            model, final_dir, config, checkpoint_dir
+            model, final_dir, model.config, checkpoint_dir
         ),
     )

@@ -101,7 +101,9 @@ def pretraining(config: Config, tokenizer_dir: Path, seed: int) -> Recipe:
         name="pretrain",
         build_model=Transformer,
         initialize=initialize,
+        # The model's config: the one the run trained and each step checkpoint records
+        # (--train.router_aux_loss_coef applied), so final/ and a step opened as a model agree.
         save_final=lambda model, final_dir: save_model_folder_from_ranks(
-            model, final_dir, config, tokenizer_dir
+            model, final_dir, model.config, tokenizer_dir
         ),
     )

@@ -22,7 +22,9 @@ from launch import (
     write_tiny_checkpoint,
 )
 
+from litsft.checkpoint.checkpoint_dirs import step_model_config
 from litsft.checkpoint.training_checkpoint import latest_checkpoint
+from litsft.model.config import Config
 
 
 def finetune_args(
@@ -160,6 +162,10 @@ def test_a_mixture_of_experts_trained_with_its_own_load_balancing_weight_resumes
     result = litsft_in_process(finetune_args(base, data, resumed, 2, 4, *args), workspace, capsys)
     assert "Resumed from" in result.stdout + result.stderr
     assert max_difference(uninterrupted / "final", resumed / "final") == 0.0
+    # final/ records the weight the run trained with, as each step does, so a step opened as a model equals it.
+    final_config = Config.from_checkpoint(uninterrupted / "final")
+    assert final_config.router_aux_loss_coef == 0.1
+    assert step_model_config(uninterrupted / "step-00000002") == final_config
 
 
 def test_interrupted_checkpoint_is_never_resumed(tmp_path: Path) -> None:
