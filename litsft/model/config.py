@@ -13,15 +13,13 @@ from typing import Any, Literal
 
 from litsft.errors import LitsftError
 from litsft.model.families import FAMILIES, family_of, family_of_hf_config
-from litsft.model.families.spec import SHARED_HF_KEYS
+from litsft.model.families.spec import LONG_ROPE_TYPES, SHARED_HF_KEYS
 from litsft.runtime.files import read_json
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 """The dtype a conversion stores the weights in; "auto" keeps theirs."""
 LayerType = Literal["full_attention", "sliding_attention"]
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "su")
-LONG_ROPE_TYPES = ("longrope", "su")
-"""LongRoPE (Phi-3 128k, Phi-4-mini); "su" is the name Phi-3's first config.json files gave it."""
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", *LONG_ROPE_TYPES)
 POSITIVE_FIELDS = (
     "query_pre_attn_scalar",
     "softcap_attention",

@@ -19,6 +19,7 @@ from litsft.errors import LitsftError
 from litsft.model.families.spec import (
     DECODER_IGNORED,
     LLAMA_WEIGHT_NAMES,
+    LONG_ROPE_TYPES,
     Family,
     IgnoredKey,
     WeightMap,
@@ -28,7 +29,6 @@ from litsft.model.families.spec import (
     unsupported,
 )
 
-LONG_ROPE_TYPES = ("longrope", "su")
 _FUSED_PARTS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 PHI3_WEIGHTS = WeightMap(

@@ -233,6 +233,8 @@ MOE_EXPERT_NAMES: dict[str, tuple[str, ...]] = {
 }
 ROUTED_EXPERT_KEYS = frozenset({"num_experts_per_tok", "router_aux_loss_coef"})
 """The config.json keys `routed_experts_from_hf` reads besides the experts' count."""
+LONG_ROPE_TYPES = ("longrope", "su")
+"""LongRoPE's rope_scaling types (Phi-3 128k, Phi-4-mini); "su" is the name Phi-3's first config.json files gave it."""
 
 
 def routed_experts_from_hf(hf_config: Mapping[str, Any], count_keys: tuple[str, ...]) -> dict[str, Any]:
