@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from litsft.data.loader import IGNORE_INDEX, SFTLoader, collate, pack, plan_epoch
+from litsft.data.loader import IGNORE_INDEX, Row, SFTLoader, collate, pack_rows, plan_epoch
 from litsft.data.samples import Samples
 from litsft.errors import LitsftError
 from litsft.model.config import Config
@@ -26,6 +26,12 @@ def random_samples(lengths: list[int], vocab_size: int = 512, seed: int = 0) -> 
         tokens.append(rng.integers(0, vocab_size, n, dtype=np.int32))
         targets.append(np.arange(n) >= n // 3)
     return Samples.back_to_back(np.concatenate(tokens), np.concatenate(targets), lengths)
+
+
+def pack(lengths: list[int], order: np.ndarray, capacity: int) -> list[Row]:
+    """`pack_rows` as lists of sample indices."""
+    plan = pack_rows(np.asarray(lengths), order, capacity)
+    return plan.rows(0, len(plan))
 
 
 def per_token_losses(model: Transformer, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -196,10 +196,6 @@ class SFTDataModule(DataOptions, DataModule):
         self.chat_format = ChatFormat(tokenizer, self.prompt_style, self.mask_prompt, self.skip_invalid)
         self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
 
-    def render_prompt(self, messages: list[Message]) -> str:
-        """A prompt as training formatted it, ending with the assistant header: for generation."""
-        return self.chat_format.render(messages, add_generation_prompt=True)
-
     def validation_prompts(self, count: int) -> list[list[int]]:
         """Token ids of the first `count` validation conversations up to their first reply (rendered with
         the chat template, ending with the assistant header), for the samples generated at validation."""

@@ -107,12 +107,6 @@ def pack_rows(lengths: np.ndarray, order: np.ndarray, capacity: int) -> RowPlan:
     return RowPlan(by_length[np.argsort(row_of_sample, kind="stable")], bounds)
 
 
-def pack(lengths: list[int], order: np.ndarray, capacity: int) -> list[Row]:
-    """`pack_rows` as lists of sample indices."""
-    plan = pack_rows(np.asarray(lengths), order, capacity)
-    return plan.rows(0, len(plan))
-
-
 def plan_epoch(
     positions: np.ndarray,
     capacity: int,

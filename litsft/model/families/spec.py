@@ -388,11 +388,6 @@ class Family:
     block: str = "pre_norm"
     named_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def undeclared_keys(self, hf_keys: Iterable[str]) -> list[str]:
-        """The keys of `hf_keys` that this family neither reads (nor are read for every family) nor ignores."""
-        declared = SHARED_HF_KEYS | self.hf_keys_read | set(self.hf_keys_ignored)
-        return sorted(set(hf_keys) - declared)
-
     def refuse_unsupported(self, hf_config: Mapping[str, Any]) -> None:
         """Refuse a config.json that sets an ignored key to a value under which transformers' model computes
         something litsft's does not: converting it would give other logits (and write the key back)."""
