@@ -8,6 +8,7 @@ windows)."""
 
 import copy
 import dataclasses
+import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -290,6 +291,26 @@ def test_each_family_module_registers_one_family_that_its_config_jsons_resolve_t
     assert family_of_hf_config({"model_type": family.model_type}) is family
     assert family.named_configs
     assert all(Config.from_name(name).hf_architecture == architecture for name in family.named_configs)
+
+
+@pytest.mark.parametrize("module", FAMILY_MODULES)
+def test_a_family_modules_names_say_whether_they_hold_the_family_or_config_values(module):
+    """The registered `Family` is `<FAMILY>_FAMILY`, a dict of `Config` values `<SERIES>_VALUES`: `GEMMA2` (a
+    family) beside `QWEN3` (a dict) read alike."""
+    namespace = vars(importlib.import_module(f"litsft.model.families.{module}"))
+    config_fields = {f.name for f in dataclasses.fields(Config)}
+    # Its own family and any it imports (Mixtral builds on Mistral).
+    families = [name for name, value in namespace.items() if isinstance(value, Family)]
+    values = [
+        name
+        for name, value in namespace.items()
+        if name.isupper() and isinstance(value, dict) and value and set(value) <= config_fields
+    ]
+    assert families and all(name.endswith("_FAMILY") for name in families), families
+    assert values and all(name.endswith("_VALUES") for name in values), values
+    assert not [
+        name for name in namespace if name.endswith(("_FAMILY", "_VALUES")) and name not in families + values
+    ]
 
 
 @pytest.mark.parametrize("architecture", FAMILIES, ids=family_module)

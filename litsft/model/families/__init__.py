@@ -12,6 +12,8 @@ Adding a family:
    experts; fused tensors go in `fused`, the hub's per-expert tensors in `experts`), the name of its block
    variant, and its named configs, each with the URL of the config.json it was typed from. Nothing imports it
    by name: the package imports each of its modules, which registers the family.
+   Names in a family module say what they hold: the registered `Family` is `<FAMILY>_FAMILY` (`GEMMA2_FAMILY`),
+   a dict of `Config` values that named configs share is `<SERIES>_VALUES` (`QWEN3_VALUES`, `GEMMA_BLOCK_VALUES`).
 2. If it needs a new block, add it to `litsft.model.network.transformer.BLOCK_VARIANTS`; new per-layer features are `Config`
    fields, off by default.
 The engine, the recipes and storage do not change. The tests that are parametrized over every registered

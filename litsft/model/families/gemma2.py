@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from litsft.errors import LitsftError
-from litsft.model.families.llama import TINY, attention_biases
+from litsft.model.families.llama import TINY_VALUES, attention_biases
 from litsft.model.families.spec import (
     DECODER_IGNORED,
     LLAMA_WEIGHT_NAMES,
@@ -40,7 +40,7 @@ GEMMA_WEIGHTS = WeightMap(
     }
 )
 GEMMA_ACTIVATION = "gelu_pytorch_tanh"
-GEMMA_BLOCK = dict(
+GEMMA_BLOCK_VALUES = dict(
     norm_unit_offset=True,
     post_attention_norm=True,
     post_mlp_norm=True,
@@ -95,7 +95,7 @@ def gemma_from_hf(hf_config: dict[str, Any], defaults: dict[str, Any], sliding_e
     ]
     return dict(
         **attention_biases(hf_config),
-        **GEMMA_BLOCK,
+        **GEMMA_BLOCK_VALUES,
         head_dim=get("head_dim"),
         max_position_embeddings=get("max_position_embeddings"),
         tie_word_embeddings=bool(get("tie_word_embeddings")),
@@ -143,7 +143,7 @@ def _config_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
 
 # 256000 tokens, RoPE theta 1e4, 8192 positions, a 4096-token window on even layers, caps 50 (attention) and
 # 30 (logits), tied embeddings; <bos> is 2, <eos> 1 (the -it release also stops at <end_of_turn>, 107).
-GEMMA_2 = dict(
+GEMMA2_VALUES = dict(
     vocab_size=256000,
     max_position_embeddings=8192,
     rope_theta=10000.0,
@@ -155,18 +155,18 @@ GEMMA_2 = dict(
     bos_token_id=2,
     eos_token_id=1,
     hf_architecture="Gemma2ForCausalLM",
-    **GEMMA_BLOCK,
+    **GEMMA_BLOCK_VALUES,
 )
 NAMED: dict[str, dict[str, Any]] = {}
 # A tiny Gemma 2 for tests: every feature above, a window that 64-token rows reach past.
-TINY_GEMMA_2 = dict(
-    GEMMA_2,
-    **TINY,
+TINY_GEMMA2_VALUES = dict(
+    GEMMA2_VALUES,
+    **TINY_VALUES,
     sliding_window=16,
     query_pre_attn_scalar=24,
     layer_types=["sliding_attention", "full_attention"],
 )
-NAMED.update([published("tiny-gemma2", 2, 64, 4, 2, 176, **TINY_GEMMA_2)])
+NAMED.update([published("tiny-gemma2", 2, 64, 4, 2, 176, **TINY_GEMMA2_VALUES)])
 for size, *shape, head_dim, scalar in (
     ("2b", 26, 2304, 8, 4, 9216, 256, 256),
     ("9b", 42, 3584, 16, 8, 14336, 256, 256),
@@ -174,7 +174,7 @@ for size, *shape, head_dim, scalar in (
 ):
     layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape[0])]
     own = dict(head_dim=head_dim, query_pre_attn_scalar=scalar, layer_types=layer_types)
-    name, base = published(f"gemma-2-{size}", *shape, **GEMMA_2, **own)
+    name, base = published(f"gemma-2-{size}", *shape, **GEMMA2_VALUES, **own)
     NAMED[name] = base
 NAMED["gemma-2-2b"]["torch_dtype"] = "float32"
 NAMED["gemma-2-2b-it"] = {
@@ -184,7 +184,7 @@ NAMED["gemma-2-2b-it"] = {
     "torch_dtype": "bfloat16",
 }
 
-GEMMA2 = register_family(
+GEMMA2_FAMILY = register_family(
     Family(
         architecture="Gemma2ForCausalLM",
         model_type="gemma2",

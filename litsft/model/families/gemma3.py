@@ -16,7 +16,7 @@ from typing import Any
 
 from litsft.errors import LitsftError
 from litsft.model.families.gemma2 import (
-    GEMMA_BLOCK,
+    GEMMA_BLOCK_VALUES,
     GEMMA_IGNORED,
     GEMMA_KEYS,
     GEMMA_WEIGHTS,
@@ -74,7 +74,7 @@ def _hf_from_config(config: Any) -> dict[str, Any]:
 # 1B: 262144 tokens, 32768 positions, a 512-token window, no rope scaling. 4B-27B: 262208 tokens, 131072
 # positions, a 1024-token window, the full layers' RoPE scaled linearly by 8. <bos> 2; the -it releases stop
 # at <eos> (1) or <end_of_turn> (106).
-GEMMA_3 = dict(
+GEMMA3_VALUES = dict(
     rope_theta=GLOBAL_THETA,
     rope_local_base=LOCAL_THETA,
     rms_norm_eps=1e-6,
@@ -83,7 +83,7 @@ GEMMA_3 = dict(
     bos_token_id=2,
     eos_token_id=[1, 106],
     hf_architecture="Gemma3ForCausalLM",
-    **GEMMA_BLOCK,
+    **GEMMA_BLOCK_VALUES,
 )
 NAMED: dict[str, dict[str, Any]] = {}
 for size, *shape, head_dim, scalar in (
@@ -102,9 +102,9 @@ for size, *shape, head_dim, scalar in (
         rope_scaling=None if small else {"rope_type": "linear", "factor": 8.0},
         layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(shape[0])],
     )
-    NAMED.update([published(f"gemma-3-{size}-it", *shape, **GEMMA_3, **sized)])
+    NAMED.update([published(f"gemma-3-{size}-it", *shape, **GEMMA3_VALUES, **sized)])
 
-GEMMA3 = register_family(
+GEMMA3_FAMILY = register_family(
     Family(
         architecture="Gemma3ForCausalLM",
         model_type="gemma3_text",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from litsft.model.families.llama import TINY, attention_biases
+from litsft.model.families.llama import TINY_VALUES, attention_biases
 from litsft.model.families.spec import DECODER_IGNORED, Family, published, register_family
 
 MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
@@ -33,7 +33,7 @@ def _hf_from_config(config: Any) -> dict[str, Any]:
     return {"attention_bias": config.out_bias, "mlp_bias": False, **multipliers}
 
 
-GRANITE_3 = dict(
+GRANITE3_VALUES = dict(
     embedding_multiplier=12.0,
     residual_multiplier=0.22,
     attention_multiplier=0.015625,
@@ -43,7 +43,7 @@ GRANITE_3 = dict(
 NAMED: dict[str, dict[str, Any]] = {}
 NAMED.update(
     [
-        published("tiny-granite", 2, 64, 4, 2, 176, **TINY, **GRANITE_3),
+        published("tiny-granite", 2, 64, 4, 2, 176, **TINY_VALUES, **GRANITE3_VALUES),
         published(
             "granite-3.1-2b-instruct",
             40,
@@ -58,12 +58,12 @@ NAMED.update(
             tie_word_embeddings=True,
             bos_token_id=0,
             eos_token_id=0,
-            **GRANITE_3,
+            **GRANITE3_VALUES,
         ),
     ]
 )
 
-GRANITE = register_family(
+GRANITE_FAMILY = register_family(
     Family(
         architecture="GraniteForCausalLM",
         model_type="granite",

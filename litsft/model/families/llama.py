@@ -51,14 +51,14 @@ def _variant(base: tuple[str, dict[str, Any]], name: str, **changes: Any) -> tup
 
 
 # Tiny models for tests and the demo: shapes that exercise GQA, biases and norms in seconds on a CPU.
-TINY = dict(vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0, torch_dtype="float32")
+TINY_VALUES = dict(vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0, torch_dtype="float32")
 _add(
-    published("tiny-llama", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=176, **TINY),
-    published("demo-llama", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=352, **TINY),
+    published("tiny-llama", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=176, **TINY_VALUES),
+    published("demo-llama", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=352, **TINY_VALUES),
 )
 
 # Llama 2: meta-llama/Llama-2-{7,13,70}b-hf and -chat-hf (the same config.json); fp16 weights.
-LLAMA_2 = dict(
+LLAMA2_VALUES = dict(
     vocab_size=32000,
     max_position_embeddings=4096,
     rms_norm_eps=1e-5,
@@ -72,14 +72,14 @@ for size, *shape in (
     ("70b", 80, 8192, 64, 8, 28672),
 ):
     _add(
-        published(f"Llama-2-{size}-hf", *shape, **LLAMA_2),
-        published(f"Llama-2-{size}-chat-hf", *shape, **LLAMA_2),
+        published(f"Llama-2-{size}-hf", *shape, **LLAMA2_VALUES),
+        published(f"Llama-2-{size}-chat-hf", *shape, **LLAMA2_VALUES),
     )
 
 # Llama 3, 3.1, 3.2 (meta-llama/Meta-Llama-3-8B, Llama-3.1-8B-Instruct, ...): 128256-token vocab, RoPE
 # theta 500000. Instruct releases stop at <|eot_id|> (128009); 3.1 and 3.2 Instruct list
 # [<|end_of_text|>, <|eom_id|>, <|eot_id|>] in config.json's eos_token_id.
-LLAMA_3 = dict(
+LLAMA3_VALUES = dict(
     vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001
 )
 LLAMA_3_1_INSTRUCT_EOS = [128001, 128008, 128009]
@@ -96,7 +96,7 @@ def _llama3_rope(factor: float) -> dict[str, Any]:
 
 
 for size, *shape in (("8B", 32, 4096, 32, 8, 14336), ("70B", 80, 8192, 64, 8, 28672)):
-    base = published(f"Meta-Llama-3-{size}", *shape, **LLAMA_3, max_position_embeddings=8192)
+    base = published(f"Meta-Llama-3-{size}", *shape, **LLAMA3_VALUES, max_position_embeddings=8192)
     _add(base, _variant(base, f"Meta-Llama-3-{size}-Instruct", eos_token_id=128009))
 for size, *shape in (
     ("8B", 32, 4096, 32, 8, 14336),
@@ -104,7 +104,11 @@ for size, *shape in (
     ("405B", 126, 16384, 128, 8, 53248),
 ):
     base = published(
-        f"Llama-3.1-{size}", *shape, **LLAMA_3, max_position_embeddings=131072, rope_scaling=_llama3_rope(8.0)
+        f"Llama-3.1-{size}",
+        *shape,
+        **LLAMA3_VALUES,
+        max_position_embeddings=131072,
+        rope_scaling=_llama3_rope(8.0),
     )
     _add(base, _variant(base, f"Llama-3.1-{size}-Instruct", eos_token_id=LLAMA_3_1_INSTRUCT_EOS))
 # Llama 3.2 shares the input embedding with the output head (meta-llama/Llama-3.2-1B config.json: head_dim
@@ -113,7 +117,7 @@ for size, *shape in (("1B", 16, 2048, 32, 8, 8192), ("3B", 28, 3072, 24, 8, 8192
     base = published(
         f"Llama-3.2-{size}",
         *shape,
-        **LLAMA_3,
+        **LLAMA3_VALUES,
         max_position_embeddings=131072,
         rope_scaling=_llama3_rope(32.0),
         tie_word_embeddings=True,
@@ -122,7 +126,7 @@ for size, *shape in (("1B", 16, 2048, 32, 8, 8192), ("3B", 28, 3072, 24, 8, 8192
 
 # SmolLM2 (HuggingFaceTB/SmolLM2-<size>, the base models): Llama architecture, tied embeddings, 49152
 # tokens, token 0 as bos and eos. The -Instruct releases use other token ids; convert their config.json.
-SMOLLM2 = dict(
+SMOLLM2_VALUES = dict(
     vocab_size=49152,
     max_position_embeddings=8192,
     rms_norm_eps=1e-5,
@@ -135,19 +139,19 @@ for size, *shape, theta in (
     ("360M", 32, 960, 15, 5, 2560, 100000.0),
     ("1.7B", 24, 2048, 32, 32, 8192, 130000.0),
 ):
-    _add(published(f"SmolLM2-{size}", *shape, **SMOLLM2, rope_theta=theta))
+    _add(published(f"SmolLM2-{size}", *shape, **SMOLLM2_VALUES, rope_theta=theta))
 
 # TinyLlama 1.1B: "TinyLlama-1.1B" is TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T (fp32 weights),
 # the chat model TinyLlama/TinyLlama-1.1B-Chat-v1.0.
-TINY_LLAMA = dict(
+TINY_LLAMA_VALUES = dict(
     vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2
 )
 _add(
-    published("TinyLlama-1.1B", 22, 2048, 32, 4, 5632, **TINY_LLAMA, torch_dtype="float32"),
-    published("TinyLlama-1.1B-Chat-v1.0", 22, 2048, 32, 4, 5632, **TINY_LLAMA),
+    published("TinyLlama-1.1B", 22, 2048, 32, 4, 5632, **TINY_LLAMA_VALUES, torch_dtype="float32"),
+    published("TinyLlama-1.1B-Chat-v1.0", 22, 2048, 32, 4, 5632, **TINY_LLAMA_VALUES),
 )
 
-LLAMA = register_family(
+LLAMA_FAMILY = register_family(
     Family(
         architecture="LlamaForCausalLM",
         model_type="llama",

@@ -26,7 +26,7 @@ def _hf_from_config(config: Any) -> dict[str, Any]:
 
 # v0.1 attends within a 4096-token sliding window (RoPE theta 1e4, 32000 tokens); v0.3 has no window,
 # theta 1e6 and 32768 tokens.
-MISTRAL = dict(
+MISTRAL_VALUES = dict(
     max_position_embeddings=32768,
     rms_norm_eps=1e-5,
     bos_token_id=1,
@@ -39,7 +39,9 @@ for version, own in (
     ("v0.3", dict(vocab_size=32768, rope_theta=1000000.0)),
 ):
     for kind in ("", "Instruct-"):
-        NAMED.update([published(f"Mistral-7B-{kind}{version}", 32, 4096, 32, 8, 14336, **MISTRAL, **own)])
+        NAMED.update(
+            [published(f"Mistral-7B-{kind}{version}", 32, 4096, 32, 8, 14336, **MISTRAL_VALUES, **own)]
+        )
 
 MISTRAL_FAMILY = register_family(
     Family(

@@ -59,7 +59,7 @@ def _hf_from_config(config: Any) -> dict[str, Any]:
 
 # 32000 tokens, RoPE theta 1e6, no sliding window, 8 experts, 2 per token. 8x7B: 32768 positions,
 # router_aux_loss_coef 0.02; 8x22B: 65536 positions, 0.001.
-MIXTRAL = dict(
+MIXTRAL_VALUES = dict(
     vocab_size=32000,
     rope_theta=1000000.0,
     rms_norm_eps=1e-5,
@@ -77,7 +77,11 @@ for name, *shape, positions, coef in (
     ("Mixtral-8x22B-v0.1", 56, 6144, 48, 8, 16384, 65536, 0.001),
 ):
     NAMED.update(
-        [published(name, *shape, **MIXTRAL, max_position_embeddings=positions, router_aux_loss_coef=coef)]
+        [
+            published(
+                name, *shape, **MIXTRAL_VALUES, max_position_embeddings=positions, router_aux_loss_coef=coef
+            )
+        ]
     )
 
 MIXTRAL_FAMILY = register_family(

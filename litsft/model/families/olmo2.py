@@ -31,13 +31,13 @@ OLMO2_WEIGHTS = WeightMap(
         "blocks.{i}.mlp_post_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
     }
 )
-OLMO2_BLOCK = dict(
+OLMO2_BLOCK_VALUES = dict(
     pre_norms=False, post_attention_norm=True, post_mlp_norm=True, qk_norm=True, qk_norm_over="all_heads"
 )
 
 
 def _config_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
-    return {**attention_biases(hf_config), **OLMO2_BLOCK}
+    return {**attention_biases(hf_config), **OLMO2_BLOCK_VALUES}
 
 
 def _hf_from_config(config: Any) -> dict[str, Any]:
@@ -46,14 +46,14 @@ def _hf_from_config(config: Any) -> dict[str, Any]:
 
 # 100352 embedding rows (the tokenizer's 100278 tokens, padded), 4096 positions, RoPE theta 5e5, untied,
 # multi-head attention (as many kv heads as heads).
-OLMO_2 = dict(
+OLMO2_VALUES = dict(
     vocab_size=100352,
     max_position_embeddings=4096,
     rope_theta=500000.0,
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
     hf_architecture="Olmo2ForCausalLM",
-    **OLMO2_BLOCK,
+    **OLMO2_BLOCK_VALUES,
 )
 NAMED: dict[str, dict[str, Any]] = {}
 for name, *shape in (
@@ -61,9 +61,9 @@ for name, *shape in (
     ("OLMo-2-1124-7B", 32, 4096, 32, 32, 11008),
     ("OLMo-2-1124-13B", 40, 5120, 40, 40, 13824),
 ):
-    NAMED.update([published(name, *shape, **OLMO_2)])
+    NAMED.update([published(name, *shape, **OLMO2_VALUES)])
 
-OLMO2 = register_family(
+OLMO2_FAMILY = register_family(
     Family(
         architecture="Olmo2ForCausalLM",
         model_type="olmo2",

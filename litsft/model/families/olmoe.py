@@ -24,13 +24,13 @@ from litsft.model.families.spec import (
     unsupported,
 )
 
-OLMOE_BLOCK = dict(qk_norm=True, qk_norm_over="all_heads")
+OLMOE_BLOCK_VALUES = dict(qk_norm=True, qk_norm_over="all_heads")
 
 
 def _config_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
     return {
         **attention_biases(hf_config),
-        **OLMOE_BLOCK,
+        **OLMOE_BLOCK_VALUES,
         **routed_experts_from_hf(hf_config, ("num_experts",)),
         "normalize_expert_weights": bool(hf_config.get("norm_topk_prob", False)),
     }
@@ -49,7 +49,7 @@ def _hf_from_config(config: Any) -> dict[str, Any]:
 
 # 50304 embedding rows, 4096 positions, RoPE theta 1e4, untied; 16 layers of 64 experts (intermediate 1024),
 # 8 per token; router_aux_loss_coef 0.01. The Instruct release has the same shapes and config.
-OLMOE = dict(
+OLMOE_VALUES = dict(
     vocab_size=50304,
     max_position_embeddings=4096,
     rope_theta=10000.0,
@@ -60,11 +60,11 @@ OLMOE = dict(
     experts_per_token=8,
     router_aux_loss_coef=0.01,
     hf_architecture="OlmoeForCausalLM",
-    **OLMOE_BLOCK,
+    **OLMOE_BLOCK_VALUES,
 )
 NAMED: dict[str, dict[str, Any]] = {}
 for name in ("OLMoE-1B-7B-0924", "OLMoE-1B-7B-0924-Instruct"):
-    NAMED.update([published(name, 16, 2048, 16, 16, 1024, **OLMOE)])
+    NAMED.update([published(name, 16, 2048, 16, 16, 1024, **OLMOE_VALUES)])
 
 OLMOE_FAMILY = register_family(
     Family(

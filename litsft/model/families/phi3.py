@@ -118,7 +118,9 @@ def longrope(original: int, short_factor: list[float], long_factor: list[float])
 
 
 # Phi-3-mini: MHA (32 heads of 96), 32064 tokens (Llama 2's 32000 and the chat tokens), <|endoftext|> 32000.
-PHI3_MINI = dict(vocab_size=32064, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=32000)
+PHI3_MINI_VALUES = dict(
+    vocab_size=32064, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=32000
+)
 # Phi-3-mini-128k-instruct's LongRoPE factors, one per rotated pair of its 96-wide heads.
 PHI3_MINI_128K_LONG_FACTOR = [
     1.0700000524520874, 1.1200000047683716, 1.149999976158142, 1.4199999570846558, 1.5699999332427979,
@@ -152,11 +154,11 @@ PHI4_MINI_LONG_FACTOR = [
 NAMED: dict[str, dict[str, Any]] = dict(
     [
         published(
-            "Phi-3-mini-4k-instruct", 32, 3072, 32, 32, 8192, **PHI3_MINI,
+            "Phi-3-mini-4k-instruct", 32, 3072, 32, 32, 8192, **PHI3_MINI_VALUES,
             max_position_embeddings=4096, sliding_window=2047, hf_architecture="Phi3ForCausalLM",
         ),
         published(
-            "Phi-3-mini-128k-instruct", 32, 3072, 32, 32, 8192, **PHI3_MINI,
+            "Phi-3-mini-128k-instruct", 32, 3072, 32, 32, 8192, **PHI3_MINI_VALUES,
             max_position_embeddings=131072, sliding_window=262144, hf_architecture="Phi3ForCausalLM",
             rope_scaling=longrope(4096, PHI3_MINI_128K_SHORT_FACTOR, PHI3_MINI_128K_LONG_FACTOR),
         ),
@@ -174,7 +176,7 @@ NAMED: dict[str, dict[str, Any]] = dict(
     ]
 )  # fmt: skip
 
-PHI3 = register_family(
+PHI3_FAMILY = register_family(
     Family(
         architecture="Phi3ForCausalLM",
         model_type="phi3",

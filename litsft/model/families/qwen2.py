@@ -51,14 +51,14 @@ def _config_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
 # models end documents with <|endoftext|> (151643), Instruct turns with <|im_end|> (151645); Instruct
 # config.json says max_position_embeddings 32768 and rms_norm_eps 1e-6 for every size, base 14B-72B use
 # 1e-5 and the base context differs per size.
-QWEN2_5 = dict(
+QWEN2_5_VALUES = dict(
     rope_theta=1000000.0,
     qkv_bias=True,
     bos_token_id=151643,
     eos_token_id=151643,
     hf_architecture="Qwen2ForCausalLM",
 )
-QWEN2_5_INSTRUCT = dict(eos_token_id=151645, max_position_embeddings=32768, rms_norm_eps=1e-6)
+QWEN2_5_INSTRUCT_VALUES = dict(eos_token_id=151645, max_position_embeddings=32768, rms_norm_eps=1e-6)
 NAMED: dict[str, dict[str, Any]] = {}
 for size, *shape, vocab, tied, context, eps in (
     ("0.5B", 24, 896, 14, 2, 4864, 151936, True, 32768, 1e-6),
@@ -72,11 +72,11 @@ for size, *shape, vocab, tied, context, eps in (
     sized = dict(
         vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=context, rms_norm_eps=eps
     )
-    name, base = published(f"Qwen2.5-{size}", *shape, **QWEN2_5, **sized)
+    name, base = published(f"Qwen2.5-{size}", *shape, **QWEN2_5_VALUES, **sized)
     NAMED[name] = base
-    NAMED[f"{name}-Instruct"] = {**base, "name": f"{name}-Instruct", **QWEN2_5_INSTRUCT}
+    NAMED[f"{name}-Instruct"] = {**base, "name": f"{name}-Instruct", **QWEN2_5_INSTRUCT_VALUES}
 
-QWEN2 = register_family(
+QWEN2_FAMILY = register_family(
     Family(
         architecture="Qwen2ForCausalLM",
         model_type="qwen2",

@@ -23,7 +23,7 @@ def _hf_from_config(config: Any) -> dict[str, Any]:
 
 # head_dim 128 whatever the width, 151936 tokens, theta 1e6, max_position_embeddings 40960; 0.6B-4B tie
 # embeddings. The pretrained "-Base" releases differ in context length and eos; convert their config.json.
-QWEN3 = dict(
+QWEN3_VALUES = dict(
     vocab_size=151936,
     head_dim=128,
     qk_norm=True,
@@ -43,7 +43,7 @@ for size, *shape, tied in (
     ("14B", 40, 5120, 40, 8, 17408, False),
     ("32B", 64, 5120, 64, 8, 25600, False),
 ):
-    NAMED.update([published(f"Qwen3-{size}", *shape, **QWEN3, tie_word_embeddings=tied)])
+    NAMED.update([published(f"Qwen3-{size}", *shape, **QWEN3_VALUES, tie_word_embeddings=tied)])
 
 QWEN3_FAMILY = register_family(
     Family(

@@ -11,7 +11,7 @@ from typing import Any
 
 from litsft.model.families.llama import attention_biases
 from litsft.model.families.qwen2 import WINDOW_KEYS, sliding_layers_from_hf, sliding_layers_to_hf
-from litsft.model.families.qwen3 import QWEN3
+from litsft.model.families.qwen3 import QWEN3_VALUES
 from litsft.model.families.spec import (
     DECODER_IGNORED,
     MOE_EXPERT_NAMES,
@@ -56,8 +56,8 @@ def _hf_from_config(config: Any) -> dict[str, Any]:
 EVERY_LAYER_SPARSE = "litsft routes every layer's MLP, as the published models do"
 # Qwen3's vocabulary, head_dim 128, theta 1e6 and 40960 positions; 128 experts, 8 per token, renormalized,
 # router_aux_loss_coef 0.001; `intermediate_size` is that of the dense layers the published models do not have.
-QWEN3_MOE = dict(
-    QWEN3,
+QWEN3_MOE_VALUES = dict(
+    QWEN3_VALUES,
     tie_word_embeddings=False,
     num_experts=128,
     experts_per_token=8,
@@ -70,7 +70,7 @@ for name, *shape, expert_intermediate in (
     ("Qwen3-30B-A3B", 48, 2048, 32, 4, 6144, 768),
     ("Qwen3-235B-A22B", 94, 4096, 64, 4, 12288, 1536),
 ):
-    NAMED.update([published(name, *shape, **QWEN3_MOE, expert_intermediate_size=expert_intermediate)])
+    NAMED.update([published(name, *shape, **QWEN3_MOE_VALUES, expert_intermediate_size=expert_intermediate)])
 
 QWEN3_MOE_FAMILY = register_family(
     Family(
