@@ -1,10 +1,11 @@
-"""FLOP accounting: the training FLOPs of one token, those a pass over given documents executes, and the
-peak FLOP/s of a device.
+"""FLOP accounting: the training FLOPs of one token, those a pass over given documents executes, LoRA's
+trained adapter parameters, and the peak FLOP/s of a device.
 
-Counts over the model as built (litsft.model.accounting.sizes reads it off `Transformer(config)` on the meta device) and a
-device name; `litsft.training.metrics` uses them for the MFU column (`TrainingFlops`, from each step's documents),
-`litsft.training.plan` for LoRA's adapter count, and benchmarks use it to compare runs. tests/test_model_accounting_flops.py holds the
-counts against torch's FlopCounterMode for every family.
+Counts over the model as built (litsft.model.accounting.sizes reads it off `Transformer(config)` on the meta
+device) and a device name. `litsft.training.metrics` uses `TrainingFlops` (from each step's documents) and
+`device_peak_flops` for the MFU column; `flops_per_token`, `executed_training_flops` and `lora_parameters` serve
+the benchmarks (litsft.training.plan counts LoRA's adapters on the model it builds, not with `lora_parameters`).
+tests/test_model_accounting_flops.py holds the counts against torch's FlopCounterMode for every family.
 """
 
 from __future__ import annotations
