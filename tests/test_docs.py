@@ -303,7 +303,7 @@ def _run_script(path: Path, blocks: list[Block], workspace: Path, tmp_path: Path
         env={**launch.test_env(tmp_path), **env},
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=launch.DEADLINE_S,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{path.name}:\n{script}\n{output[-8000:]}"
@@ -360,6 +360,42 @@ def test_readme_quick_start_is_what_ci_runs() -> None:
     readme_commands = [c.text for c in commands(README)]
     assert ci_line in readme_commands
     assert "bash .ci/install.sh && .venv/bin/litsft demo" in readme_commands and "demo" in COMMANDS
+
+
+# How README names each adapter variant (litsft/model/lora/variants/) and each record shape (SHAPE_FIELDS).
+VARIANTS_IN_README = {
+    "lora": "LoRA",
+    "rslora": "rsLoRA",
+    "dora": "DoRA",
+    "loraplus": "LoRA+",
+    "pissa": "PiSSA",
+}
+SHAPES_IN_README = {
+    "messages": "OpenAI-style `messages`",
+    "sharegpt": "ShareGPT `conversations`",
+    "alpaca": "Alpaca",
+    "prompt_completion": "prompt/completion",
+    "text": "plain `text`",
+}
+
+
+def test_readme_lists_every_registered_family_adapter_variant_and_record_shape() -> None:
+    """Adding a family, a variant or a record shape without README saying so fails here: the Supported models
+    table has one row per registered architecture, the finetune_lora tutorial's row names every variant, and the
+    sentence on record shapes names every shape."""
+    from litsft.data.records import SHAPE_FIELDS
+    from litsft.model.families import FAMILIES
+    from litsft.model.lora.variants import VARIANT_NAMES
+
+    text = README.read_text()
+    models = text.split("## Supported models", 1)[1].split("\n## ", 1)[0]
+    assert sorted(re.findall(r"^\| `(\w+)` \|", models, flags=re.M)) == sorted(FAMILIES)
+    assert set(VARIANTS_IN_README) == set(VARIANT_NAMES)
+    (lora_row,) = [line for line in text.splitlines() if line.startswith("| [finetune_lora]")]
+    assert [name for name in VARIANTS_IN_README.values() if f" {name}," not in lora_row] == []
+    assert set(SHAPES_IN_README) == set(SHAPE_FIELDS)
+    shapes = " ".join(text.split("are recognised per record", 1)[0].rsplit("\n\n", 1)[1].split())
+    assert [name for name in SHAPES_IN_README.values() if name not in shapes] == []
 
 
 def test_doc_links_resolve() -> None:
@@ -423,7 +459,7 @@ def test_torchrun_and_slurm_launch_two_nodes(tmp_path: Path, demo_checkpoint: Pa
         )
         for rank in range(2)
     ]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    outputs = [node.communicate(timeout=launch.DEADLINE_S)[0] for node in nodes]
     assert all(node.returncode == 0 for node in nodes), outputs[0][-4000:] + outputs[1][-4000:]
 
     # SLURM: the batch script itself, with srun starting 2 tasks on 2 "nodes" as a 2 x 1 allocation would.
@@ -451,7 +487,7 @@ def test_torchrun_and_slurm_launch_two_nodes(tmp_path: Path, demo_checkpoint: Pa
         env=slurm_env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=launch.DEADLINE_S,
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     assert "HYBRID_SHARD" in torchrun and "--num_nodes 2" in torchrun
