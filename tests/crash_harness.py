@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch import free_port, test_env
+from launch import DEADLINE_S, free_port, test_env
 
 from litsft.runtime.faults import FAULT_ENV
 
@@ -96,7 +96,7 @@ def run_litsft(
     args: list[str],
     workdir: Path,
     fault: str | None = None,
-    timeout: int = 300,
+    timeout: float = DEADLINE_S,
     preexec_fn: Callable[[], None] | None = None,
 ) -> Run:
     """`python -m litsft ...` in a new session; with `fault`, LITSFT_FAULT_AT=fault."""

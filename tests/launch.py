@@ -23,6 +23,12 @@ from litsft.checkpoint.model_folder import load_model_state_dict, save_model_fol
 from litsft.model.config import Config
 from litsft.model.network.transformer import Transformer
 
+DEADLINE_S = 3600
+"""How long a test waits for a process, a rank or an event before calling it hung: a deadline, never how long
+the wait is expected to take. An hour, because on a loaded machine (a load average of 15 on 2 cores) every
+process gets a fraction of a core: the runs that finish in tens of seconds on an idle machine, and the demo's
+4 minutes, take many times that, and fixed limits of 60 to 900 s failed there."""
+
 
 def test_env(tmp_path: Path) -> dict[str, str]:
     """One thread per process (2 cores, up to 2 ranks) and every cache under the test's own directory."""
@@ -51,7 +57,7 @@ def free_port() -> int:
 def litsft(
     args: list[str],
     tmp_path: Path,
-    timeout: int = 300,
+    timeout: float = DEADLINE_S,
     check: bool = True,
     cwd: Path | None = None,
     env: dict[str, str] | None = None,
@@ -124,7 +130,7 @@ def litsft_in_process(
     return result
 
 
-def litsft_two_nodes(args: list[str], tmp_path: Path, timeout: int = 300) -> None:
+def litsft_two_nodes(args: list[str], tmp_path: Path, timeout: float = DEADLINE_S) -> None:
     """Two single-process "nodes" on 127.0.0.1, launched by torchrun as on a cluster."""
     env, port = test_env(tmp_path), free_port()
     processes = [
@@ -235,7 +241,7 @@ def write_records(path: Path, count: int = 48, seed: int = 0) -> Path:
 
 
 def on_ranks(
-    ranks: int, job: Callable[..., Any], tmp_path: Path, *args: Any, timeout: int = 180
+    ranks: int, job: Callable[..., Any], tmp_path: Path, *args: Any, timeout: float = DEADLINE_S
 ) -> dict[int, Any]:
     """rank -> what `job(*args)` returned on each of `ranks` processes forked from this one and joined in a gloo
     process group. A rank that raised fails the test with its traceback."""
@@ -261,7 +267,7 @@ def on_ranks(
         worker.start()
     answers = [results.get(timeout=timeout) for _ in workers]
     for worker in workers:
-        worker.join(timeout=60)
+        worker.join(timeout=DEADLINE_S)
     failures = [error for _, _, error in answers if error]
     assert not failures, failures[0]
     return {rank: answer for rank, answer, _ in answers}

@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from launch import DEADLINE_S
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,7 +88,7 @@ def test_a_step_past_its_budget_is_killed_with_its_children(tmp_path: Path) -> N
         except FileNotFoundError:
             return True
 
-    deadline = time.monotonic() + 5  # a loaded machine may take a moment to deliver the signal
+    deadline = time.monotonic() + DEADLINE_S  # a loaded machine may take a while to deliver the signal
     while not gone() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert gone()  # the background child went with the group

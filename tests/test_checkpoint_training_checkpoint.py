@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import on_ranks
+from launch import DEADLINE_S, on_ranks
 from torch import nn
 
 from litsft.checkpoint.checkpoint_dirs import (
@@ -187,13 +187,13 @@ def test_a_background_save_holds_the_state_of_its_step_and_is_published_only_onc
     def gate(name: str, rank: int = 0) -> None:
         if name == "save_2_writing_in_background":
             writing.set()
-            assert may_write.wait(timeout=60)
+            assert may_write.wait(timeout=DEADLINE_S)
 
     monkeypatch.setattr(training_checkpoint, "fault_point", gate)
     background = start_background_save(
         tmp_path, 2, model, optimizer, {"recipe": "t"}, {"loader": {}}, True, None, keep_last=None
     )
-    assert writing.wait(timeout=60)
+    assert writing.wait(timeout=DEADLINE_S)
     assert latest_checkpoint(tmp_path) == earlier and (tmp_path / ".step-00000002.partial").is_dir()
     model(torch.ones(1, 4)).sum().backward()  # the next step, while the files are being written
     optimizer.step()
@@ -331,7 +331,7 @@ def test_every_layout_resumes_every_other_bit_for_bit_and_writes_replicas_once(t
     from safetensors import safe_open
 
     for index, (sharding, shape) in enumerate(STAGES):
-        answers = on_ranks(math.prod(shape), _stage, tmp_path, sharding, shape, tmp_path, index, timeout=300)
+        answers = on_ranks(math.prod(shape), _stage, tmp_path, sharding, shape, tmp_path, index)
         for rank, differences in answers.items():
             assert differences == [], (sharding, rank, differences)
 

@@ -19,7 +19,7 @@ METRIC_COLUMNS = {"step", "epoch", "loss", "learning_rate", "grad_norm", "tokens
 
 def test_demo_learns_the_held_out_tasks_and_exports(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    result = litsft(["demo", "--out_dir", str(out)], tmp_path, timeout=900)
+    result = litsft(["demo", "--out_dir", str(out)], tmp_path)
     before, after = (float(x) / 100 for x in re.search(
         r"Held-out exact match: ([\d.]+)% before training -> ([\d.]+)% after", result.stdout).groups())  # fmt: skip
     print(f"held-out exact match {before:.0%} -> {after:.0%}")

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch import litsft, write_records, write_tiny_checkpoint
+from launch import DEADLINE_S, litsft, write_records, write_tiny_checkpoint
 
 from litsft.__main__ import COMMANDS, _load, main
 
@@ -175,7 +175,9 @@ print("unflushed ", end="")
 leave()
 print("never")
 """
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=DEADLINE_S
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout == "unflushed atexit ran"
     assert (tmp_path / "thread.txt").read_text() == "done"
@@ -203,7 +205,9 @@ entry.main = stopped
 atexit.register(lambda: print("atexit ran", end=""))
 entry.run()
 """
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=DEADLINE_S
+    )
     assert result.returncode == code, result.stderr
     assert result.stdout == ("atexit ran" if left else "atexit ran torn down"), result.stdout
 

@@ -174,7 +174,7 @@ def test_several_nodes_without_anything_starting_the_others_are_refused_at_once(
 ) -> None:
     out_dir = two_node_inputs / "no-launcher"
     process = start_node_0(two_node_inputs, out_dir, free_port())
-    stdout, stderr = process.communicate(timeout=120)
+    stdout, stderr = process.communicate(timeout=launch.DEADLINE_S)
     assert process.returncode == 2, stderr[-3000:]
     assert stderr.strip().splitlines() == [stderr.strip()]
     assert "--num_nodes 2 needs a process started on every node" in stderr and "torchrun" in stderr
@@ -185,7 +185,7 @@ def test_a_node_that_never_joins_ends_the_wait_after_the_timeout_in_one_line(two
     out_dir, port = two_node_inputs / "never-joins", free_port()
     env = {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", TIMEOUT_ENV: "3"}
     process = start_node_0(two_node_inputs, out_dir, port, **env)
-    stdout, stderr = process.communicate(timeout=120)
+    stdout, stderr = process.communicate(timeout=launch.DEADLINE_S)
     assert process.returncode == 2, stderr[-3000:]
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1:] == [  # after Fabric's "Initializing distributed" line
@@ -200,13 +200,13 @@ def test_a_node_that_never_joins_ends_the_wait_after_the_timeout_in_one_line(two
 def test_a_stop_signal_ends_the_wait_for_a_node_at_once(two_node_inputs: Path, sig: signal.Signals) -> None:
     out_dir, port = two_node_inputs / f"waiting-{sig.name}", free_port()
     process = start_node_0(two_node_inputs, out_dir, port, NODE_RANK="0", MASTER_ADDR="127.0.0.1")
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + launch.DEADLINE_S
     while not port_is_open(port) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)  # node 0 serves the rendezvous on MASTER_PORT while it waits
     assert port_is_open(port), process.communicate()[1][-3000:]
     signalled = time.monotonic()
     os.killpg(process.pid, sig)
-    stdout, stderr = process.communicate(timeout=60)
+    stdout, stderr = process.communicate(timeout=launch.DEADLINE_S)
     assert time.monotonic() - signalled < 10
     assert process.returncode == 128 + sig, stderr[-3000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr

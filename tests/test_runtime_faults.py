@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launch import DEADLINE_S
 
 from litsft.runtime.faults import FAULT_ENV, fault_point
 from litsft.runtime.preemption import PreemptionFlag
@@ -45,7 +46,7 @@ def test_pause_creates_its_file_and_returns_once_a_stop_signal_arrives(
     flag.report = False
 
     def signal_once_paused() -> None:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + DEADLINE_S
         while not marker.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
         if marker.exists():
@@ -57,7 +58,7 @@ def test_pause_creates_its_file_and_returns_once_a_stop_signal_arrives(
         start = time.monotonic()
         fault_point("save_2_before_rename")
         assert flag.received, "returned before the signal"
-        assert marker.exists() and time.monotonic() - start < 30
+        assert marker.exists() and time.monotonic() - start < DEADLINE_S
     finally:
         sender.join()  # the signal is sent while the flag still handles it, whatever happened above
         PreemptionFlag.uninstall()

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
 import pytest
+from launch import DEADLINE_S
 
 from litsft.runtime.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, STOP_SIGNALS, PreemptionFlag
 
@@ -35,7 +36,7 @@ def flag(monkeypatch: pytest.MonkeyPatch) -> Iterator[PreemptionFlag]:
 def send(sig: signal.Signals, until: Callable[[], object]) -> None:
     """Send `sig` to this process and wait for the watching thread to act on it."""
     os.kill(os.getpid(), sig)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + DEADLINE_S
     while not until() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert until(), f"{sig.name} was not acted on"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from launch import (
+    DEADLINE_S,
     TINY_MOE,
     TINY_PHI3,
     litsft,
@@ -300,7 +301,7 @@ def test_a_run_prints_each_notice_once_and_no_python_warnings(workspace: Path) -
     args = finetune_args(workspace / "base", workspace / "data.json", out, 1, 4, "--devices", "2",
                          "--eval.interval", "2", "--log.timings", "true")  # fmt: skip
     result = subprocess.run([sys.executable, "-m", "litsft", *args], env=env, capture_output=True, text=True,
-                            timeout=300)  # fmt: skip
+                            timeout=DEADLINE_S)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     log = result.stdout + result.stderr
     assert "Warning" not in log and "warn(" not in log, log

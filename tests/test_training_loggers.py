@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launch import DEADLINE_S
 
 from litsft.errors import LitsftError
 from litsft.training.loggers import (
@@ -150,9 +151,9 @@ def wandb_history(out_dir: Path) -> tuple[dict[int, dict[str, object]], dict[str
     (run_file,) = out_dir.glob("wandb/offline-run-*/run-*.wandb")
     # `finish()` returns once wandb's service has the run; the service writes the file's last records after
     # that (measured: read at once, the history was missing in 4 runs of 8, the whole file empty in 4 of 6), ending with the exit record.
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + DEADLINE_S
     while not (records := wandb_records(run_file)) or records[-1].WhichOneof("record_type") != "exit":
-        assert time.monotonic() < deadline, f"{run_file} has no exit record after 60 s"
+        assert time.monotonic() < deadline, f"{run_file} has no exit record after {DEADLINE_S} s"
         time.sleep(0.1)
     history, config, name = {}, {}, None
     for record in records:

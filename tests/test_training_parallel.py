@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from launch import on_ranks
+from launch import DEADLINE_S, on_ranks
 from torch import nn
 
 from litsft.model.config import Config
@@ -395,9 +395,9 @@ def test_sharded_experts_with_an_unrouted_expert_equal_one_process(tmp_path, cas
     ]
     for worker in workers:
         worker.start()
-    facts = dict(results.get(timeout=180) for _ in workers)
+    facts = dict(results.get(timeout=DEADLINE_S) for _ in workers)
     for worker in workers:
-        worker.join(timeout=60)
+        worker.join(timeout=DEADLINE_S)
     for rank in ranks:
         assert isinstance(facts[rank], dict), facts[rank]
         assert facts[rank]["expert_rows"] == 4 // shape[-1]  # the experts split over the shard group
