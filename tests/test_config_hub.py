@@ -11,7 +11,7 @@ from litsft.recipes import finetune_full, finetune_lora, pretrain
 
 from litsft.data import JSON, HFDataset, LitData, TextFiles
 from litsft.model.config import NAMED_CONFIGS
-from litsft.training.args import accumulation_steps
+from litsft.training.args import step_geometry
 
 CONFIG_HUB = Path(__file__).parent.parent / "config_hub"
 RECIPES = {
@@ -212,7 +212,7 @@ def test_config_parses_with_its_values(name: str) -> None:
             assert value == expected, (key, value)
     # The batch arithmetic holds (the engine refuses the run otherwise) and the model is a known one.
     world_size = config.devices * config.num_nodes
-    accumulation = accumulation_steps(config.train, world_size)
+    accumulation = step_geometry(config.train, world_size).accumulation_steps
     assert accumulation * config.train.micro_batch_size * world_size == config.train.global_batch_size
     model = config.model_name if name.startswith("pretrain/") else Path(config.checkpoint_dir).name
     assert model in NAMED_CONFIGS

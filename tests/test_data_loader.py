@@ -212,7 +212,8 @@ def test_batch_sizes_must_divide():
     with pytest.raises(LitsftError) as error:
         SFTLoader(random_samples([5, 6]), 32, True, 0, 0, 2, 2, 6, seed=0)
     assert str(error.value) == (
-        "global_batch_size=6 is not a multiple of world_size x micro_batch_size=2 x 2; choose sizes so that it is"
+        "--train.global_batch_size=6 is not divisible by --train.micro_batch_size=2 x 2 processes = 4; pick a "
+        "global batch size that is a multiple of 4"
     )
 
 

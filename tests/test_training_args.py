@@ -18,11 +18,11 @@ from litsft.training.args import (
     OptimizerConfig,
     RunConfig,
     TrainConfig,
-    accumulation_steps,
     describe,
     on_cuda_by_default,
     profiled_steps,
     run_model_config,
+    step_geometry,
     with_defaults,
 )
 
@@ -117,10 +117,11 @@ def test_compile_and_async_save_follow_the_setting_else_the_device(setting, devi
     assert on_cuda_by_default(setting, device) is expected
 
 
-def test_accumulation_steps_and_an_indivisible_global_batch() -> None:
-    assert accumulation_steps(TrainConfig(global_batch_size=32, micro_batch_size=4), world_size=2) == 4
+def test_a_runs_step_geometry_comes_from_its_batch_sizes_and_its_processes() -> None:
+    geometry = step_geometry(TrainConfig(global_batch_size=32, micro_batch_size=4), world_size=2)
+    assert (geometry.samples_per_rank, geometry.accumulation_steps) == (16, 4)
     with pytest.raises(LitsftError, match="multiple of 12"):
-        accumulation_steps(TrainConfig(global_batch_size=16, micro_batch_size=4), world_size=3)
+        step_geometry(TrainConfig(global_batch_size=16, micro_batch_size=4), world_size=3)
 
 
 def test_run_config_takes_the_arguments_it_knows_and_records_all() -> None:

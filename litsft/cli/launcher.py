@@ -18,7 +18,7 @@ from litsft.runtime import processes
 from litsft.runtime.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 from litsft.runtime.run_lock import RunLock
 from litsft.runtime.timings import run_timer
-from litsft.training.args import RunConfig, accumulation_steps, with_defaults
+from litsft.training.args import RunConfig, step_geometry, with_defaults
 from litsft.training.devices import choose_accelerator, default_precision, gpu_count
 from litsft.training.recipe import Recipe
 
@@ -40,7 +40,7 @@ def launch(recipe_name: str, build_recipe: Callable[[], Recipe], run: RunConfig)
     accelerator = choose_accelerator(run.accelerator, gpus)
     run = with_defaults(dataclasses.replace(run, accelerator=accelerator), default_precision(accelerator))
     check_machine(run, gpus)
-    accumulation_steps(run.train, run.world_size)  # after the device count, which the world size depends on
+    step_geometry(run.train, run.world_size)  # after the device count, which the world size depends on
     # The run has passed every check: only now the model, the engine and Lightning are imported.
     from litsft.training.engine import fit
     from litsft.training.parallel import build_fabric

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from litsft.data.base import StepGeometry
 from litsft.data.samples import Samples
 from litsft.errors import LitsftError
 from litsft.model.network.attention import cumulative_lengths
@@ -239,11 +240,7 @@ class SFTLoader:
         num_workers: int = 0,
         shuffle: bool = True,
     ) -> None:
-        if global_batch_size % (world_size * micro_batch_size):
-            raise LitsftError(
-                f"global_batch_size={global_batch_size} is not a multiple of world_size x micro_batch_size="
-                f"{world_size} x {micro_batch_size}; choose sizes so that it is"
-            )
+        self.geometry = StepGeometry.of(global_batch_size, micro_batch_size, world_size)
         self.samples = samples
         if len(samples) and int(samples.lengths.max()) - 1 > max_seq_length:
             raise ValueError(
@@ -265,7 +262,7 @@ class SFTLoader:
 
     @property
     def micro_batches_per_global_batch(self) -> int:
-        return self.global_batch_size // (self.world_size * self.micro_batch_size)
+        return self.geometry.accumulation_steps
 
     @property
     def positions(self) -> np.ndarray:

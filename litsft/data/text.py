@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from litsft.data.base import DataModule, DataOptions, Loader, digest_of, tokenizer_fingerprint
+from litsft.data.base import DataModule, DataOptions, Loader, StepGeometry, digest_of, tokenizer_fingerprint
 from litsft.errors import LitsftError, check_number
 
 TEXT_EXTENSIONS = (".txt",)
@@ -31,7 +31,9 @@ class StreamingDataModule(DataModule):
     def train_dataloader(
         self, rank: int, world_size: int, micro_batch_size: int, global_batch_size: int
     ) -> Loader:
-        _check_batch_sizes(world_size, micro_batch_size, global_batch_size)
+        StepGeometry.of(
+            global_batch_size, micro_batch_size, world_size
+        )  # refused before any data is streamed
         return self._loader("train", rank, world_size, micro_batch_size, shuffle=True)
 
     def val_dataloader(self, rank: int, world_size: int, micro_batch_size: int) -> Loader | None:
@@ -157,14 +159,6 @@ class TextFiles(DataOptions, StreamingDataModule):
     def split_dir(self, split: str) -> str | None:
         files = self.splits().get(split)
         return None if files is None else str(self.optimized_dir(split, files))
-
-
-def _check_batch_sizes(world_size: int, micro_batch_size: int, global_batch_size: int) -> None:
-    if global_batch_size % (world_size * micro_batch_size):
-        raise LitsftError(
-            f"global_batch_size={global_batch_size} is not a multiple of world_size x micro_batch_size="
-            f"{world_size} x {micro_batch_size}; choose sizes so that it is"
-        )
 
 
 def text_files(path: Path) -> list[Path]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from litsft.data.base import StepGeometry
 from litsft.errors import LitsftError, check_number
 from litsft.model.config import Config
 from litsft.model.precision.float8 import Float8Recipe
@@ -281,16 +282,9 @@ def on_cuda_by_default(setting: bool | None, device_type: str) -> bool:
     return setting if setting is not None else device_type == "cuda"
 
 
-def accumulation_steps(train: TrainConfig, world_size: int) -> int:
-    """Micro-batches per optimizer step on each process."""
-    per_step = train.micro_batch_size * world_size
-    if train.global_batch_size % per_step:
-        raise LitsftError(
-            f"--train.global_batch_size={train.global_batch_size} is not divisible by --train.micro_batch_size="
-            f"{train.micro_batch_size} x {world_size} processes = {per_step}; pick a global batch size that is a "
-            f"multiple of {per_step}"
-        )
-    return train.global_batch_size // per_step
+def step_geometry(train: TrainConfig, world_size: int) -> StepGeometry:
+    """How this run's optimizer steps are cut across `world_size` processes; refuses sizes that do not divide."""
+    return StepGeometry.of(train.global_batch_size, train.micro_batch_size, world_size)
 
 
 def describe(value: Any) -> Any:

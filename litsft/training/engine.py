@@ -26,6 +26,7 @@ from litsft.checkpoint.checkpoint_dirs import (
     resume_checkpoint,
     set_aside_damaged_checkpoints,
 )
+from litsft.data.base import StepGeometry
 from litsft.errors import LitsftError
 from litsft.model.accounting.sizes import num_parameters
 from litsft.model.config import Config
@@ -39,10 +40,10 @@ from litsft.runtime.timings import run_timer
 from litsft.training.args import (
     RunConfig,
     TrainConfig,
-    accumulation_steps,
     describe,
     on_cuda_by_default,
     profiled_steps,
+    step_geometry,
 )
 from litsft.training.checkpointer import Checkpointer, TrainState
 from litsft.training.evaluation import validate
@@ -77,7 +78,7 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
         set_aside_damaged(fabric, run.resume, out_dir)
     tokenizer = Tokenizer(run.tokenizer_dir)
     train_loader, val_loader = setup_data(fabric, run, tokenizer)
-    total_steps = total_optimizer_steps(run.train, train_loader, fabric.world_size)
+    total_steps = total_optimizer_steps(run.train, train_loader, step_geometry(run.train, fabric.world_size))
     run_timer.mark("data: tokenized (or read from the cache), loaders")
     model = setup_model(fabric, recipe, run)
     run_timer.mark("model: built, weights loaded, sharded")
@@ -143,8 +144,9 @@ def train_loop(
 ) -> None:
     """Train from `state` to the last step: what happens each step, in order. `evaluate(step)` validates."""
     preemption = PreemptionFlag.install()
-    accumulation = accumulation_steps(run.train, fabric.world_size)
-    total_steps = total_optimizer_steps(run.train, state.train_loader, fabric.world_size)
+    geometry = step_geometry(run.train, fabric.world_size)
+    accumulation = geometry.accumulation_steps
+    total_steps = total_optimizer_steps(run.train, state.train_loader, geometry)
     profiler = StepProfiler(
         profiled_steps(run.log.profile_steps),
         run.out_dir / PROFILE_DIR,
@@ -325,10 +327,10 @@ def trainable_memory_report(model: nn.Module, config: Config) -> str:
     return line + ", before sharding"
 
 
-def total_optimizer_steps(train: TrainConfig, loader: Any, world_size: int) -> int:
+def total_optimizer_steps(train: TrainConfig, loader: Any, geometry: StepGeometry) -> int:
     if train.max_steps is not None:
         return train.max_steps
-    accumulation = accumulation_steps(train, world_size)
+    accumulation = geometry.accumulation_steps
     try:
         micro_batches_per_epoch = len(loader)
     except TypeError:

@@ -75,7 +75,7 @@ from litsft.training.args import (
     Precision,
     ShardingStrategy,
     TrainConfig,
-    accumulation_steps,
+    step_geometry,
 )
 from litsft.training.devices import gpu_has_bf16
 
@@ -457,7 +457,7 @@ def plan(
         config.max_position_embeddings, MAX_DEFAULT_SEQ_LENGTH
     )
     precision = precision or "bf16-mixed"
-    accumulation = accumulation_steps(train, world_size) if train is not None else 1
+    accumulation = step_geometry(train, world_size).accumulation_steps if train is not None else 1
     estimate = estimate_memory(
         config, devices, num_nodes, fsdp.sharding_strategy, precision, micro_batch_size, max_seq_length,
         fsdp.activation_checkpointing, lora, accumulation, quantize,
