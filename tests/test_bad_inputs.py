@@ -711,12 +711,17 @@ def evil_hf_checkpoint(ws: Path, tmp: Path, marker: Path) -> Path:
 
 
 def evil_resume(ws: Path, tmp: Path, marker: Path) -> Path:
+    """A checkpoint as litsft wrote them before rank files were safetensors (rank-00000.pt, no checksums),
+    its rank file a crafted pickle."""
     out_dir = copy_of(ws, tmp, "interrupted")
-    torch.save({"rng": Payload(marker)}, out_dir / "step-00000002" / "rank-00000.pt")
-    state_path = out_dir / "step-00000002" / "trainer_state.json"
-    state = json.loads(state_path.read_text())
-    state["file_sizes"]["rank-00000.pt"] = (out_dir / "step-00000002" / "rank-00000.pt").stat().st_size
-    state_path.write_text(json.dumps(state))
+    checkpoint = out_dir / "step-00000002"
+    (checkpoint / "rank-00000.safetensors").unlink()
+    torch.save({"rng": Payload(marker)}, checkpoint / "rank-00000.pt")
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    del state["file_checksums"], state["file_sizes"]["rank-00000.safetensors"]
+    state["files"] = sorted(["rank-00000.pt", *(f for f in state["files"] if f != "rank-00000.safetensors")])
+    state["file_sizes"]["rank-00000.pt"] = (checkpoint / "rank-00000.pt").stat().st_size
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
     return out_dir
 
 

@@ -29,16 +29,25 @@ from litsft.checkpoint.checkpoint_dirs import (
 )
 from litsft.errors import LitsftError
 from litsft.model.config import Config
+from litsft.runtime.files import checksum_of_file
 
 
 def write_checkpoint(directory: Path, files: dict[str, bytes], state: object = None) -> Path:
-    """A checkpoint directory holding `files`, and a trainer_state.json listing them with their sizes."""
+    """A checkpoint directory holding `files`, and a trainer_state.json listing them with their sizes and
+    checksums."""
     for name, content in files.items():
         (directory / name).parent.mkdir(parents=True, exist_ok=True)
         (directory / name).write_bytes(content)
     if state is None:
         sizes = {name: len(c) for name, c in files.items()}
-        state = {"step": 1, "format": CHECKPOINT_FORMAT, "files": list(files), "file_sizes": sizes}
+        checksums = {name: checksum_of_file(directory / name) for name in files}
+        state = {
+            "step": 1,
+            "format": CHECKPOINT_FORMAT,
+            "files": list(files),
+            "file_sizes": sizes,
+            "file_checksums": checksums,
+        }
     (directory / TRAINER_STATE).write_text(json.dumps(state))
     return directory
 
@@ -199,7 +208,13 @@ def test_a_step_checkpoint_given_as_a_model_is_read_only_when_complete_and_of_a_
 def test_the_trainer_state_of_a_complete_checkpoint_only(tmp_path: Path) -> None:
     checkpoint = write_checkpoint(tmp_path / checkpoint_name(5), {"a": b"1"})
     state = read_trainer_state(checkpoint)
-    assert state == {"step": 1, "format": CHECKPOINT_FORMAT, "files": ["a"], "file_sizes": {"a": 1}}
+    assert state == {
+        "step": 1,
+        "format": CHECKPOINT_FORMAT,
+        "files": ["a"],
+        "file_sizes": {"a": 1},
+        "file_checksums": {"a": checksum_of_file(checkpoint / "a")},
+    }
     (checkpoint / "a").unlink()
     with pytest.raises(LitsftError, match=r"is not a complete litsft training checkpoint .*--resume auto$"):
         read_trainer_state(checkpoint)
@@ -232,6 +247,43 @@ def test_find_damage_says_how_a_checkpoint_differs_from_what_was_written(
     damage(checkpoint)
     assert find_damage(checkpoint) == expected
     assert not is_complete(checkpoint)
+
+
+def test_a_file_whose_bytes_changed_at_its_size_is_damage_found_by_its_checksum(tmp_path: Path) -> None:
+    """The sizes alone let it through: only reading the contents finds it, and says it is not truncated."""
+    checkpoint = write_checkpoint(tmp_path / checkpoint_name(4), FILES)
+    assert find_damage(checkpoint, contents=True) is None
+    (checkpoint / "shards" / "rank-00000.safetensors").write_bytes(b"0123456788")
+    assert find_damage(checkpoint) is None
+    assert find_damage(checkpoint, contents=True) == (
+        "shards/rank-00000.safetensors does not hold the bytes it was written with (its checksum differs)"
+    )
+
+
+def test_the_checkpoint_a_run_would_resume_is_checked_whole_and_one_whose_bytes_changed_gives_way(
+    tmp_path: Path,
+) -> None:
+    """Steps 2, 4 and 6 with a byte changed in 6 and in 2: 6 is moved aside, 4 (now the newest) is read whole
+    and intact, so 2, which no run would resume while 4 is there, is checked by its sizes only and stays."""
+    out_dir = tmp_path / "out"
+    for step in (2, 4, 6):
+        write_checkpoint(out_dir / checkpoint_name(step), FILES)
+    for step in (2, 6):
+        (out_dir / checkpoint_name(step) / "rank-00001.pt").write_bytes(b"gnr")
+    (notice,) = set_aside_damaged_checkpoints(out_dir)
+    (aside,) = [p.name for p in out_dir.iterdir() if ".damaged-" in p.name]
+    assert notice == (
+        f"checkpoint {out_dir / checkpoint_name(6)} is damaged: rank-00001.pt does not hold the bytes it was "
+        f"written with (its checksum differs); moved it aside to {aside}"
+    )
+    assert latest_checkpoint(out_dir) == out_dir / checkpoint_name(4)
+    assert (out_dir / checkpoint_name(2)).is_dir()
+    # A checkpoint written before checksums were recorded is checked by its sizes, as before.
+    state = json.loads((out_dir / checkpoint_name(4) / TRAINER_STATE).read_text())
+    del state["file_checksums"]
+    (out_dir / checkpoint_name(4) / TRAINER_STATE).write_text(json.dumps(state))
+    (out_dir / checkpoint_name(4) / "rank-00001.pt").write_bytes(b"gnr")
+    assert set_aside_damaged_checkpoints(out_dir) == []
 
 
 def test_damaged_checkpoints_are_moved_aside_whole_and_the_newest_intact_one_is_resumed(

@@ -4,8 +4,11 @@ loading it back, rotation, leftovers, and refusing pickled objects."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import pickle
+import random
 from pathlib import Path
 
 import pytest
@@ -16,20 +19,28 @@ from torch import nn
 from litsft.checkpoint.checkpoint_dirs import (
     TRAINER_STATE,
     checkpoint_name,
+    find_damage,
     is_complete,
     latest_checkpoint,
     read_trainer_state,
 )
 from litsft.checkpoint.training_checkpoint import (
+    RANK_STATE_KEY,
+    checkpoint_tensors,
+    load_legacy_rank_state,
     load_rank_state,
     load_training_checkpoint,
     remove_partial_checkpoints,
+    rng_state,
     rotate_checkpoints,
     save_training_checkpoint,
+    set_rng_state,
     start_background_save,
 )
 from litsft.errors import LitsftError
+from litsft.runtime import files
 from litsft.runtime.faults import FAULT_ENV
+from litsft.runtime.files import checksum_of_file, readable_size
 
 
 def trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -57,14 +68,17 @@ def save(out_dir, step: int, model, optimizer, save_frozen: bool = True):
     )
 
 
-def test_a_checkpoint_holds_its_files_listed_with_their_sizes(tmp_path) -> None:
+def test_a_checkpoint_holds_its_files_listed_with_their_sizes_and_checksums(tmp_path) -> None:
     model, optimizer = trained(0)
     path = save(tmp_path, 12, model, optimizer)
     assert path == tmp_path / "step-00000012" == tmp_path / checkpoint_name(12)
     state = json.loads((path / TRAINER_STATE).read_text())
-    assert state["files"] == ["rank-00000.pt", "shards/shard-00001-model-00001-of-00001.safetensors"]
+    assert state["files"] == ["rank-00000.safetensors", "shards/shard-00001-model-00001-of-00001.safetensors"]
     assert state["format"] == "dcp-safetensors"
     assert state["file_sizes"] == {name: (path / name).stat().st_size for name in state["files"]}
+    # Hashed as written, equal to hashing the files on disk.
+    assert state["file_checksums"] == {name: checksum_of_file(path / name) for name in state["files"]}
+    assert all(value.startswith("xxh3_128:") for value in state["file_checksums"].values())
     assert (state["step"], state["world_size"], state["recipe"], state["epoch"]) == (12, 1, "test", 1)
     assert [group["params"] for group in state["param_groups"]] == [
         ["0.weight", "0.bias", "1.weight", "1.bias"]
@@ -206,6 +220,47 @@ def test_a_background_save_holds_the_state_of_its_step_and_is_published_only_onc
     assert not all(torch.equal(a, b) for a, b in zip(at_save, model.parameters()))
 
 
+def test_a_full_disk_names_the_file_the_space_a_checkpoint_takes_and_the_intact_one(
+    tmp_path, monkeypatch
+) -> None:
+    """The kernel's ENOSPC names no file: the line says which file was being written, where, what a step
+    checkpoint of the run takes there and what was free, and that the previous checkpoint is intact."""
+    model, optimizer = trained(0)
+    save(tmp_path, 1, model, optimizer)
+    real_open = open
+
+    class FullDisk:
+        def __init__(self, file) -> None:
+            self.file = file
+
+        def write(self, data) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __getattr__(self, name: str):
+            return getattr(self.file, name)
+
+    def open_on_a_full_disk(path, mode="r", *args, **kwargs):
+        file = real_open(path, mode, *args, **kwargs)
+        return FullDisk(file) if "w" in mode and Path(path).name.startswith("shard-") else file
+
+    monkeypatch.setattr(files, "open", open_on_a_full_disk, raising=False)
+    with pytest.raises(LitsftError) as refused:
+        save(tmp_path, 2, model, optimizer)
+    tensor_bytes = sum(t.numel() * t.element_size() for t in checkpoint_tensors(model, optimizer).values())
+    shard = tmp_path / ".step-00000002.partial" / "shards" / "shard-00001-model-00001-of-00001.safetensors"
+    message = str(refused.value)
+    assert message.startswith(
+        f"could not write checkpoint {tmp_path / 'step-00000002'} (rank 0: [Errno 28] No space left on device: "
+        f"'{shard}'; a step checkpoint of this run takes {readable_size(tensor_bytes)} on the disk of "
+        f"{tmp_path}, where "
+    ), message
+    assert message.endswith(
+        " was free); step-00000001 is intact: free disk space or fix permissions, then relaunch the same "
+        "command to resume"
+    ), message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
+
+
 def test_a_background_save_that_fails_raises_at_the_wait_and_keeps_the_previous_checkpoint(
     tmp_path, monkeypatch
 ) -> None:
@@ -218,7 +273,8 @@ def test_a_background_save_that_fails_raises_at_the_wait_and_keeps_the_previous_
     with pytest.raises(
         LitsftError,
         match=r"could not write checkpoint \S+step-00000002 \(rank 0: \[Errno 28\] No space left on device: "
-        r"'\(fault injected at save_2_writing_in_background\)'\); step-00000001 is intact",
+        r"'\(fault injected at save_2_writing_in_background\)'; a step checkpoint of this run takes 592 B on "
+        r"the disk of \S+, where .* was free\); step-00000001 is intact",
     ):
         background.wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
@@ -229,16 +285,44 @@ class Payload:
         return (print, ("this would run on load",))
 
 
-def test_a_rank_file_holding_python_objects_is_refused_unread(tmp_path) -> None:
+def test_a_rank_file_is_safetensors_with_json_and_its_state_comes_back_exactly(tmp_path) -> None:
+    """Nothing in it is a pickle: the tensors (torch's RNG state) are safetensors, the rest JSON in the header,
+    tuples kept tuples (Python's random.setstate takes nothing else); the restored streams go on as the saved."""
+    model, optimizer = trained(0)
+    random.seed(5)
+    torch.manual_seed(5)
+    rank_state = {"rng": rng_state(), "loader": {"position": 7, "seed": 3}, "loss_scaler": {"scale": 0.5}}
+    path = save_training_checkpoint(tmp_path, 1, model, optimizer, {"recipe": "t"}, rank_state)
+    expected = (random.random(), torch.rand(3))
+    from safetensors import safe_open
+
+    with safe_open(path / "rank-00000.safetensors", framework="pt") as handle:
+        assert list(handle.keys()) == ["rng.torch"]
+        assert json.loads(handle.metadata()[RANK_STATE_KEY])["loader"] == {"position": 7, "seed": 3}
+    loaded = load_rank_state(path, 0)
+    assert {k: v for k, v in loaded.items() if k != "rng"} == {
+        "loader": {"position": 7, "seed": 3},
+        "loss_scaler": {"scale": 0.5},
+    }
+    assert loaded["rng"]["python"] == rank_state["rng"]["python"]
+    set_rng_state(loaded["rng"])
+    assert random.random() == expected[0] and torch.equal(torch.rand(3), expected[1])
+
+
+def test_a_legacy_rank_file_holding_python_objects_is_refused_unread(tmp_path) -> None:
+    """A checkpoint written before rank files were safetensors has rank-XXXXX.pt: read with torch's
+    weights-only unpickler, plain data only."""
     path = tmp_path / "rank-00000.pt"
     path.write_bytes(pickle.dumps({"rng": Payload()}, protocol=2))
     with pytest.raises(LitsftError, match="refuses to unpickle"):
-        load_rank_state(path)
+        load_rank_state(tmp_path, 0)
     torch.save({"epoch": 2, "rng": torch.arange(3)}, path)
-    assert load_rank_state(path)["epoch"] == 2
+    assert load_rank_state(tmp_path, 0)["epoch"] == 2
 
 
-def test_a_rank_file_overwritten_with_other_bytes_is_called_damaged_not_python_objects(tmp_path) -> None:
+def test_a_legacy_rank_file_overwritten_with_other_bytes_is_called_damaged_not_python_objects(
+    tmp_path,
+) -> None:
     """Bytes that are no pickle at all (a disk fault, a bad copy) at the size the file was written with,
     so the size check before resuming passes them: the line says the file is damaged and how to go on."""
     path = tmp_path / "step-00000004" / "rank-00000.pt"
@@ -246,7 +330,7 @@ def test_a_rank_file_overwritten_with_other_bytes_is_called_damaged_not_python_o
     torch.save({"epoch": 2, "rng": torch.arange(3)}, path)
     path.write_bytes(bytes(range(256)) * (path.stat().st_size // 256) + b"\xfc" * (path.stat().st_size % 256))
     with pytest.raises(LitsftError) as refused:
-        load_rank_state(path)
+        load_legacy_rank_state(path)
     message = str(refused.value)
     assert message.startswith(f"{path} is damaged (") and "Python objects" not in message
     assert message.endswith(f"move {path.parent} aside (rename it) to resume from the checkpoint before it, "
@@ -337,7 +421,12 @@ def test_every_layout_resumes_every_other_bit_for_bit_and_writes_replicas_once(t
 
         expected = torch.load(tmp_path / f"expected-{index}.pt", weights_only=True)
         stored_elements: dict[str, int] = {}
-        for path in (tmp_path / f"stage-{index}" / "step-00000001" / "shards").glob("*.safetensors"):
+        checkpoint = tmp_path / f"stage-{index}" / "step-00000001"
+        # Every rank's files are listed with the checksum of their bytes, gathered by rank 0.
+        state = read_trainer_state(checkpoint)
+        assert sorted(state["file_checksums"]) == state["files"], sharding
+        assert find_damage(checkpoint, contents=True) is None, sharding
+        for path in (checkpoint / "shards").glob("*.safetensors"):
             with safe_open(path, framework="pt") as handle:
                 for key in handle.keys():
                     shape_on_disk = handle.get_slice(key).get_shape()

@@ -16,7 +16,7 @@ from litsft.cli.validation import check_machine, check_run
 from litsft.data import JSON
 from litsft.errors import LitsftError
 from litsft.model.config import Config
-from litsft.runtime.files import write_json
+from litsft.runtime.files import checksum_of_file, write_json
 from litsft.training.args import FSDPConfig, RunConfig, TrainConfig, with_defaults
 
 
@@ -33,7 +33,7 @@ def run(tmp_path: Path) -> RunConfig:
 def fake_checkpoint(out_dir: Path, run: RunConfig, **recorded: object) -> Path:
     """A complete checkpoint as far as the checks read one: its trainer_state.json (listing no files)."""
     path = out_dir / "step-00000004"
-    path.mkdir(parents=True)
+    path.mkdir(parents=True, exist_ok=True)
     state = {
         "step": 4,
         "recipe": "finetune_full",
@@ -145,6 +145,32 @@ def test_an_incomplete_checkpoint_given_to_resume_is_refused(run: RunConfig, tmp
     (tmp_path / "step-00000001").mkdir()
     with pytest.raises(LitsftError, match="is not a complete litsft training checkpoint"):
         check_run(replace(run, resume=tmp_path / "step-00000001"), "finetune_full")
+
+
+def test_a_checkpoint_named_by_resume_whose_bytes_changed_is_refused_before_launch(
+    run: RunConfig, tmp_path: Path
+) -> None:
+    """Its sizes pass; its checksum does not. Not moved aside: the run would not go on from the one named."""
+    path = tmp_path / "other-run" / "step-00000004"
+    path.mkdir(parents=True)
+    (path / "rank-00000.safetensors").write_bytes(b"state")
+    fake_checkpoint(
+        tmp_path / "other-run",
+        run,
+        files=["rank-00000.safetensors"],
+        file_sizes={"rank-00000.safetensors": 5},
+        file_checksums={"rank-00000.safetensors": checksum_of_file(path / "rank-00000.safetensors")},
+    )
+    check_run(replace(run, resume=path), "finetune_full")
+    (path / "rank-00000.safetensors").write_bytes(b"stale")
+    with pytest.raises(LitsftError) as refused:
+        check_run(replace(run, resume=path), "finetune_full")
+    assert str(refused.value) == (
+        f"--resume {path} is damaged: rank-00000.safetensors does not hold the bytes it was written with (its "
+        "checksum differs); pass an older step dir, or --resume auto to go on from the newest intact checkpoint "
+        "of --out_dir"
+    )
+    assert path.is_dir()
 
 
 def test_resuming_an_earlier_step_into_an_out_dir_with_later_checkpoints_is_refused(

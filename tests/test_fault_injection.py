@@ -5,6 +5,7 @@ benchmarks/bench_fault_injection.py; these are three of its moments, chained.)""
 from __future__ import annotations
 
 import os
+import random
 import resource
 import shutil
 import signal
@@ -288,14 +289,40 @@ def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def flip_64_bytes_of_a_weight(path: Path) -> None:
+    """Invert 64 bytes in the middle of the tensor data (after the 8-byte length and the JSON header)."""
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    middle = (start + len(data)) // 2
+    data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+    path.write_bytes(bytes(data))
+
+
+def damage_the_header(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[12:20] = b"\xff" * 8  # inside the JSON header: no longer JSON
+    path.write_bytes(bytes(data))
+
+
+def plant_same_size_bytes(path: Path) -> None:
+    path.write_bytes(random.Random(0).randbytes(path.stat().st_size))
+
+
+CHANGED = "does not hold the bytes it was written with (its checksum differs)"
+
+
 @pytest.mark.parametrize(
     ("kind", "damage", "expected"),
     [
         ("truncated-shard", lambda c: truncate(c / RANK_1_SHARD),
          f"{RANK_1_SHARD} is truncated ({{half:,}} of {{size:,}} bytes)"),
-        ("missing-rank-file", lambda c: (c / "rank-00001.pt").unlink(), "rank-00001.pt is missing"),
+        ("missing-rank-file", lambda c: (c / "rank-00001.safetensors").unlink(), "rank-00001.safetensors is missing"),
         ("extra-file", lambda c: shutil.copy(c / RANK_1_SHARD, c / "shards" / "shard-00003-model-00001-of-00001.safetensors"),
          "shards/shard-00003-model-00001-of-00001.safetensors is not a file it was written with"),
+        ("flipped-weight", lambda c: flip_64_bytes_of_a_weight(c / RANK_1_SHARD), f"{RANK_1_SHARD} {CHANGED}"),
+        ("damaged-header", lambda c: damage_the_header(c / RANK_1_SHARD), f"{RANK_1_SHARD} {CHANGED}"),
+        ("planted-rank-file", lambda c: plant_same_size_bytes(c / "rank-00001.safetensors"),
+         f"rank-00001.safetensors {CHANGED}"),
     ],
 )  # fmt: skip
 def test_a_damaged_newest_checkpoint_is_named_moved_aside_and_the_run_goes_on_from_the_one_before(
@@ -303,7 +330,9 @@ def test_a_damaged_newest_checkpoint_is_named_moved_aside_and_the_run_goes_on_fr
 ) -> None:
     """The newest checkpoint (step 8 of 8) damaged after it was published: the relaunch says which checkpoint
     and how, moves it aside whole, resumes from step 6, saves step 8 again under its own name and finishes
-    with the uninterrupted run's weights."""
+    with the uninterrupted run's weights. One rule for every damage: a file cut short, missing or extra, and
+    one whose bytes changed at its size (a weight's bytes flipped, which trained on silently; a header no
+    longer read, or a file planted in a rank file's place, which stopped the run) found by its checksum."""
     name = f"damaged-{kind}"
     out_dir = workspace / name
     shutil.copytree(workspace / "reference", out_dir)
@@ -358,11 +387,16 @@ def test_full_disk_during_save_keeps_previous_checkpoint_and_names_the_cause(wor
     assert run.returncode == 2, run.stderr[-3000:]
     assert "Traceback" not in run.stderr
     error_lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
-    assert error_lines == [
+    assert len(error_lines) == 1, error_lines
+    assert error_lines[0].startswith(
         f"error: could not write checkpoint {out_dir / 'step-00000004'} (rank 1: [Errno 28] No space left on "
-        "device: '(fault injected at save_4_writing)'); step-00000002 is intact: free disk space or fix "
-        "permissions, then relaunch the same command to resume"
-    ]
+        "device: '(fault injected at save_4_writing)'; a step checkpoint of this run takes "
+    ), error_lines
+    assert f" on the disk of {out_dir}, where " in error_lines[0]
+    assert error_lines[0].endswith(
+        " was free); step-00000002 is intact: free disk space or fix permissions, then relaunch the same "
+        "command to resume"
+    ), error_lines
     assert latest_checkpoint(out_dir) == out_dir / "step-00000002"
     assert leftovers(out_dir) == []  # the partial step 4 is gone
 

@@ -3,7 +3,8 @@ import os
 import pytest
 
 from litsft.errors import LitsftError
-from litsft.runtime.files import publish_atomically
+from litsft.runtime import files
+from litsft.runtime.files import checksum_of_file, publish_atomically, readable_size, write_bytes
 
 
 def test_publish_atomically_leaves_nothing_on_failure(tmp_path):
@@ -55,3 +56,32 @@ def test_publish_atomically_reuses_a_fixed_staging_name(tmp_path):
         (work / "new.txt").write_text("new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["new.txt"]
+
+
+def test_a_file_written_is_hashed_as_written_and_equals_hashing_it_on_disk(tmp_path, monkeypatch):
+    path = tmp_path / "f.bin"
+    written = write_bytes(path, b"x" * 100_000, durable=True)
+    assert written == checksum_of_file(path, chunk_bytes=4096) and written.startswith("xxh3_128:")
+    path.write_bytes(b"x" * 99_999 + b"y")  # the same size, one byte changed
+    assert checksum_of_file(path) != written
+
+    class FullDisk:
+        def __init__(self, file) -> None:
+            self.file = file
+
+        def write(self, data) -> int:
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name: str):
+            return getattr(self.file, name)
+
+    real_open = open
+    monkeypatch.setattr(files, "open", lambda *a, **k: FullDisk(real_open(*a, **k)), raising=False)
+    with pytest.raises(OSError) as refused:
+        write_bytes(tmp_path / "g.bin", b"data")
+    assert str(refused.value) == f"[Errno 28] No space left on device: '{tmp_path / 'g.bin'}'"
+
+
+def test_sizes_read_in_three_significant_digits():
+    sizes = [0, 999, 1000, 1_234_567, 5.5e9, 2e15]
+    assert [readable_size(n) for n in sizes] == ["0 B", "999 B", "1 kB", "1.23 MB", "5.5 GB", "2,000 TB"]

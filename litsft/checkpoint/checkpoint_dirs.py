@@ -17,7 +17,7 @@ from typing import Any
 
 from litsft.errors import LitsftError
 from litsft.model.config import CONFIG_FILENAME, Config
-from litsft.runtime.files import read_json
+from litsft.runtime.files import checksum_of_file, read_json
 
 STEP_PREFIX = "step-"
 FINAL_DIR = "final"
@@ -27,7 +27,7 @@ PARTIAL_SUFFIX = ".partial"
 DELETING_SUFFIX = ".deleting"
 """An old checkpoint being deleted is renamed `.step-XXXXXXXX.deleting/` first."""
 TRAINER_STATE = "trainer_state.json"
-"""Written last: step, config and the list of every file with its size."""
+"""Written last: step, config and the list of every file with its size and checksum."""
 FROZEN_FINGERPRINT = "frozen_weights_sha256"
 """trainer_state.json's fingerprint of the frozen weights a checkpoint leaves out (finetune_lora's base)."""
 FROZEN_BASE = "frozen_base"
@@ -47,10 +47,11 @@ DAMAGED_INFIX = ".damaged-"
 """A damaged checkpoint is moved aside to `step-XXXXXXXX.damaged-<UTC time>/`, kept as evidence."""
 
 
-def find_damage(checkpoint_dir: Path) -> str | None:
+def find_damage(checkpoint_dir: Path, contents: bool = False) -> str | None:
     """How a published checkpoint directory differs from what was written into it, in a few words (None: it
-    is intact). `trainer_state.json`, written last, lists every other file with its size: a listed file
-    missing or of another size, or a file it does not list, is damage."""
+    is intact). `trainer_state.json`, written last, lists every other file with its size and checksum: a
+    listed file missing or of another size, or a file it does not list, is damage; with `contents`, so is a
+    file whose bytes no longer have their checksum (this reads every file: a second per few GB)."""
     state_path = checkpoint_dir / TRAINER_STATE
     if not state_path.is_file():
         return f"{TRAINER_STATE} is missing"
@@ -82,6 +83,12 @@ def find_damage(checkpoint_dir: Path) -> str | None:
         return f"{extra[0]} is not a file it was written with" + (
             f" (nor are {len(extra) - 1} more)" if len(extra) > 1 else ""
         )
+    checksums = state.get("file_checksums", {})  # none in checkpoints written before litsft recorded them
+    if contents and isinstance(checksums, dict):
+        for name in files:
+            written = checksums.get(name)
+            if isinstance(written, str) and checksum_of_file(checkpoint_dir / name) != written:
+                return f"{name} does not hold the bytes it was written with (its checksum differs)"
     return None
 
 
@@ -114,13 +121,18 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 
 def set_aside_damaged_checkpoints(out_dir: Path) -> list[str]:
     """Move every damaged `step-XXXXXXXX` checkpoint of out_dir aside (renamed, never deleted: it is evidence
-    of what went wrong) and return one line per checkpoint saying how it was damaged and where it went. A run
-    then resumes from the newest intact checkpoint and saves that step again under its own name. Call it
-    on one process, before any process looks for the checkpoint to resume from."""
+    of what went wrong) and return one line per checkpoint, oldest first, saying how it was damaged and where
+    it went. A run then resumes from the newest intact checkpoint and saves that step again under its own
+    name. The checkpoint a run would resume from has its files' checksums checked too (the older ones only
+    their sizes: reading every checkpoint whole would cost a relaunch minutes), so a damaged newest one
+    gives way to the one before, which is checked the same way. Call it on one process, before any process
+    looks for the checkpoint to resume from."""
     notices = []
-    for checkpoint in step_checkpoints(out_dir):
-        damage = find_damage(checkpoint)
+    verified = False
+    for checkpoint in reversed(step_checkpoints(out_dir)):
+        damage = find_damage(checkpoint, contents=not verified)
         if damage is None:
+            verified = True
             continue
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         aside = checkpoint.with_name(f"{checkpoint.name}{DAMAGED_INFIX}{stamp}")
@@ -130,7 +142,7 @@ def set_aside_damaged_checkpoints(out_dir: Path) -> list[str]:
             aside = checkpoint.with_name(f"{checkpoint.name}{DAMAGED_INFIX}{stamp}-{attempt}")
         os.replace(checkpoint, aside)
         notices.append(f"checkpoint {checkpoint} is damaged: {damage}; moved it aside to {aside.name}")
-    return notices
+    return notices[::-1]
 
 
 def resume_checkpoint(resume: bool | str | Path, out_dir: Path) -> Path | None:

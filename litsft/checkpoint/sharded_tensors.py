@@ -11,11 +11,14 @@ not in DCP's pickled `.metadata` file, which nothing here reads: loading never u
 
 from __future__ import annotations
 
+import os
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,13 +26,16 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.futures import Future as TorchFuture
 
 from litsft.errors import LitsftError
 from litsft.model.precision.float8 import without_float8_wrapper
-from litsft.runtime.files import first_line
+from litsft.runtime.files import ChecksummedFile, first_line
 
 # DCP warns on every save and load without a process group, though one process is what litsft means then;
 # filtered for good, not around each call: a background save warns from its own thread, later.
@@ -118,11 +124,19 @@ def local_bytes(tensors: dict[str, torch.Tensor]) -> int:
 
 
 # ---- DCP with safetensors storage -------------------------------------------------------------------------
-def save_sharded(tensors: dict[str, torch.Tensor], directory: Path) -> None:
+def save_sharded(
+    tensors: dict[str, torch.Tensor], directory: Path, checksums: dict[str, str] | None = None
+) -> dict[str, str]:
     """Write every rank's part of `tensors` (flat name -> tensor or DTensor) into `directory`, one
     safetensors file per rank that holds a part no other rank writes, fsynced. Collective. Raises the
-    OSError (or other exception) of the lowest rank that failed, on every rank."""
-    _save(tensors, HuggingFaceStorageWriter(str(directory), save_distributed=True))
+    OSError (or other exception) of the lowest rank that failed, on every rank.
+
+    Returns on rank 0 the checksum of every file every rank wrote, by its path relative to `directory`'s
+    parent, with every rank's `checksums` (of files it wrote itself) among them; on other ranks {}."""
+    writer = _CheckpointWriter(str(directory), save_distributed=True)
+    writer.local_checksums.update(checksums or {})
+    _save(tensors, writer)
+    return writer.checksums
 
 
 def save_consolidated(
@@ -138,7 +152,7 @@ def save_consolidated(
     scalars = [name for name, tensor in tensors.items() if tensor.dim() == 0]
     if scalars:  # torch 2.13's consolidation writes a 0-dim tensor as zeros
         raise ValueError(f"cannot consolidate 0-dim tensors: {scalars}")
-    writer = _WriterCallingFirst(
+    writer = _CheckpointWriter(
         str(directory), save_distributed=True, enable_consolidation=True, fqn_to_index_mapping=file_index
     )
     writer.before_write = before_write
@@ -164,15 +178,17 @@ def save_sharded_in_background(
     process_group: dist.ProcessGroup | None,
     before_write: Callable[[], None] = lambda: None,
     stager: AsyncStager | None = None,
+    checksums: dict[str, str] | None = None,
 ) -> Future:
     """`save_sharded`, returning as soon as this rank's part is copied to host memory: the files are written
-    by a thread while training goes on. The future ends once every rank's files are on disk, or raises the
-    lowest failing rank's exception on every rank. `process_group`: a gloo group used for nothing else
-    (the write's collectives must not interleave with training's); `before_write` runs in that thread
-    first; `stager` makes the host copy (`pinned_stager`; by default a new copy in ordinary memory, freed
-    once written). Collective."""
-    writer = _WriterCallingFirst(str(directory), save_distributed=True)
+    by a thread while training goes on. The future ends once every rank's files are on disk, with
+    `save_sharded`'s checksums, or raises the lowest failing rank's exception on every rank.
+    `process_group`: a gloo group used for nothing else (the write's collectives must not interleave with
+    training's); `before_write` runs in that thread first; `stager` makes the host copy (`pinned_stager`;
+    by default a new copy in ordinary memory, freed once written). Collective."""
+    writer = _CheckpointWriter(str(directory), save_distributed=True)
     writer.before_write = before_write
+    writer.local_checksums.update(checksums or {})
     written = dcp.async_save(
         {name: plain(tensor) for name, tensor in tensors.items()},
         storage_writer=writer,
@@ -185,7 +201,7 @@ def save_sharded_in_background(
     def unwrap(done: Future) -> None:
         error = done.exception()
         if error is None:
-            result.set_result(None)
+            result.set_result(writer.checksums)
         else:
             result.set_exception(dcp_failure(error) if isinstance(error, CheckpointException) else error)
 
@@ -228,12 +244,58 @@ def empty_host_cache() -> Callable[[], None]:
     return public if public is not None else torch._C._host_emptyCache
 
 
-class _WriterCallingFirst(HuggingFaceStorageWriter):
-    before_write: Callable[[], None]
+_CHECKSUMS = "litsft/checksums"
+"""The name of the write result that carries a rank's checksums to rank 0 (no tensor has it)."""
+
+
+class _CheckpointWriter(HuggingFaceStorageWriter):
+    """DCP's Hugging Face safetensors writer, hashing each file as it writes it (no second read) and naming
+    the file in a failed write's OSError. Each rank's checksums travel to rank 0 with its write results,
+    the way DCP gathers them for `finish` (also from a background save's thread), and are `checksums` there.
+    `before_write` runs first in `write_data`."""
+
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.fs = _ChecksummingFileSystem()
+        self.before_write: Callable[[], None] = lambda: None
+        self.local_checksums: dict[str, str] = {}
+        """This rank's files, by path relative to the directory's parent."""
+        self.checksums: dict[str, str] = {}
+        """Every rank's, on rank 0 once the save is done."""
 
     def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
         self.before_write()
-        return super().write_data(plan, planner)
+        written = super().write_data(plan, planner)
+        written.wait()  # the files are written by now: FileSystemWriter writes before it returns
+        for path, checksum in self.fs.written.items():
+            self.local_checksums[str(Path(path).relative_to(Path(self.path).parent))] = checksum
+        carrier = WriteResult(MetadataIndex(_CHECKSUMS), 0, dict(self.local_checksums))
+        results: TorchFuture = TorchFuture()
+        results.set_result([*written.value(), carrier])
+        return results
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        for rank_results in results:
+            for result in rank_results:
+                if result.index.fqn == _CHECKSUMS:
+                    self.checksums.update(result.storage_data)
+        tensors_only = [[r for r in rank_results if r.index.fqn != _CHECKSUMS] for rank_results in results]
+        return super().finish(metadata, tensors_only)
+
+
+class _ChecksummingFileSystem(FileSystem):
+    def __init__(self) -> None:
+        self.written: dict[str, str] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with ChecksummedFile(Path(path)) as stream:
+            yield stream
+        self.written[str(path)] = stream.checksum()
 
 
 class ShardedReader:

@@ -5,15 +5,22 @@ Layout of `out_dir/step-00000012/`:
                                        the model parameters and optimizer state, each rank's part of every
                                        tensor in its own file, written by torch.distributed.checkpoint (DCP)
                                        with its Hugging Face safetensors storage (`sharded_tensors`)
-    rank-00000.pt ...                  each rank's RNG states, data-loader state and (16-mixed) loss scale
+    rank-00000.safetensors ...         each rank's RNG states, data-loader state and (16-mixed) loss scale:
+                                       its tensors as tensors, the rest as JSON in the header's metadata
     trainer_state.json                 step, epoch, optimizer hyper-parameters, the run config, file list
 
 A checkpoint is written under `.step-00000012.partial/` and renamed once every rank's files are on disk
-(fsynced) and `trainer_state.json`, listing every file with its size, is written, so a crash mid-write
-never leaves a directory that looks complete. A write that fails on any rank (disk full, permissions) fails
-on every rank with the same message, so none waits forever for the others, and the partial directory is
-removed; older checkpoints are deleted only after a new one is published. (This publish is collective,
-so it is not `formats.publish_atomically`, which serves outputs written by one process.)
+(fsynced) and `trainer_state.json`, listing every file with its size and checksum, is written, so a crash
+mid-write never leaves a directory that looks complete. Each rank hashes the bytes of its files as it writes
+them (`runtime.files.ChecksummedFile`); nothing is read back to hash it. A write that fails on any rank
+(disk full, permissions) fails on every rank with the same message, so none waits forever for the others,
+and the partial directory is removed; older checkpoints are deleted only after a new one is published.
+(This publish is collective, so it is not `formats.publish_atomically`, which serves outputs written by one
+process.)
+
+Nothing a checkpoint holds is unpickled: the rank files of checkpoints written before they were safetensors
+(`rank-00000.pt`) are read with torch's weights-only unpickler, which rebuilds tensors and plain data and
+refuses any other object.
 
 Which checkpoints an out_dir holds, which are complete and which one a run resumes from is
 `checkpoint_dirs` (no torch: the checks before launch use it).
@@ -28,7 +35,8 @@ fp32 moments of a bf16 weight to bf16.
 
 from __future__ import annotations
 
-import io
+import errno
+import json
 import os
 import pickle
 import random
@@ -38,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save as safetensors_bytes
 from torch import nn
 from torch.distributed.checkpoint.staging import AsyncStager
 
@@ -54,16 +63,16 @@ from litsft.checkpoint.checkpoint_dirs import (
 )
 from litsft.checkpoint.sharded_tensors import (
     ShardedReader,
-    first_failure,
+    first_message,
     global_rank,
     save_sharded,
     save_sharded_in_background,
     world_size,
 )
-from litsft.checkpoint.weight_files import refused_global
+from litsft.checkpoint.weight_files import load_safetensors_and_metadata, refused_global
 from litsft.errors import LitsftError
 from litsft.runtime.faults import fault_point
-from litsft.runtime.files import first_line, fsync_path, write_bytes, write_json
+from litsft.runtime.files import first_line, fsync_path, readable_size, write_bytes, write_json
 
 SHARDS_DIR = "shards"
 
@@ -99,15 +108,17 @@ def save_training_checkpoint(
 ) -> Path:
     """Write `out_dir/step-XXXXXXXX/` collectively (every rank calls this) and return its path. A failed
     write raises the same LitsftError on every rank and leaves the checkpoints already there as they were."""
-    save = _CheckpointSave(out_dir, step, model, optimizer, trainer_state, rank_state)
+    tensors = checkpoint_tensors(model, optimizer, save_frozen)
+    save = _CheckpointSave(out_dir, step, model, optimizer, tensors, trainer_state, rank_state)
+    checksums: dict[str, str] = {}
     try:
-        save_sharded(checkpoint_tensors(model, optimizer, save_frozen), save.partial / SHARDS_DIR)
+        checksums = save_sharded(tensors, save.partial / SHARDS_DIR, save.rank_checksums)
         error = None
     except Exception as err:  # DCP hands back the failing rank's own exception, on every rank
         error = err
     fault_point(f"save_{step}_shards_written", save.rank)
     save.fail_together(error)  # also the barrier: every rank's files are on disk
-    save.fail_together(save.publish())  # also the barrier: nobody moves on before the checkpoint is published
+    save.fail_together(save.publish(checksums))  # also the barrier: nobody moves on before it is published
     return save.final
 
 
@@ -127,7 +138,7 @@ class BackgroundSave:
             error = written.exception()
             if error is None:
                 fault_point(f"save_{self.save.step}_shards_written", self.save.rank)
-                error = self.save.publish()
+                error = self.save.publish(written.result())
             if error is None:
                 rotate_checkpoints(self.save.out_dir, self.keep_last)
         except Exception as err:  # raised here it would be lost, and wait() would wait forever
@@ -158,14 +169,15 @@ def start_background_save(
     publishes the checkpoint (the same staging directory and one rename) while training goes on. Until
     `wait()` says so, the newest complete checkpoint is the previous one, also after a kill. `process_group`
     is a gloo group for the writes alone. Collective."""
-    save = _CheckpointSave(out_dir, step, model, optimizer, trainer_state, rank_state)
     tensors = checkpoint_tensors(model, optimizer, save_frozen)
+    save = _CheckpointSave(out_dir, step, model, optimizer, tensors, trainer_state, rank_state)
     written = save_sharded_in_background(
         tensors,
         save.partial / SHARDS_DIR,
         process_group,
         before_write=lambda: fault_point(f"save_{step}_writing_in_background", save.rank),
         stager=stager,
+        checksums=save.rank_checksums,
     )
     return BackgroundSave(save, written, keep_last)
 
@@ -180,10 +192,14 @@ class _CheckpointSave:
         step: int,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
+        tensors: dict[str, torch.Tensor],
         trainer_state: dict[str, Any],
         rank_state: dict[str, Any],
     ) -> None:
         self.out_dir, self.step, self.rank = out_dir, step, global_rank()
+        # What `litsft plan` prints as a step checkpoint's size on disk (tests/test_training_plan.py holds the
+        # two equal); the rank files and headers add a few kB.
+        self.tensor_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self.final = out_dir / checkpoint_name(step)
         self.partial = out_dir / f".{checkpoint_name(step)}{PARTIAL_SUFFIX}"
         self.previous = latest_checkpoint(out_dir)
@@ -201,16 +217,18 @@ class _CheckpointSave:
         self.fail_together(error)  # also the barrier: no rank writes before the directory exists
         fault_point(f"save_{step}_started", self.rank)
         error = None
+        self.rank_checksums: dict[str, str] = {}
+        """This rank's own files besides its shard, by name, with their checksums."""
         try:
             fault_point(f"save_{step}_writing", self.rank)
-            _write_rank_state(self.partial, self.rank, rank_state)
+            self.rank_checksums = _write_rank_state(self.partial, self.rank, rank_state)
         except OSError as err:
             error = err
         # Before DCP's save, which is collective: a rank that failed already must not leave the others in it.
         self.fail_together(error)
 
     def fail_together(self, error: BaseException | None) -> None:
-        failure = first_failure(error)
+        failure = first_message(self._why(error))
         if failure is not None:
             if self.rank == 0:
                 shutil.rmtree(self.partial, ignore_errors=True)
@@ -221,14 +239,36 @@ class _CheckpointSave:
                 "space or fix permissions, then relaunch the same command to resume"
             )
 
-    def publish(self) -> OSError | None:
-        """On rank 0, once every rank's files are on disk: trainer_state.json listing them, then the rename."""
+    def _why(self, error: BaseException | None) -> str:
+        """This rank's failure in a few words ("" for none); a full disk also says what the checkpoint needs
+        there and what was free when the write failed (the bare ENOSPC says neither)."""
+        if error is None:
+            return ""
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            try:
+                free = f"{readable_size(shutil.disk_usage(self.out_dir).free)} was free"
+            except OSError:
+                free = "the free space is unknown"
+            return (
+                f"{first_line(error)}; a step checkpoint of this run takes {readable_size(self.tensor_bytes)} "
+                f"on the disk of {self.out_dir}, where {free}"
+            )
+        return first_line(error)
+
+    def publish(self, checksums: dict[str, str]) -> OSError | None:
+        """On rank 0, once every rank's files are on disk: trainer_state.json listing them with their sizes
+        and `checksums` (every rank's, gathered by the save), then the rename."""
         if self.rank != 0:
             return None
         try:
             partial = self.partial
             files = {str(p.relative_to(partial)): p.stat().st_size for p in partial.rglob("*") if p.is_file()}
-            state = dict(self.trainer_state, files=sorted(files), file_sizes=files)
+            state = dict(
+                self.trainer_state,
+                files=sorted(files),
+                file_sizes=files,
+                file_checksums={name: checksums[name] for name in sorted(files) if name in checksums},
+            )
             write_json(partial / TRAINER_STATE, state, durable=True)
             fault_point(f"save_{self.step}_before_rename", self.rank)
             os.replace(partial, self.final)
@@ -238,11 +278,60 @@ class _CheckpointSave:
         return None
 
 
-def _write_rank_state(partial: Path, rank: int, rank_state: dict[str, Any]) -> None:
-    """This rank's own state (RNG, data loader, loss scale), fsynced."""
-    buffer = io.BytesIO()
-    torch.save(rank_state, buffer)
-    write_bytes(partial / f"rank-{rank:05d}.pt", buffer.getvalue(), durable=True)
+RANK_STATE_KEY = "litsft_rank_state"
+"""The metadata key of a rank file's header holding, as JSON, its state with each tensor named in its place."""
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def _write_rank_state(partial: Path, rank: int, rank_state: dict[str, Any]) -> dict[str, str]:
+    """This rank's own state (RNG, data loader, loss scale), fsynced: its tensors in a safetensors file,
+    everything else as JSON in that file's header, so that reading it unpickles nothing. Returns the file's
+    checksum by name."""
+    tensors: dict[str, torch.Tensor] = {}
+    text = json.dumps(_tensors_named(rank_state, "", tensors))
+    data = safetensors_bytes(tensors, metadata={RANK_STATE_KEY: text})
+    name = rank_file_name(rank)
+    return {name: write_bytes(partial / name, data, durable=True)}
+
+
+_TENSOR, _TUPLE = "__tensor__", "__tuple__"
+
+
+def _tensors_named(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """`value` as JSON: each tensor moved to `tensors` under its path and named in its place, each tuple
+    marked as one (Python's random.setstate takes tuples only)."""
+    if isinstance(value, torch.Tensor):
+        tensors[path] = value.detach().cpu().contiguous()
+        return {_TENSOR: path}
+    if isinstance(value, dict):
+        if not all(isinstance(key, str) for key in value):
+            raise TypeError(f"rank state {path or '<root>'} has a key that is not a string")
+        return {
+            key: _tensors_named(item, f"{path}.{key}" if path else key, tensors)
+            for key, item in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        items = [_tensors_named(item, f"{path}.{i}", tensors) for i, item in enumerate(value)]
+        return {_TUPLE: items} if isinstance(value, tuple) else items
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"rank state {path} is a {type(value).__name__}, which a checkpoint does not store")
+
+
+def _tensors_in_place(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """`_tensors_named` undone."""
+    if isinstance(value, dict):
+        if set(value) == {_TENSOR}:
+            return tensors[value[_TENSOR]]
+        if set(value) == {_TUPLE}:
+            return tuple(_tensors_in_place(item, tensors) for item in value[_TUPLE])
+        return {key: _tensors_in_place(item, tensors) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_tensors_in_place(item, tensors) for item in value]
+    return value
 
 
 def _param_groups_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -294,7 +383,7 @@ def load_training_checkpoint(
         optimizer.state[param_of[name]] = param_state
     rank_state = None
     if state["world_size"] == world_size():
-        rank_state = load_rank_state(checkpoint_dir / f"rank-{global_rank():05d}.pt")
+        rank_state = load_rank_state(checkpoint_dir, global_rank())
     return state, rank_state
 
 
@@ -335,11 +424,28 @@ def _empty_optimizer_state(
 
 
 def load_rank_zero_state(checkpoint_dir: Path) -> dict[str, Any]:
-    return load_rank_state(checkpoint_dir / "rank-00000.pt")
+    return load_rank_state(checkpoint_dir, 0)
 
 
-def load_rank_state(path: Path) -> dict[str, Any]:
-    """A rank's RNG and data-loader state. weights_only=True: unpickling a file must never run code."""
+def load_rank_state(checkpoint_dir: Path, rank: int) -> dict[str, Any]:
+    """A rank's RNG and data-loader state, from its safetensors file (its header's JSON, its tensors put in
+    place), or from the `rank-XXXXX.pt` of a checkpoint written before those (`load_legacy_rank_state`)."""
+    path = checkpoint_dir / rank_file_name(rank)
+    legacy = checkpoint_dir / f"rank-{rank:05d}.pt"
+    if not path.exists() and legacy.exists():
+        return load_legacy_rank_state(legacy)
+    fix = f"the file is damaged; {_fix_for_damaged(checkpoint_dir)}"
+    tensors, metadata = load_safetensors_and_metadata(path, fix)
+    try:
+        return _tensors_in_place(json.loads(metadata[RANK_STATE_KEY]), tensors)
+    except (KeyError, ValueError, TypeError) as err:
+        raise LitsftError(f"{path} holds no rank state ({first_line(err)}); {fix}") from None
+
+
+def load_legacy_rank_state(path: Path) -> dict[str, Any]:
+    """A `rank-XXXXX.pt` of a checkpoint written before rank files were safetensors, so that a run survives an
+    upgrade of litsft. weights_only=True: torch's restricted unpickler rebuilds tensors and plain data and
+    refuses every other global, so unpickling it runs no code."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:

@@ -279,8 +279,13 @@ def _read_names(path: Path) -> list[str]:
 
 def load_safetensors(path: Path, fix: str) -> dict[str, torch.Tensor]:
     """Every tensor of one safetensors file; a file that is not one is refused in a line ending in `fix`."""
+    return load_safetensors_and_metadata(path, fix)[0]
+
+
+def load_safetensors_and_metadata(path: Path, fix: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """`load_safetensors`, and the metadata of the file's header."""
     with _open_safetensors(path, fix) as f:
-        return {name: f.get_tensor(name) for name in f.keys()}
+        return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
 
 
 @contextmanager

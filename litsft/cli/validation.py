@@ -18,6 +18,7 @@ from litsft.checkpoint.checkpoint_dirs import (
     STEP_PREFIX,
     TRAINER_STATE,
     complete_checkpoints_after,
+    find_damage,
     read_trainer_state,
     resume_checkpoint,
 )
@@ -153,10 +154,24 @@ def check_out_dir(run: RunConfig, recipe_name: str) -> None:
     path = resume_checkpoint(run.resume, out_dir)
     if path is not None:
         state = check_resumable(path, run, recipe_name)
+        if run.resume not in ("auto", True):
+            check_named_checkpoint_contents(path)
         check_no_later_checkpoints(path, state["step"], out_dir)
         notice = schedule_changes(path, state, run)
         if notice is not None and is_first_process():
             print(notice, flush=True)
+
+
+def check_named_checkpoint_contents(path: Path) -> None:
+    """A checkpoint named by --resume has its files' checksums checked before launch: a damaged one is not
+    moved aside (the run would not go on from the one the user named), it is refused. (--resume auto's
+    checkpoint is checked once the run starts, where a damaged one gives way to the one before.)"""
+    damage = find_damage(path, contents=True)
+    if damage is not None:
+        raise LitsftError(
+            f"--resume {path} is damaged: {damage}; pass an older step dir, or --resume auto to go on from "
+            "the newest intact checkpoint of --out_dir"
+        )
 
 
 def check_no_later_checkpoints(path: Path, step: int, out_dir: Path) -> None:

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import xxhash
 from safetensors import SafetensorError
 
 from litsft.errors import LitsftError
@@ -40,12 +41,70 @@ def write_json(path: Path, value: Any, durable: bool = False) -> None:
     write_bytes(path, text.encode("utf-8"), durable)
 
 
-def write_bytes(path: Path, data: bytes, durable: bool = False) -> None:
-    with open(path, "wb") as f:
+def write_bytes(path: Path, data: bytes, durable: bool = False) -> str:
+    """Write `data` to `path` (`durable`: fsynced) and return its checksum (`checksum_of_file` reads the same)."""
+    with ChecksummedFile(path) as f:
         f.write(data)
         if durable:
             f.flush()
             os.fsync(f.fileno())
+    return f.checksum()
+
+
+# ---- checksums -------------------------------------------------------------------------------------------
+CHECKSUM_ALGORITHM = "xxh3_128"
+"""The hash of a checkpoint's files. Not a cryptographic one: it guards against bit flips, bad copies and
+overwritten files, not an adversary (who could rewrite the recorded checksums as well). XXH3 hashes several
+times faster than zlib's CRC-32 or hashlib's SHA-256 and BLAKE2b (3.9 GiB/s against 1.05, 0.59 and 0.25 on this
+repository's 2-core CPU), and 128 bits leave no chance of a damaged file matching by accident."""
+
+
+class ChecksummedFile:
+    """A file opened for writing that hashes every byte written to it, and names itself in the OSError of a
+    write that fails (the kernel's ENOSPC carries no file name). Everything else is the file's own."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._file = open(self.path, "wb")
+        self._hash = xxhash.xxh3_128()
+
+    def write(self, data: Any) -> int:
+        self._hash.update(data)
+        try:
+            return self._file.write(data)
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, str(self.path)) from None
+
+    def checksum(self) -> str:
+        """`<algorithm>:<hex digest>` of the bytes written so far."""
+        return f"{CHECKSUM_ALGORITHM}:{self._hash.hexdigest()}"
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close, ...
+        return getattr(self._file, name)
+
+    def __enter__(self) -> ChecksummedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+
+def checksum_of_file(path: Path, chunk_bytes: int = 16 * 2**20) -> str:
+    """`<algorithm>:<hex digest>` of a file's bytes, read a chunk at a time."""
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return f"{CHECKSUM_ALGORITHM}:{digest.hexdigest()}"
+
+
+def readable_size(num_bytes: float) -> str:
+    """Bytes in decimal units, three significant digits: "812 kB", "1.23 GB"."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(num_bytes) < 999.5:
+            return f"{num_bytes:.3g} {unit}"
+        num_bytes /= 1000
+    return f"{num_bytes:,.3g} TB" if num_bytes < 999.5 else f"{num_bytes:,.0f} TB"
 
 
 def fsync_path(path: Path) -> None:
