@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -405,6 +406,20 @@ def _stage(sharding: str, shape: tuple[int, ...], work: Path, index: int) -> lis
     return differences
 
 
+TUTORIAL = Path(__file__).resolve().parent.parent / "tutorials" / "resume.md"
+TUTORIAL_CHECKPOINT = 'CHECKPOINT = "out/inspect/step-00000002"'
+
+
+def opened_as_the_tutorial_says(checkpoint: Path, block_with: str, result: str) -> dict[str, torch.Tensor]:
+    """Run the tutorial's python block that holds `block_with` on `checkpoint`, as written but for the
+    checkpoint's path, and return the variable `result` it leaves."""
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", TUTORIAL.read_text(), re.S) if block_with in b]
+    assert TUTORIAL_CHECKPOINT in block
+    namespace: dict = {}
+    exec(block.replace(TUTORIAL_CHECKPOINT, f"CHECKPOINT = {str(checkpoint)!r}"), namespace)
+    return namespace[result]
+
+
 def test_every_layout_resumes_every_other_bit_for_bit_and_writes_replicas_once(tmp_path) -> None:
     """One process -> 2 (FULL_SHARD) -> 4 (HYBRID_SHARD, 2 nodes) -> 4 (dim-1 shards) -> 2 (NO_SHARD) -> 2
     (SHARD_GRAD_OP) -> one process: each resumes the checkpoint the one before saved and finds every
@@ -426,6 +441,11 @@ def test_every_layout_resumes_every_other_bit_for_bit_and_writes_replicas_once(t
         state = read_trainer_state(checkpoint)
         assert sorted(state["file_checksums"]) == state["files"], sharding
         assert find_damage(checkpoint, contents=True) is None, sharding
+        # Opened without litsft, as the resume tutorial shows: with torch's reader, and with safetensors alone.
+        for block_with, result in (("HuggingFaceStorageReader(", "state"), ("DCP_SHARDING_INFO", "tensors")):
+            opened = opened_as_the_tutorial_says(checkpoint, block_with, result)
+            assert opened.keys() == expected.keys(), (sharding, block_with)
+            assert all(torch.equal(opened[k], expected[k]) for k in expected), (sharding, block_with)
         for path in (checkpoint / "shards").glob("*.safetensors"):
             with safe_open(path, framework="pt") as handle:
                 for key in handle.keys():
