@@ -465,9 +465,14 @@ CASES: dict[str, Case] = {
         "was trained on other data than --data gives now (data fingerprint ",
         NO_ENV,
     ),
-    "resume a damaged shard": (
-        lambda ws, t: train(ws, _damaged(copy_of(ws, t, "interrupted"))),
-        "shard-00001-model-00001-of-00001.safetensors is damaged",
+    # --resume auto moves a damaged checkpoint aside and goes on from the one before (test_fault_injection.py);
+    # one the user names is refused, its bytes checked against their checksums before launch.
+    "resume a named checkpoint with a damaged shard": (
+        lambda ws, t: train(
+            ws, _damaged(copy_of(ws, t, "interrupted")), "--resume", str(t / "interrupted" / "step-00000002")
+        ),
+        "step-00000002 is damaged: shards/shard-00001-model-00001-of-00001.safetensors does not hold the bytes "
+        "it was written with (its checksum differs)",
         NO_ENV,
     ),
     "resume a checkpoint of the earlier row format": (

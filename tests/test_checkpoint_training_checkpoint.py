@@ -214,6 +214,9 @@ def test_a_background_save_holds_the_state_of_its_step_and_is_published_only_onc
     optimizer.step()
     may_write.set()
     assert background.wait() == tmp_path / "step-00000002" == latest_checkpoint(tmp_path)
+    state = read_trainer_state(tmp_path / "step-00000002")  # checksums handed on by the writing thread
+    assert sorted(state["file_checksums"]) == state["files"]
+    assert find_damage(tmp_path / "step-00000002", contents=True) is None
 
     other, other_optimizer = trained(1)
     load_training_checkpoint(tmp_path / "step-00000002", other, other_optimizer)

@@ -39,6 +39,7 @@ from launch import (
 )
 from tiny_datasets import registered_data_modules
 
+from litsft.checkpoint.checkpoint_dirs import find_damage, read_trainer_state
 from litsft.checkpoint.training_checkpoint import is_complete, latest_checkpoint, stored_tensors
 from litsft.runtime.faults import FAULT_ENV
 from litsft.runtime.preemption import PREEMPTED_EXIT_CODE
@@ -93,6 +94,12 @@ def test_kills_during_background_saves_leave_the_previous_checkpoint_newest_and_
     assert run.returncode == 0, run.stderr[-3000:]
     assert_same_as_reference(workspace, "killed-async")
     assert sorted(p.name for p in out_dir.glob("step-*")) == ["step-00000006", "step-00000008"]
+    for checkpoint in out_dir.glob("step-*"):  # both ranks' checksums reached rank 0 from the writing thread
+        state = read_trainer_state(checkpoint)
+        assert (
+            sorted(state["file_checksums"]) == state["files"] and "rank-00001.safetensors" in state["files"]
+        )
+        assert find_damage(checkpoint, contents=True) is None
 
 
 @pytest.fixture(scope="module")
