@@ -11,7 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hub_server import LocalHub
-from tiny_datasets import CONFIG, as_messages, sharegpt_rows, write_infinity_instruct, write_json
+from tiny_datasets import (
+    CONFIG,
+    as_messages,
+    damage_a_page,
+    sharegpt_rows,
+    write_infinity_instruct,
+    write_json,
+)
 
 from litsft.data import JSON, HFDataset
 from litsft.errors import LitsftError
@@ -333,6 +340,29 @@ def test_a_broken_local_file_is_named_with_its_line(tmp_path, monkeypatch):
     with pytest.raises(LitsftError) as error:
         HFDataset(path=str(empty)).sources()
     assert str(error.value) == f"{empty / 'train.parquet'} is empty (0 bytes); remove it or write it again"
+
+
+def test_a_parquet_file_with_a_damaged_page_is_named_not_the_cache(tmp_path, tokenizer, monkeypatch):
+    """A damaged row group found by a tokenizing worker stops preparing with the file and row group named
+    (it was reported as the cache's fault: 'cannot write the data cache ... set --data.cache_dir'), and no
+    cache entry nor staging folder is left."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from litsft.data import samples
+
+    hub_settings(monkeypatch, "http://127.0.0.1:9", tmp_path / "hf-home", offline=True)
+    monkeypatch.setattr(samples, "CHUNK_SIZE", 500)
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(sharegpt_rows(3000)), path, row_group_size=1000)
+    damage_a_page(path, row_group=2)
+    data = HFDataset(path=str(path), cache_dir=tmp_path / "cache", tokenize_processes=2)
+    data.connect(tokenizer, 256, seed=0)
+    with pytest.raises(LitsftError) as error:
+        data.prepare()
+    assert str(error.value).startswith(f"{path} is damaged: row group 2 (rows 2,000 to 2,999 of the file)")
+    assert "data cache" not in str(error.value)
+    assert list((tmp_path / "cache" / "sft").iterdir()) == []
 
 
 def test_the_arrow_cache_is_written_in_batches_of_arrow_batch_rows(hub, tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import pickle
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from tiny_datasets import damage_a_page
 
 from litsft.data import parquet_rows
 from litsft.data.parquet_rows import ParquetRows, file_identity
@@ -160,6 +161,23 @@ def test_a_file_that_is_not_parquet_is_named_in_one_line(tmp_path, files):
     with pytest.raises(LitsftError) as error:
         ParquetRows([str(empty)])
     assert str(error.value) == f"{empty} is empty (0 bytes); remove it or write it again"
+
+
+def test_a_damaged_page_is_named_with_its_file_and_row_group(tmp_path):
+    """Pages that no longer decode name the file and the row group (also when the batch that failed began in
+    the row group before it), and say to replace the file; the row groups after it still read."""
+    path = write_parquet(tmp_path / "a.parquet", rows_of(3000), row_group_size=1000)
+    expected = plain([path], ["conversations"])
+    damage_a_page(path, row_group=1)
+    rows = ParquetRows([path], ["conversations"])
+    for start in (0, 1500):
+        with pytest.raises(LitsftError) as error:
+            rows[start : start + 1000]
+        assert str(error.value).startswith(
+            f"{path} is damaged: row group 1 (rows 1,000 to 1,999 of the file) does not decode ("
+        )
+        assert str(error.value).endswith("); download the file again or replace it")
+    assert rows[2000:3000] == sliced(expected, 2000, 3000)
 
 
 def test_files_of_a_split_without_a_column_are_refused_naming_the_file(tmp_path, files):

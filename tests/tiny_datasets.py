@@ -85,3 +85,17 @@ def registered_data_modules() -> list[str]:
         for cls in classes
         if isinstance(cls, type) and issubclass(cls, litsft.data.DataModule) and not cls.__subclasses__()
     )
+
+
+def damage_a_page(path: Path, row_group: int) -> None:
+    """Overwrite bytes of the data pages of the conversations' values in `row_group` of the parquet file
+    `path` (compressed text, nothing else's): its footer stays intact, so the file opens, and only reading
+    that row group fails."""
+    import pyarrow.parquet as pq
+
+    metadata = pq.ParquetFile(path).metadata.row_group(row_group)
+    names = [metadata.column(i).path_in_schema for i in range(metadata.num_columns)]
+    column = metadata.column(names.index("conversations.list.element.value"))
+    with open(path, "r+b") as file:
+        file.seek(column.data_page_offset + 40)
+        file.write(b"\xff" * 64)

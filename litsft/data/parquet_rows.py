@@ -149,7 +149,7 @@ class ParquetRows:
             place = self._place = self._start_at(file, row)
         while True:
             if place.pending is None or place.pending.num_rows == 0:
-                place.pending = next(place.batches)
+                place.pending = self._next_batch(place)
             batch = place.pending
             if place.row + batch.num_rows <= row:  # before the rows asked for: skipped
                 place.row += batch.num_rows
@@ -160,6 +160,35 @@ class ParquetRows:
             place.pending = batch.slice(skip + taken.num_rows)
             place.row = row + taken.num_rows
             return taken
+
+    def _next_batch(self, place: _Place) -> Any:
+        """The next record batch at `place`; pages that do not decode (bytes overwritten or lost while the
+        footer stayed intact) are one LitsftError naming the file and the row group."""
+        import pyarrow
+
+        try:
+            return next(place.batches)
+        except (OSError, pyarrow.ArrowException) as err:
+            self._place = None  # the reader is broken: a later slice starts again from its row group
+            raise LitsftError(
+                f"{self.files[place.file]} is damaged: {self._damaged_rows(place)} does not decode "
+                f"({first_line(err)}); download the file again or replace it"
+            ) from None
+
+    def _damaged_rows(self, place: _Place) -> str:
+        """Which row group of the batch that failed at `place` does not decode, found by reading each alone
+        (a batch of BATCH_ROWS rows spans the row groups smaller than it)."""
+        import pyarrow
+
+        opened, (group, first) = self._open(place.file), self._row_group_holding(place.file, place.row)
+        while group < opened.metadata.num_row_groups and first < place.row + BATCH_ROWS:
+            count = opened.metadata.row_group(group).num_rows
+            try:
+                opened.read_row_group(group, columns=self.columns, use_threads=False)
+            except (OSError, pyarrow.ArrowException):
+                return f"row group {group} (rows {first:,} to {first + count - 1:,} of the file)"
+            group, first = group + 1, first + count
+        return f"a row group holding rows {place.row:,} to {place.row + BATCH_ROWS - 1:,} of the file"
 
     def _row_group_holding(self, file: int, row: int) -> tuple[int, int]:
         """The row group of `file` that holds `row` (the group count past the last), and its first row
