@@ -8,7 +8,11 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import socket
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +28,7 @@ from litsft.data.samples import (
     write_atomically,
 )
 from litsft.errors import LitsftError
+from litsft.runtime.run_lock import process_start_time
 
 
 def three_samples() -> Samples:
@@ -247,6 +252,39 @@ def test_a_cache_entry_is_published_whole_with_its_meta(tmp_path: Path) -> None:
     ):
         write_atomically(tmp_path / "cache" / "other", fail, {})
     assert [p.name for p in entry.parent.iterdir()] == ["entry"]
+
+
+def test_a_preparation_removes_what_dead_preparations_left_and_keeps_live_ones(tmp_path: Path) -> None:
+    """Staging folders are named by their writer: a later preparation removes those of writers that are
+    gone (a dead pid, a reused pid) and of unchanged ones it cannot check (another host, an unnamed writer)
+    after FOREIGN_LEFTOVER_AFTER_S, and keeps those of a live process and recent ones from another host."""
+    cache = tmp_path / "cache"
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    live_start = process_start_time(live.pid)
+    folders = {
+        "dead": f".a.tmp-{host}.{dead.pid}.{live_start}",
+        "reused": f".b.tmp-{host}.{live.pid}.{live_start - 1}",  # the pid now belongs to a later process
+        "live": f".c.tmp-{host}.{live.pid}.{live_start}",
+        "other host, recent": ".d.tmp-elsewhere.1.1",
+        "other host, old": ".e.tmp-elsewhere.1.1",
+        "unnamed, old": ".f.tmp-1a2b3c4d",
+    }
+    for name in folders.values():
+        (cache / name).mkdir(parents=True)
+        (cache / name / "tokens.bin").write_bytes(b"x" * 1000)
+    an_hour_ago = time.time() - samples_module.FOREIGN_LEFTOVER_AFTER_S - 60
+    for key in ("other host, old", "unnamed, old"):
+        for path in (cache / folders[key] / "tokens.bin", cache / folders[key]):
+            os.utime(path, (an_hour_ago, an_hour_ago))
+    try:
+        write_atomically(cache / "entry", three_samples().save, {"source": "x"})
+    finally:
+        live.communicate()
+    left = sorted(path.name for path in cache.iterdir())
+    assert left == sorted([folders["live"], folders["other host, recent"], "entry"])
 
 
 class PidFormat(CountingFormat):

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
+import shutil
+import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +31,7 @@ import numpy as np
 from litsft.data.chat import ChatFormat, ConversationError, Message, Tokenized, TokenizeReport
 from litsft.errors import LitsftError
 from litsft.runtime.files import publish_atomically, write_json
+from litsft.runtime.run_lock import holder_alive, process_start_time
 
 
 @dataclass
@@ -482,16 +487,56 @@ def _tokenize_chunk_of(
 
 
 CACHE_FIX = "set --data.cache_dir (or $LITSFT_CACHE_DIR) to a writable place with free space"
+STAGING_NAME = re.compile(r"\.(?P<entry>[^.]+)\.tmp-(?P<host>.+)\.(?P<pid>\d+)\.(?P<start_time>\d+)")
+"""The staging folder of a cache entry being written, `.<entry>.tmp-<host>.<pid>.<start time>`: who writes it,
+so that a later preparation can tell a dead writer's leftover from a live one's (as run_lock.py tells a
+dead run's lock from a live one's)."""
+FOREIGN_LEFTOVER_AFTER_S = 3600.0
+"""A staging folder written on another host (a shared cache), or named by an earlier litsft without its
+writer, is a leftover once nothing in it has changed for this long: a live writer appends every chunk."""
 
 
 def write_atomically(directory: Path, write: Callable[[Path], dict | None], meta: dict) -> None:
     """Write a cache entry into a temporary sibling and rename it into place, so a crash or a concurrent
     writer never leaves a half-written entry that a later run would trust. `write` fills the folder and
-    may return more of its meta (what it counted while writing)."""
+    may return more of its meta (what it counted while writing). What earlier writers that died (killed,
+    out of memory, a lost node) left in their staging folders beside it is removed first."""
+    remove_dead_leftovers(directory.parent)
+    start_time = process_start_time(os.getpid()) or 0
+    staging = directory.parent / f".{directory.name}.tmp-{socket.gethostname()}.{os.getpid()}.{start_time}"
     try:
-        with publish_atomically(directory, "the data cache", fix=CACHE_FIX) as staging:
+        with publish_atomically(directory, "the data cache", staging, fix=CACHE_FIX) as staging:
             written = write(staging)
             write_json(staging / "meta.json", {**meta, **(written or {})})
     except LitsftError:
         if not (directory / "meta.json").is_file():  # else another process published the same entry
             raise
+
+
+def remove_dead_leftovers(folder: Path) -> None:
+    """Remove the staging folders in `folder` whose writers are gone (see STAGING_NAME and
+    FOREIGN_LEFTOVER_AFTER_S), each named in one line: the tokens a killed preparation wrote (about 5
+    bytes a token) would otherwise stay there for good, whatever later preparations do."""
+    for path in folder.glob(".*.tmp-*") if folder.is_dir() else []:
+        try:
+            if not path.is_dir() or _writer_alive(path):
+                continue
+            size = sum(file.stat().st_size for file in path.iterdir())
+        except OSError:  # removed meanwhile (its writer published it, or another run removed it)
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            print(f"Removed {path} ({size / 1e6:,.0f} MB), left by a preparation that is gone", flush=True)
+
+
+def _writer_alive(staging: Path) -> bool:
+    named = STAGING_NAME.fullmatch(staging.name)
+    if named is not None and named["host"] == socket.gethostname():
+        writer = {
+            "host": named["host"],
+            "pid": int(named["pid"]),
+            "start_time": int(named["start_time"]) or None,
+        }
+        return holder_alive(writer, age_s=0.0)
+    changed = max([staging.stat().st_mtime, *(file.stat().st_mtime for file in staging.iterdir())])
+    return time.time() - changed < FOREIGN_LEFTOVER_AFTER_S
