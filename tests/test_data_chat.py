@@ -466,6 +466,36 @@ def test_records_a_template_refuses_or_with_malformed_tool_calls_are_skipped_and
         ChatFormat(tokenizer).tokenize_many(conversations[:1] + conversations[3:])
 
 
+def test_texts_are_encoded_a_bounded_batch_at_a_time_into_the_same_tokens(template_tokenizer, monkeypatch):
+    """A chunk's texts go to `tokenizers` ENCODE_BATCH_CHARS characters at a time (each encoding holds
+    about 100 bytes a token until freed; a text longer than that alone): the tokens, targets and lengths are
+    those of one call over every text."""
+    from litsft.data import chat
+
+    _, tokenizer = template_tokenizer
+    conversations = [CONVERSATION[: 3 + index % 3] for index in range(40)]
+    whole = ChatFormat(tokenizer).tokenize_many(conversations)
+    characters = len(tokenizer.render_chat(CONVERSATION))
+    monkeypatch.setattr(chat, "ENCODE_BATCH_CHARS", 3 * characters)
+    encode_batch, batches = tokenizer._tokenizer.encode_batch, []
+
+    def recorded(texts, **options):
+        batches.append(sum(map(len, texts)))
+        return encode_batch(texts, **options)
+
+    monkeypatch.setattr(
+        tokenizer, "_tokenizer", type("Encoder", (), {"encode_batch": staticmethod(recorded)})
+    )
+    batched = ChatFormat(tokenizer).tokenize_many(conversations)
+    assert len(batches) > 10 and max(batches) <= 3 * characters, batches
+    for name in ("tokens", "targets", "lengths"):
+        np.testing.assert_array_equal(getattr(batched, name), getattr(whole, name))
+    monkeypatch.setattr(chat, "ENCODE_BATCH_CHARS", 1)  # every text longer than a batch: one at a time
+    batches.clear()
+    np.testing.assert_array_equal(ChatFormat(tokenizer).tokenize_many(conversations).tokens, whole.tokens)
+    assert len(batches) == len(conversations)
+
+
 @pytest.mark.parametrize("text", ["It is 5.<|im_end|>\n", "Grüße, 猫 🐈 and  two  spaces\n\n", ""])
 def test_the_first_token_at_a_position_is_the_one_the_offsets_give(template_tokenizer, text):
     """Targets are found from the tokens at the spans' bounds: for every position, the same token as the
