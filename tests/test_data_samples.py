@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import platform
 import socket
 import subprocess
 import sys
@@ -350,6 +351,59 @@ def test_workers_replaced_after_their_chunks_write_the_same_cache_byte_for_byte(
     chunks_per_pid = {pid: pids.count(pid) / samples_module.CHUNK_SIZE for pid in set(pids)}
     assert os.getpid() not in chunks_per_pid and len(chunks_per_pid) >= 4, chunks_per_pid
     assert max(chunks_per_pid.values()) <= 2, chunks_per_pid
+
+
+KEPT_BY_WORKER: list[np.ndarray] = []
+"""What `HeapFormat` keeps alive in the process it runs in, above the blocks it freed (as a tokenizer's
+caches do): the heap cannot shrink from its top past it."""
+
+
+def anonymous_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class HeapFormat(CountingFormat):
+    """Conversation n is the sample [anonymous MB of the tokenizing process when its chunk began, its pid];
+    each chunk frees 36 MB of heap below a block it keeps, as rendering and tokenizing a chunk leave it."""
+
+    def tokenize_many(self, conversations):
+        anonymous = anonymous_mb()
+        large = np.ones(30 << 20, np.uint8)
+        del large  # frees a mapping: glibc's mmap threshold rises to 30 MB, and what follows is heap
+        arrays = [np.ones(4 << 20, np.uint8) for _ in range(10)]
+        KEPT_BY_WORKER.append(arrays.pop())
+        del arrays
+        part = super().tokenize_many(conversations)
+        part.tokens[0::2], part.tokens[1::2] = round(anonymous), os.getpid()
+        return part
+
+
+@pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim"
+)
+@pytest.mark.parametrize("processes", [1, 2])
+def test_tokenizing_hands_back_the_heap_a_chunk_freed_before_the_next(processes: int, tmp_path: Path) -> None:
+    """What a chunk's rows and Python objects freed stays resident in a process unless handed back: the
+    anonymous memory of the process that tokenizes (this one, or each worker) when its next chunk begins is
+    within the 4 MB a chunk keeps of what it was at its first."""
+    chunk = samples_module.CHUNK_SIZE  # as it is: a worker from the server process would not see a patch
+    tokenize_to_cache([[n] for n in range(6 * chunk)], HeapFormat(), tmp_path / "entry", processes=processes)
+    samples = as_lists(Samples.load(tmp_path / "entry"))
+    at_chunk_start: dict[int, list[int]] = {}
+    for first in range(0, len(samples), chunk):
+        anonymous, pid = samples[first][0]
+        at_chunk_start.setdefault(pid, []).append(anonymous)
+    # Beyond the 4 MB each earlier chunk of the process keeps: 40 MB and more when nothing is handed back.
+    grown = [
+        later - starts[0] - 4 * chunks_before
+        for starts in at_chunk_start.values()
+        for chunks_before, later in enumerate(starts[1:], start=1)
+    ]
+    assert (os.getpid() in at_chunk_start) == (processes == 1) and grown, at_chunk_start
+    assert max(grown) < 12, at_chunk_start
 
 
 def test_counting_an_entry_a_block_at_a_time_equals_counting_its_loaded_samples(
