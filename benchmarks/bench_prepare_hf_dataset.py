@@ -15,12 +15,17 @@ on a shared machine one run of each says little. Beside the wall time, the CPU t
 (workers included), which others' jobs on the machine change far less. `datasets.map` computes token ids only
 (no loss masks) and writes them into its arrow cache; litsft renders, tokenizes, masks and writes its
 memory-mapped cache.
+
+`--lengths realistic` writes conversations of Infinity-Instruct-like lengths (about 340 tokens on average, a
+long tail: `realistic_conversation`) instead of the short ones (about 61 tokens); the memory of preparing and
+of holding the prepared samples grows with both the count and the lengths.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import platform
@@ -36,7 +41,48 @@ from pathlib import Path
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu red green blue cat dog".split()
 
 
-def write_rows(path: Path, num_rows: int) -> None:
+REALISTIC_MEAN_WORDS = 82
+"""Words a realistic conversation holds on average: about 340 tokens with the demo tokenizer (4 tokens a
+word) and the chat template's. Infinity-Instruct's cards give 1,472 bytes a conversation for its 7M set
+(10,961,808,333 bytes, 7,449,106 rows: huggingface.co/datasets/zuom/Infinity-Instruct, dataset_info) and
+2,146 for its 3M set (7,431,951,776 bytes, 3,463,473 rows: huggingface.co/datasets/jrahn/Infinity-Instruct),
+about 340-500 tokens at 4.3 bytes a token of English text."""
+REALISTIC_SIGMA = 1.0
+"""The spread of the log of a conversation's length (a log-normal distribution: an assumption, not fitted to
+the dataset): the median is 0.61 of the mean, one conversation in 100 is 10 times the median and one in
+1,000 about 22 times, capped at REALISTIC_MAX_WORDS."""
+REALISTIC_MAX_WORDS = 4_000
+"""The longest realistic conversation, in words (about 16,000 tokens)."""
+
+
+def realistic_conversation(rng: random.Random, index: int) -> list[dict[str, str]]:
+    """A conversation of log-normal length (REALISTIC_MEAN_WORDS, REALISTIC_SIGMA: a long tail of a few
+    thousand tokens), one exchange in most, two in one of four and three in one of sixteen; a reply holds
+    three quarters of its exchange's words, as an answer is longer than its question."""
+    mu = math.log(REALISTIC_MEAN_WORDS) - REALISTIC_SIGMA**2 / 2  # so that the mean is REALISTIC_MEAN_WORDS
+    words = min(REALISTIC_MAX_WORDS, max(4, round(rng.lognormvariate(mu, REALISTIC_SIGMA))))
+    exchanges = 1 + (index % 4 == 0) + (index % 16 == 0)
+    turns = []
+    for exchange in range(exchanges):
+        share = words // exchanges + (words % exchanges if exchange == 0 else 0)
+        question = max(1, share // 4)
+        turns += [
+            {"from": "human", "value": " ".join(rng.choices(WORDS, k=question)) + "?"},
+            {"from": "gpt", "value": " ".join(rng.choices(WORDS, k=max(1, share - question))) + "."},
+        ]
+    return turns
+
+
+LENGTHS = {
+    "short": "a 3-8 word question and a 2-6 word answer, twice in one conversation of four (61 tokens a "
+    "conversation on average, at most about 150)",
+    "realistic": f"log-normal, about 340 tokens a conversation on average (median about 210, 1 in 100 above "
+    f"about 2,000, at most {REALISTIC_MAX_WORDS * 4:,}), as Infinity-Instruct's bytes a row suggest (see "
+    "REALISTIC_MEAN_WORDS)",
+}
+
+
+def write_rows(path: Path, num_rows: int, lengths: str = "short") -> None:
     """Infinity-Instruct-shaped rows: a human question of 3-8 words and a 2-6 word answer, twice in one
     conversation out of four."""
     import pyarrow as pa
@@ -55,7 +101,9 @@ def write_rows(path: Path, num_rows: int) -> None:
         rows = [
             {
                 "id": str(index),
-                "conversations": turn() + (turn() if index % 4 == 0 else []),
+                "conversations": realistic_conversation(rng, index)
+                if lengths == "realistic"
+                else turn() + (turn() if index % 4 == 0 else []),
                 "source": "bench",
             }
             for index in range(start, min(start + 100_000, num_rows))
@@ -111,17 +159,25 @@ class ResidentSampler:
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.peaks = {"main_anon": 0.0, "main_file": 0.0, "worker_anon": 0.0, "worker_file": 0.0}
+        self.peaks.update(tree_rss=0.0, tree_pss=0.0)
 
     def sample(self) -> None:
+        tree_rss = tree_pss = 0.0
         for pid in [self.pid, *self._descendants()]:
             role = "main" if pid == self.pid else "worker"
             try:
                 status = Path(f"/proc/{pid}/status")
                 anon, file = _status_kb(status, "RssAnon") / 1024, _status_kb(status, "RssFile") / 1024
+                # The whole tree: the sum of RSS counts a forked worker's pages shared with its parent twice,
+                # the sum of PSS shares each page among the processes mapping it.
+                tree_rss += _status_kb(status, "VmRSS") / 1024
+                tree_pss += _status_kb(Path(f"/proc/{pid}/smaps_rollup"), "Pss") / 1024
             except OSError:  # it ended
                 continue
             self.peaks[f"{role}_anon"] = max(self.peaks[f"{role}_anon"], anon)
             self.peaks[f"{role}_file"] = max(self.peaks[f"{role}_file"], file)
+        self.peaks["tree_rss"] = max(self.peaks["tree_rss"], tree_rss)
+        self.peaks["tree_pss"] = max(self.peaks["tree_pss"], tree_pss)
 
     def _descendants(self) -> list[int]:
         parents = {}
@@ -158,8 +214,10 @@ def litsft_prepare(parquet: str, tokenizer_dir: str, cache_dir: str, processes: 
     print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds() - cpu_start, **peaks()}))
 
 
-def litsft_load(parquet: str, tokenizer_dir: str, cache_dir: str) -> None:
-    """Child process: what every other rank does (setup reads the prepared cache); the memory it adds."""
+def litsft_load(parquet: str, tokenizer_dir: str, cache_dir: str, first_rank: str = "") -> None:
+    """Child process: what every other rank does (setup reads the prepared cache); the memory it adds. With
+    `first_rank`, what rank 0 of a run does on a prepared cache: prepare (which finds the cache and reports
+    it), then the same; the memory prepare adds is reported on its own."""
     from litsft.data import HFDataset
     from litsft.data.tokenizer import Tokenizer
 
@@ -170,7 +228,11 @@ def litsft_load(parquet: str, tokenizer_dir: str, cache_dir: str) -> None:
 
     fields = ("VmRSS", "RssAnon", "RssFile")
     baseline = {field: resident_mb(field) for field in fields}
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on (Linux): the peak of what follows
     start = time.perf_counter()
+    if first_rank:
+        data.prepare()
+    prepared = resident_mb() - baseline["VmRSS"]
     data.setup()
     loader = data.train_dataloader(rank=0, world_size=8, micro_batch_size=4, global_batch_size=32)
     next(iter(loader))
@@ -183,6 +245,8 @@ def litsft_load(parquet: str, tokenizer_dir: str, cache_dir: str) -> None:
                 "added_mb": added["VmRSS"],
                 "added_anon_mb": added["RssAnon"],
                 "added_file_mb": added["RssFile"],
+                "prepare_added_mb": prepared,
+                "peak_added_mb": resident_mb("VmHWM") - baseline["VmRSS"],
                 "load_seconds": seconds,
                 "samples": len(samples),
                 "tokens": samples.num_tokens,
@@ -242,11 +306,12 @@ def memory(result: dict[str, float]) -> str:
     return (
         f"{result['peak_rss_mb']:4,.0f} + {result['worker_peak_rss_mb']:4,.0f} MB "
         f"(anon {result['main_anon']:3,.0f} + {result['worker_anon']:3,.0f}, "
-        f"file {result['main_file']:3,.0f} + {result['worker_file']:3,.0f})"
+        f"file {result['main_file']:3,.0f} + {result['worker_file']:3,.0f}; whole tree: RSS summed "
+        f"{result['tree_rss']:5,.0f}, PSS {result['tree_pss']:5,.0f})"
     )
 
 
-def measure(num_rows: int, processes: int, repeats: int) -> list[str]:
+def measure(num_rows: int, processes: int, repeats: int, lengths: str = "short") -> list[str]:
     """`repeats` pairs of runs, litsft and datasets.map one after the other, the first of the pair
     alternating (so that neither always runs second, on a file the other has just read); each run from
     empty caches. The times are medians and the speed-up the median of the pairs' ratios; peaks are the
@@ -255,7 +320,7 @@ def measure(num_rows: int, processes: int, repeats: int) -> list[str]:
 
     with tempfile.TemporaryDirectory() as directory:
         root = Path(directory)
-        write_rows(root / "rows.parquet", num_rows)
+        write_rows(root / "rows.parquet", num_rows, lengths)
         build_demo_tokenizer(root / "tokenizer")
         paths = [str(root / "rows.parquet"), str(root / "tokenizer")]
         load_before = os.getloadavg()[0]
@@ -280,6 +345,7 @@ def measure(num_rows: int, processes: int, repeats: int) -> list[str]:
         cache = str(root / "litsft-0" / "cache")
         env = {**os.environ, "HF_HOME": str(root / "litsft-0" / "hf-home"), "HF_HUB_OFFLINE": "1"}
         loaded = run_child("litsft_load", *paths, cache, env=env)
+        first = run_child("litsft_load", *paths, cache, "first", env=env)
         load_after = os.getloadavg()[0]
     ratios = [their["seconds"] / our["seconds"] for our, their in zip(ours, theirs)]
     cpu_ratios = [their["cpu_seconds"] / our["cpu_seconds"] for our, their in zip(ours, theirs)]
@@ -288,11 +354,24 @@ def measure(num_rows: int, processes: int, repeats: int) -> list[str]:
         f"{statistics.median(ratios):5.2f}x | {median(ours, 'cpu_seconds'):6.1f} s | "
         f"{median(theirs, 'cpu_seconds'):6.1f} s | {statistics.median(cpu_ratios):5.2f}x | {memory(largest(ours))} | {memory(largest(theirs))} | "
         f"{loaded['added_mb']:4,.0f} MB (anon {loaded['added_anon_mb']:3,.0f}, file {loaded['added_file_mb']:3,.0f}) "
-        f"in {loaded['load_seconds']:4.1f} s | {loaded['samples']:,} samples, {loaded['tokens']:,} tokens",
+        f"in {loaded['load_seconds']:4.1f} s, peak {loaded['peak_added_mb']:4,.0f} MB | rank 0: "
+        f"{first['added_mb']:4,.0f} MB (prepare {first['prepare_added_mb']:3,.0f}), peak "
+        f"{first['peak_added_mb']:4,.0f} MB | {loaded['samples']:,} samples, {loaded['tokens']:,} tokens",
         f"          each pair: {', '.join(f'{ratio:.2f}x' for ratio in ratios)} (litsft {seconds(ours)} s; "
         f"datasets.map {seconds(theirs)} s), CPU {', '.join(f'{ratio:.2f}x' for ratio in cpu_ratios)}; "
         f"load average {load_before:.1f} before, {load_after:.1f} after",
     ]
+
+
+def cpu_model() -> str:
+    """The processor's model name, as `lscpu` gives it ("Model name"), else its architecture."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def seconds(runs: list[dict[str, float]]) -> str:
@@ -308,7 +387,7 @@ def largest(runs: list[dict[str, float]]) -> dict[str, float]:
     return {key: max(run[key] for run in runs) for key in runs[0]}
 
 
-def main(sizes: list[int], repeats: int, out: Path | None) -> None:
+def main(sizes: list[int], repeats: int, out: Path | None, lengths: str = "short") -> None:
     from litsft.data.samples import tokenizing_processes
 
     processes = tokenizing_processes(max(sizes))
@@ -316,17 +395,19 @@ def main(sizes: list[int], repeats: int, out: Path | None) -> None:
     lines = [
         f"ShareGPT conversations from parquet, demo tokenizer (ChatML), max_seq_length 256, {processes} processes "
         f"each (litsft's tokenizing workers; datasets.map's num_proc), {repeats} runs of each, alternating",
+        f"{lengths} lengths: {LENGTHS[lengths]}",
         "conversations | litsft prepare (median) | datasets.map (median) | speed-up (median of the pairs) | "
         "CPU seconds, all processes: litsft | datasets.map | ratio (median of the pairs) | "
         "litsft peak RSS main + largest worker (of which sampled peaks: anonymous, file-backed) | "
         "the same for datasets.map | RSS a rank adds loading the cache (8-rank split, first batch; of which "
-        "anonymous, file-backed) in the time setup and the first batch take | cache",
+        "anonymous, file-backed) in the time setup and the first batch take, and the peak it adds | "
+        "the same for rank 0, which first runs prepare on the prepared cache (what prepare adds) | cache",
     ]
     for num_rows in sizes:
-        lines += measure(num_rows, processes, repeats)
+        lines += measure(num_rows, processes, repeats, lengths)
         print("\n".join(lines[-2:]), flush=True)
     lines.append(
-        f"machine: {platform.processor() or platform.machine()}, {multiprocessing.cpu_count()} CPUs shared with "
+        f"machine: {cpu_model()}, {multiprocessing.cpu_count()} CPUs shared with "
         f"other work (load average before: {load_before:.1f}, after: {os.getloadavg()[0]:.1f}), "
         f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
@@ -341,5 +422,6 @@ if __name__ == "__main__":
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 500_000, 2_000_000])
     parser.add_argument("--repeats", type=int, default=3, help="runs of each, alternating which goes first")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--lengths", choices=list(LENGTHS), default="short", help="conversation lengths")
     arguments = parser.parse_args()
-    main(arguments.sizes, arguments.repeats, arguments.out)
+    main(arguments.sizes, arguments.repeats, arguments.out, arguments.lengths)
