@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from litsft.data.base import StepGeometry
 from litsft.data.samples import Samples
+from litsft.data.step_geometry import StepGeometry
 from litsft.errors import LitsftError
 from litsft.model.network.attention import cumulative_lengths
 from litsft.runtime.heap import release_freed_heap

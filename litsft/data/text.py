@@ -15,7 +15,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from litsft.data.base import DataModule, DataOptions, Loader, StepGeometry, digest_of, tokenizer_fingerprint
+from litsft.data.base import DataModule, DataOptions, Loader, digest_of, tokenizer_fingerprint
+from litsft.data.step_geometry import StepGeometry
 from litsft.errors import LitsftError, check_number
 
 TEXT_EXTENSIONS = (".txt",)

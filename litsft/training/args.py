@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from litsft.data.base import StepGeometry
+from litsft.data.step_geometry import StepGeometry
 from litsft.errors import LitsftError, check_number
 from litsft.model.config import Config
 from litsft.model.precision.float8 import Float8Recipe

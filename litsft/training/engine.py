@@ -26,7 +26,7 @@ from litsft.checkpoint.checkpoint_dirs import (
     resume_checkpoint,
     set_aside_damaged_checkpoints,
 )
-from litsft.data.base import StepGeometry
+from litsft.data.step_geometry import StepGeometry
 from litsft.errors import LitsftError
 from litsft.model.accounting.sizes import num_parameters
 from litsft.model.config import Config
