@@ -18,10 +18,11 @@ from safetensors.torch import load_file
 
 from litsft.__main__ import main
 from litsft.checkpoint.checkpoint_dirs import TOKENIZER_DIR, TRAINER_STATE, find_damage
+from litsft.checkpoint.model_cache import open_step_checkpoint
 from litsft.checkpoint.step_model import write_step_model
 from litsft.data import write_demo_corpus
 from litsft.errors import LitsftError
-from litsft.huggingface.model_source import open_step_checkpoint, resolve_checkpoint
+from litsft.huggingface.model_source import resolve_checkpoint
 from litsft.runtime.preemption import PreemptionFlag
 
 STEP = "step-00000002"

@@ -23,6 +23,7 @@ import torch
 
 from litsft.checkpoint.checkpoint_dirs import is_step_checkpoint, out_dir_given_as_a_model
 from litsft.checkpoint.lora_folder import LoRAFolder, is_lora_folder, read_lora_folder
+from litsft.checkpoint.model_cache import open_step_checkpoint
 from litsft.checkpoint.model_folder import (
     WeightsFingerprint,
     copy_tokenizer_files,
@@ -41,7 +42,6 @@ from litsft.checkpoint.weight_files import (
 )
 from litsft.data.tokenizer import check_tokenizer_fits, read_tokenizer_file
 from litsft.errors import LitsftError
-from litsft.huggingface.model_source import open_step_checkpoint
 from litsft.model.config import CONFIG_FILENAME, Config, DType
 from litsft.model.families import FAMILIES, WeightMap, family_of
 from litsft.model.lora.config import LoRAConfig

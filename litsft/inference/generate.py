@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from litsft.checkpoint.lora_folder import is_lora_folder, read_lora_folder
+from litsft.checkpoint.model_cache import open_step_checkpoint
 from litsft.checkpoint.model_folder import fingerprint_of_state_dict, load_model_state_dict
 from litsft.data.tokenizer import Tokenizer, check_tokenizer_fits
 from litsft.errors import LitsftError
-from litsft.huggingface.model_source import open_step_checkpoint, resolve_checkpoint
+from litsft.huggingface.model_source import resolve_checkpoint
 from litsft.model.config import Config
 from litsft.model.lora.layers import apply_lora, base_weight_name, load_adapters
 from litsft.model.network.transformer import Transformer, long_rope_length
