@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import pytest
 from tiny_tokenizer import write_tiny_tokenizer
@@ -58,3 +59,20 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     directory = tmp_path_factory.mktemp("tokenizer")
     write_tiny_tokenizer(directory, chat_template="chatml")
     return Tokenizer(directory)
+
+
+@pytest.fixture
+def fresh_cli_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Run the CLI in this process as if fresh: its own cache and cwd, no launcher's rank variables, and
+    pytest's signal handlers back afterwards (launch installs the preemption handlers)."""
+    import torch  # here, not at the top: most test files never need this fixture
+
+    from litsft.runtime.preemption import PreemptionFlag
+
+    monkeypatch.setenv("LITSFT_CACHE_DIR", str(tmp_path / "cache"))
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    torch.set_num_threads(1)
+    yield
+    PreemptionFlag.uninstall()

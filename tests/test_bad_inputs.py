@@ -29,18 +29,7 @@ from litsft.model.network.transformer import Transformer
 from litsft.runtime.preemption import PreemptionFlag
 from litsft.runtime.run_lock import LOCK_NAME, process_start_time
 
-
-@pytest.fixture(autouse=True)
-def isolated_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """Run the CLI in this process as if fresh: its own cache and cwd, and pytest's signal handlers back
-    afterwards (launch installs the preemption handlers)."""
-    monkeypatch.setenv("LITSFT_CACHE_DIR", str(tmp_path / "cache"))
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.chdir(tmp_path)
-    torch.set_num_threads(1)
-    yield
-    PreemptionFlag.uninstall()
+pytestmark = pytest.mark.usefixtures("fresh_cli_process")
 
 
 @pytest.fixture(scope="module")

@@ -28,15 +28,7 @@ from litsft.runtime.preemption import PreemptionFlag
 STEP = "step-00000002"
 
 
-@pytest.fixture(autouse=True)
-def isolated_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("LITSFT_CACHE_DIR", str(tmp_path / "cache"))
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.chdir(tmp_path)
-    torch.set_num_threads(1)
-    yield
-    PreemptionFlag.uninstall()
+pytestmark = pytest.mark.usefixtures("fresh_cli_process")
 
 
 def training(root: Path, command: str, model: Path | str, out_dir: Path, steps: int = 2) -> list[str]:
