@@ -16,7 +16,6 @@ from safetensors.torch import load_file
 from litsft.checkpoint.sharded_tensors import (
     ShardedReader,
     copy_local_part,
-    first_failure,
     first_message,
     global_rank,
     local_bytes,
@@ -123,13 +122,13 @@ def test_a_damaged_file_a_wrong_shape_and_a_missing_tensor_are_one_line_each(tmp
         ShardedReader(tmp_path, fix="fix it")
 
 
-def test_one_process_copies_whole_tensors_and_names_its_failures() -> None:
+def test_one_process_copies_whole_tensors_and_names_its_message() -> None:
     assert (global_rank(), world_size()) == (0, 1)
     target = torch.zeros_like(FULL)
     copy_local_part(target, FULL)
     assert torch.equal(target, FULL)
-    assert first_failure(None) is None
-    assert first_failure(OSError("disk full\nmore detail")) == (0, "disk full")
+    assert first_message("") is None
+    assert first_message("disk full") == (0, "disk full")
 
 
 def _lowest_rank_saying(rank_saying: int) -> tuple[tuple[int, str] | None, tuple[int, str] | None, int]:

@@ -57,12 +57,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def first_failure(error: BaseException | None) -> tuple[int, str] | None:
-    """(rank, message) of the lowest rank that failed, the same on every rank; None if none failed.
-    Collective: every rank calls it, so a failure on one rank never leaves the others waiting."""
-    return first_message("" if error is None else first_line(error))
-
-
 def first_message(message: str) -> tuple[int, str] | None:
     """(rank, message) of the lowest rank whose `message` is not empty, the same on every rank; None if every
     rank's is. Collective: how ranks agree on a decision any one of them can veto."""
