@@ -10,7 +10,8 @@ import pytest
 
 from litsft.data import JSON
 from litsft.data.chat import TEXT_ROLE
-from litsft.data.records import SHAPE_FIELDS, RecordFormat, RecordShape, read_conversations, to_conversation
+from litsft.data.json_files import read_conversations
+from litsft.data.records import SHAPE_FIELDS, RecordFormat, RecordShape, to_conversation
 from litsft.errors import LitsftError
 
 SHAPES = (
@@ -128,27 +129,6 @@ def test_missing_paths(tmp_path, tokenizer):
         str(error.value)
         == f"{tmp_path / 'data.csv'} has an unsupported extension; use a .json or .jsonl file"
     )
-
-
-def test_json_and_jsonl_hold_the_same_records(tmp_path):
-    records = [
-        GOOD,
-        {"instruction": "Hi", "output": "Hello", "system": "Be nice."},
-        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
-    ]
-    (tmp_path / "a.json").write_text(json.dumps(records, indent=2))
-    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    conversations = read_conversations(tmp_path / "a.json")
-    assert conversations == read_conversations(tmp_path / "a.jsonl")
-    assert conversations == [
-        [{"role": "user", "content": "Add.\n\n1 + 2"}, {"role": "assistant", "content": "3"}],
-        [
-            {"role": "system", "content": "Be nice."},
-            {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello"},
-        ],
-        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
-    ]
 
 
 SYSTEM_USER_ASSISTANT = [

@@ -29,15 +29,9 @@ from typing import Any
 from litsft.data.base import RecordDataModule, digest_of
 from litsft.data.chat import Conversation, Message
 from litsft.data.hf_parquet import features_match, parquet_split
+from litsft.data.json_files import read_records, records_of_jsonl
 from litsft.data.parquet_rows import ParquetRows, open_parquet
-from litsft.data.records import (
-    RecordFormat,
-    check_columns,
-    read_records,
-    record_fields,
-    records_of_jsonl,
-    to_conversation,
-)
+from litsft.data.records import RecordFormat, check_columns, record_fields, to_conversation
 from litsft.errors import LitsftError
 
 STREAMING_REFUSED = (

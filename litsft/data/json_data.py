@@ -9,7 +9,7 @@ from pathlib import Path
 
 from litsft.data.base import RecordDataModule, digest_of, file_fingerprint
 from litsft.data.chat import Message
-from litsft.data.records import EXTENSIONS, read_conversations
+from litsft.data.json_files import EXTENSIONS, read_conversations
 from litsft.errors import LitsftError
 
 
@@ -19,7 +19,8 @@ class JSON(RecordDataModule):
 
     A record is OpenAI-style {"messages": [...]} (with tools and reasoning), ShareGPT {"conversations":
     [{"from", "value"}, ...]}, Alpaca {"instruction", "input", "output"}, {"prompt", "completion"} or
-    {"text"}, detected per record or set with --data.record_shape; see litsft/data/records.py.
+    {"text"}, detected per record or set with --data.record_shape; see litsft/data/records.py (the shapes)
+    and litsft/data/json_files.py (reading the files).
     """
 
     json_path: Path
