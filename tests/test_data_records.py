@@ -28,6 +28,17 @@ BAD_DATA = {
         f'{GOOD_LINE}\n{{"instruction": "a", "output": }}\n'.encode(),
         "line 2: invalid JSON (Expecting value at column 32); each line of a .jsonl file must be one complete JSON record",
     ),
+    "unterminated_string": (
+        "train.jsonl",
+        f'{GOOD_LINE}\n{{"instruction": "a", "output": "b}}\n'.encode(),
+        "line 2: invalid JSON (Unterminated string starting at column 32); each line of a .jsonl file must be "
+        "one complete JSON record",
+    ),
+    "json_list_bad_value": (
+        "train.json",
+        f'[\n  {GOOD_LINE},\n  {{"instruction": "a", "output": }}\n]'.encode(),
+        "line 3: invalid JSON (Expecting value at column 34); fix the record or remove it",
+    ),
     "missing_field": (
         "train.jsonl",
         f'{GOOD_LINE}\n\n{{"instruction": "a"}}\n'.encode(),

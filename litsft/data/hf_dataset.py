@@ -29,7 +29,7 @@ from typing import Any
 from litsft.data.base import RecordDataModule, digest_of
 from litsft.data.chat import Conversation, Message
 from litsft.data.hf_parquet import features_match, parquet_split
-from litsft.data.json_files import read_records, records_of_jsonl
+from litsft.data.json_files import iter_records
 from litsft.data.parquet_rows import ParquetRows, open_parquet
 from litsft.data.records import RecordFormat, check_columns, record_fields, to_conversation
 from litsft.errors import LitsftError
@@ -254,11 +254,10 @@ def _check_local_files(path: Path, data_files: list[str] | None) -> None:
     for file in _local_files(path, data_files):
         if file.stat().st_size == 0:
             raise LitsftError(f"{file} is empty (0 bytes); remove it or write it again")
-        if file.suffix == ".jsonl" or (file.suffix == ".json" and not _starts_a_list(file)):
-            # `datasets` reads a .json file that is not one list as JSON Lines.
-            records_of_jsonl(file, file.read_text(encoding="utf-8", errors="replace"))
-        elif file.suffix == ".json":
-            read_records(file)  # raises naming the file and line
+        if file.suffix in (".json", ".jsonl"):
+            # `datasets` reads a .json file that is not one list as JSON Lines. Raises naming the file and line.
+            for _ in iter_records(file, lines=file.suffix == ".jsonl" or not _starts_a_list(file)):
+                pass
         elif file.suffix == ".parquet":
             open_parquet(str(file))  # raises naming the file
 

@@ -367,14 +367,14 @@ def _tokenize_in_chunks(
     processes: int | None = None,
 ) -> TokenizeReport:
     """Tokenize chunk by chunk, in worker processes for large sets, handing each chunk to `consume` in
-    order. A conversation that cannot be trained on is named by its record (`Conversations.where`, file
-    and line): in the report's skipped list (the problem prefixed with it), or in the LitsftError that
-    stops tokenizing when the chat format does not skip.
+    order. A conversation that cannot be trained on is named by its record (`where` of the conversations,
+    e.g. file and line, asked by the process that tokenized its chunk, which has just read it): in the
+    report's skipped list (the problem prefixed with it), or in the LitsftError that stops tokenizing when
+    the chat format does not skip.
 
     `conversations` is any sequence that slices: a list, or a lazy view over a dataset's rows (see
     hf_dataset.py), of which only a few chunks of CHUNK_SIZE conversations per process are held at a time."""
-    where = getattr(conversations, "where", lambda index: f"record {index + 1}")
-    bar = _progress_bar(len(conversations), progress) if progress else None
+    bar = progress_bar(len(conversations), progress) if progress else None
     reports = []
     try:
         for part in _chunks(conversations, chat_format, processes):
@@ -389,13 +389,11 @@ def _tokenize_in_chunks(
             if bar is not None:
                 bar.update(part.report.conversations)
     except ConversationError as err:
-        raise LitsftError(f"{where(err.index)}: {err.problem}") from None
+        raise LitsftError(err.problem) from None  # named by its record where it was tokenized
     finally:
         if bar is not None:
             bar.close()
-    report = TokenizeReport.joined(reports)
-    report.skipped = [(index, f"{where(index)}: {problem}") for index, problem in report.skipped]
-    return report
+    return TokenizeReport.joined(reports)
 
 
 PROGRESS_DELAY_S = 2.0
@@ -403,7 +401,9 @@ PROGRESS_DELAY_S = 2.0
 refusal that follows it (bad weights, a bad option) stays the one line on stderr."""
 
 
-def _progress_bar(total: int, description: str):  # noqa: ANN202 (tqdm is imported here, lazily)
+def progress_bar(total: int, description: str, unit: str = " records"):  # noqa: ANN202 (tqdm, imported lazily)
+    """A progress bar on stderr that appears once PROGRESS_DELAY_S have passed; "B": counting bytes (kB,
+    MB, ... and their rate)."""
     import tqdm
 
     # No monitor thread: a running thread keeps tokenizing from forking workers (see _chunks).
@@ -411,7 +411,9 @@ def _progress_bar(total: int, description: str):  # noqa: ANN202 (tqdm is import
     return tqdm.tqdm(
         total=total,
         desc=description,
-        unit=" records",
+        unit=unit,
+        unit_scale=unit == "B",
+        unit_divisor=1024,
         file=sys.stderr,
         mininterval=2.0,
         delay=PROGRESS_DELAY_S,
@@ -452,7 +454,7 @@ def _chunks(
     with context.Pool(
         processes,
         initializer=_install_work,
-        initargs=(conversations, chat_format),
+        initargs=(conversations, chat_format, CHUNK_SIZE),
         maxtasksperchild=CHUNKS_PER_WORKER,
     ) as pool:
         # imap: chunks come back in order, and a chunk is written as soon as it and those before it are
@@ -460,9 +462,11 @@ def _chunks(
         yield from pool.imap(_tokenize_chunk, range(num_chunks))
 
 
-def _install_work(conversations: Sequence[list[Message]], chat_format: ChatFormat) -> None:
-    global _WORK
-    _WORK = (conversations, chat_format)
+def _install_work(conversations: Sequence[list[Message]], chat_format: ChatFormat, chunk_size: int) -> None:
+    global _WORK, CHUNK_SIZE
+    # The chunks this process was asked for: a worker started from the server process imports this
+    # module afresh (a test's smaller CHUNK_SIZE would not reach it).
+    _WORK, CHUNK_SIZE = (conversations, chat_format), chunk_size
 
 
 CHUNK_SIZE = 10_000
@@ -488,13 +492,17 @@ def _tokenize_chunk(index: int) -> Tokenized:
 def _tokenize_chunk_of(
     conversations: Sequence[list[Message]], index: int, chat_format: ChatFormat
 ) -> Tokenized:
-    # Indices within the chunk are made indices into all conversations.
+    # Indices within the chunk are made indices into all conversations, and the conversations left out
+    # are named here, by the process that has just read their records (a file's reader keeps their lines).
     start = index * CHUNK_SIZE
+    where = getattr(conversations, "where", lambda index: f"record {index + 1}")
     try:
         part = chat_format.tokenize_many(conversations[start : start + CHUNK_SIZE])
     except ConversationError as err:
-        raise ConversationError(start + err.index, err.problem) from None
-    return part._replace(report=part.report.shifted(start))
+        raise ConversationError(start + err.index, f"{where(start + err.index)}: {err.problem}") from None
+    report = part.report.shifted(start)
+    report.skipped = [(index, f"{where(index)}: {problem}") for index, problem in report.skipped]
+    return part._replace(report=report)
 
 
 CACHE_FIX = "set --data.cache_dir (or $LITSFT_CACHE_DIR) to a writable place with free space"
