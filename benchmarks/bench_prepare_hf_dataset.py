@@ -3,6 +3,10 @@ transformers' `apply_chat_template` at the same number of processes: wall time, 
 and the memory a rank adds by loading the prepared cache.
 
 python benchmarks/bench_prepare_hf_dataset.py [--sizes 100000 500000] [--repeats 3] [--out benchmarks/results/prepare_hf_dataset_cpu.txt]
+python benchmarks/bench_prepare_hf_dataset.py --input jsonl   # the same rows as JSON Lines (--data JSON); json: one list
+
+`--input jsonl` or `json` writes the same rows as a JSON Lines file or as one JSON list (indented as FastChat
+writes its ShareGPT files), prepared with `--data JSON`; `datasets.map` loads them with its json builder.
 
 Each measurement runs in a fresh process, from empty caches, so its peak resident memory is its own (VmHWM:
 not ru_maxrss, which a child started by subprocess inherits from the benchmark); litsft's forked tokenizing
@@ -35,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -84,7 +89,7 @@ LENGTHS = {
 
 def write_rows(path: Path, num_rows: int, lengths: str = "short") -> None:
     """Infinity-Instruct-shaped rows: a human question of 3-8 words and a 2-6 word answer, twice in one
-    conversation out of four."""
+    conversation out of four; a .parquet, .jsonl or .json file (one list, each record indented)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -108,10 +113,22 @@ def write_rows(path: Path, num_rows: int, lengths: str = "short") -> None:
             }
             for index in range(start, min(start + 100_000, num_rows))
         ]
+        if path.suffix != ".parquet":
+            with open(path, "a" if start else "w") as file:
+                if path.suffix == ".jsonl":
+                    file.writelines(json.dumps(row) + "\n" for row in rows)
+                else:
+                    items = (textwrap.indent(json.dumps(row, indent=2), "  ") for row in rows)
+                    file.write(("[\n" if not start else ",\n") + ",\n".join(items))
+            continue
         table = pa.Table.from_pylist(rows)
         writer = writer or pq.ParquetWriter(path, table.schema)
         writer.write_table(table)
-    writer.close()
+    if writer is not None:
+        writer.close()
+    if path.suffix == ".json":
+        with open(path, "a") as file:
+            file.write("\n]\n")
 
 
 def resident_mb(field: str = "VmRSS") -> float:
@@ -201,12 +218,11 @@ def litsft_prepare(parquet: str, tokenizer_dir: str, cache_dir: str, processes: 
     # reads a local parquet file with pyarrow alone, so `datasets` is not imported (nor counted) here.
     import pyarrow.parquet  # noqa: F401
 
-    from litsft.data import HFDataset
     from litsft.data.tokenizer import Tokenizer
 
     start, cpu_start = time.perf_counter(), cpu_seconds()
-    data = HFDataset(
-        path=parquet, cache_dir=Path(cache_dir), val_split_fraction=0.0, tokenize_processes=int(processes)
+    data = data_module(
+        parquet, cache_dir=Path(cache_dir), val_split_fraction=0.0, tokenize_processes=int(processes)
     )
     data.connect(Tokenizer(tokenizer_dir), max_seq_length=256, seed=0)
     data.prepare()
@@ -218,10 +234,9 @@ def litsft_load(parquet: str, tokenizer_dir: str, cache_dir: str, first_rank: st
     """Child process: what every other rank does (setup reads the prepared cache); the memory it adds. With
     `first_rank`, what rank 0 of a run does on a prepared cache: prepare (which finds the cache and reports
     it), then the same; the memory prepare adds is reported on its own."""
-    from litsft.data import HFDataset
     from litsft.data.tokenizer import Tokenizer
 
-    data = HFDataset(path=parquet, cache_dir=Path(cache_dir), val_split_fraction=0.05)
+    data = data_module(parquet, cache_dir=Path(cache_dir), val_split_fraction=0.05)
     data.connect(Tokenizer(tokenizer_dir), max_seq_length=256, seed=0)
     data.sources()  # every rank reads the parquet file's footer, before setup
     import litsft.data.loader  # noqa: F401 (torch: a rank has imported it long before)
@@ -255,6 +270,15 @@ def litsft_load(parquet: str, tokenizer_dir: str, cache_dir: str, first_rank: st
     )
 
 
+def data_module(path: str, **options: object) -> object:
+    """`--data HFDataset` for a parquet file, `--data JSON` for a .json or .jsonl one."""
+    from litsft.data import JSON, HFDataset
+
+    if path.endswith(".parquet"):
+        return HFDataset(path=path, **options)
+    return JSON(json_path=Path(path), **options)
+
+
 def datasets_map(parquet: str, tokenizer_dir: str, cache_dir: str, processes: str) -> None:
     """Child process: `datasets.map` with transformers' apply_chat_template, token ids only; one JSON line."""
     import datasets
@@ -274,7 +298,10 @@ def datasets_map(parquet: str, tokenizer_dir: str, cache_dir: str, processes: st
 
     start, cpu_start = time.perf_counter(), cpu_seconds()
     dataset = datasets.load_dataset(
-        "parquet", data_files={"train": parquet}, split="train", cache_dir=cache_dir
+        "parquet" if parquet.endswith(".parquet") else "json",
+        data_files={"train": parquet},
+        split="train",
+        cache_dir=cache_dir,
     )
     dataset.map(tokenize, batched=True, num_proc=int(processes), remove_columns=dataset.column_names)
     seconds = time.perf_counter() - start
@@ -311,22 +338,31 @@ def memory(result: dict[str, float]) -> str:
     )
 
 
-def measure(num_rows: int, processes: int, repeats: int, lengths: str = "short") -> list[str]:
+def measure(
+    num_rows: int,
+    processes: int,
+    repeats: int,
+    lengths: str = "short",
+    input_format: str = "parquet",
+    litsft_only: bool = False,
+) -> list[str]:
     """`repeats` pairs of runs, litsft and datasets.map one after the other, the first of the pair
     alternating (so that neither always runs second, on a file the other has just read); each run from
     empty caches. The times are medians and the speed-up the median of the pairs' ratios; peaks are the
-    largest of any run."""
+    largest of any run. `litsft_only`: litsft's runs alone, "-" in datasets.map's columns."""
     from litsft.data.demo import build_demo_tokenizer
 
     with tempfile.TemporaryDirectory() as directory:
         root = Path(directory)
-        write_rows(root / "rows.parquet", num_rows, lengths)
+        write_rows(root / f"rows.{input_format}", num_rows, lengths)
         build_demo_tokenizer(root / "tokenizer")
-        paths = [str(root / "rows.parquet"), str(root / "tokenizer")]
+        paths = [str(root / f"rows.{input_format}"), str(root / "tokenizer")]
         load_before = os.getloadavg()[0]
         ours, theirs = [], []
         for repeat in range(repeats):
             for side in ("litsft", "map") if repeat % 2 == 0 else ("map", "litsft"):
+                if litsft_only and side == "map":
+                    continue
                 run = root / f"{side}-{repeat}"  # a fresh `datasets` cache (HF_HOME) and litsft cache
                 env = {
                     **os.environ,
@@ -347,6 +383,14 @@ def measure(num_rows: int, processes: int, repeats: int, lengths: str = "short")
         loaded = run_child("litsft_load", *paths, cache, env=env)
         first = run_child("litsft_load", *paths, cache, "first", env=env)
         load_after = os.getloadavg()[0]
+    if litsft_only:
+        return [
+            f"{num_rows:>9,} | {median(ours, 'seconds'):6.1f} s | - | - | {median(ours, 'cpu_seconds'):6.1f} s | "
+            f"- | - | {memory(largest(ours))} | - | {loaded['added_mb']:4,.0f} MB (anon "
+            f"{loaded['added_anon_mb']:3,.0f}, file {loaded['added_file_mb']:3,.0f}) in "
+            f"{loaded['load_seconds']:4.1f} s | {loaded['samples']:,} samples, {loaded['tokens']:,} tokens",
+            f"          litsft {seconds(ours)} s; load average {load_before:.1f} before, {load_after:.1f} after",
+        ]
     ratios = [their["seconds"] / our["seconds"] for our, their in zip(ours, theirs)]
     cpu_ratios = [their["cpu_seconds"] / our["cpu_seconds"] for our, their in zip(ours, theirs)]
     return [
@@ -387,13 +431,20 @@ def largest(runs: list[dict[str, float]]) -> dict[str, float]:
     return {key: max(run[key] for run in runs) for key in runs[0]}
 
 
-def main(sizes: list[int], repeats: int, out: Path | None, lengths: str = "short") -> None:
+def main(
+    sizes: list[int],
+    repeats: int,
+    out: Path | None,
+    lengths: str = "short",
+    input_format: str = "parquet",
+    litsft_only: bool = False,
+) -> None:
     from litsft.data.samples import tokenizing_processes
 
     processes = tokenizing_processes(max(sizes))
     load_before = os.getloadavg()[0]
     lines = [
-        f"ShareGPT conversations from parquet, demo tokenizer (ChatML), max_seq_length 256, {processes} processes "
+        f"ShareGPT conversations from {input_format}, demo tokenizer (ChatML), max_seq_length 256, {processes} processes "
         f"each (litsft's tokenizing workers; datasets.map's num_proc), {repeats} runs of each, alternating",
         f"{lengths} lengths: {LENGTHS[lengths]}",
         "conversations | litsft prepare (median) | datasets.map (median) | speed-up (median of the pairs) | "
@@ -404,7 +455,7 @@ def main(sizes: list[int], repeats: int, out: Path | None, lengths: str = "short
         "the same for rank 0, which first runs prepare on the prepared cache (what prepare adds) | cache",
     ]
     for num_rows in sizes:
-        lines += measure(num_rows, processes, repeats, lengths)
+        lines += measure(num_rows, processes, repeats, lengths, input_format, litsft_only)
         print("\n".join(lines[-2:]), flush=True)
     lines.append(
         f"machine: {cpu_model()}, {multiprocessing.cpu_count()} CPUs shared with "
@@ -423,5 +474,15 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3, help="runs of each, alternating which goes first")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--lengths", choices=list(LENGTHS), default="short", help="conversation lengths")
+    parser.add_argument("--input", choices=["parquet", "jsonl", "json"], default="parquet",
+                        help="the rows' file type: parquet (--data HFDataset), jsonl or json (--data JSON)")  # fmt: skip
+    parser.add_argument("--litsft_only", action="store_true", help="leave datasets.map out (its columns: -)")
     arguments = parser.parse_args()
-    main(arguments.sizes, arguments.repeats, arguments.out, arguments.lengths)
+    main(
+        arguments.sizes,
+        arguments.repeats,
+        arguments.out,
+        arguments.lengths,
+        arguments.input,
+        arguments.litsft_only,
+    )
