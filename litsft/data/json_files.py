@@ -20,7 +20,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from litsft.data import samples
+import litsft.data.samples as samples
 from litsft.data.chat import Message
 from litsft.data.records import DEFAULT_FORMAT, RecordFormat, to_conversation
 from litsft.errors import LitsftError
