@@ -1,10 +1,17 @@
+import json
 import os
 
 import pytest
 
 from litsft.errors import LitsftError
 from litsft.runtime import files
-from litsft.runtime.files import checksum_of_file, publish_atomically, readable_size, write_bytes
+from litsft.runtime.files import (
+    checksum_of_file,
+    json_problem,
+    publish_atomically,
+    readable_size,
+    write_bytes,
+)
 
 
 def test_publish_atomically_leaves_nothing_on_failure(tmp_path):
@@ -85,3 +92,14 @@ def test_a_file_written_is_hashed_as_written_and_equals_hashing_it_on_disk(tmp_p
 def test_sizes_read_in_three_significant_digits():
     sizes = [0, 999, 1000, 1_234_567, 5.5e9, 2e15]
     assert [readable_size(n) for n in sizes] == ["0 B", "999 B", "1 kB", "1.23 MB", "5.5 GB", "2,000 TB"]
+
+
+def test_json_problem_says_at_column_once() -> None:
+    """json's own messages end with "at" for some errors ("Unterminated string starting at"): once "at" only."""
+    with pytest.raises(json.JSONDecodeError) as unterminated:
+        json.loads('{"city": "Par')
+    assert json_problem(unterminated.value) == "Unterminated string starting at column 10"
+    with pytest.raises(json.JSONDecodeError) as missing:
+        json.loads('{"city": }')
+    assert json_problem(missing.value) == "Expecting value at column 10"
+    assert json_problem(missing.value, column=3) == "Expecting value at column 3"

@@ -34,6 +34,7 @@ import numpy as np
 
 from litsft.data.tokenizer import Tokenizer, render_template_messages, template_messages
 from litsft.errors import LitsftError
+from litsft.runtime.files import json_problem
 
 Message = dict[str, Any]
 """{"role": "system" | "user" | "assistant" | "tool", "content": str, ...}: also `tool_calls`, a reasoning field
@@ -394,7 +395,7 @@ def _tool_call_problem(call: Any) -> str | None:
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError as err:
-            return f"({name}) has arguments that are not valid JSON ({err.msg} at column {err.colno})"
+            return f"({name}) has arguments that are not valid JSON ({json_problem(err)})"
     if not isinstance(arguments, dict):
         return f"({name}) has arguments that are not a JSON object"
     return None

@@ -24,6 +24,7 @@ import litsft.data.samples as samples
 from litsft.data.chat import Message
 from litsft.data.records import DEFAULT_FORMAT, RecordFormat, to_conversation
 from litsft.errors import LitsftError
+from litsft.runtime.files import json_problem
 
 EXTENSIONS = (".json", ".jsonl")
 READ_BLOCK_BYTES = 1 << 20
@@ -159,13 +160,6 @@ def _checked(path: Path) -> Path:
     if path.suffix not in EXTENSIONS:
         raise LitsftError(f"{path} has an unsupported extension; use a .json or .jsonl file")
     return path
-
-
-def json_problem(err: json.JSONDecodeError, column: int | None = None) -> str:
-    """What is wrong, and at which column of its line: "Expecting value at column 32" (some of json's
-    messages end with "at" already: "Unterminated string starting at column 5")."""
-    column = err.colno if column is None else column
-    return f"{err.msg} column {column}" if err.msg.endswith(" at") else f"{err.msg} at column {column}"
 
 
 class _Text:

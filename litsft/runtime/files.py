@@ -35,6 +35,13 @@ def read_json(path: Path, fix: str = "restore it from the original checkpoint") 
         raise LitsftError(f"{path} is not valid JSON ({err}); {fix}") from None
 
 
+def json_problem(err: json.JSONDecodeError, column: int | None = None) -> str:
+    """What is wrong, and at which column of its line: "Expecting value at column 32" (some of json's
+    messages end with "at" already: "Unterminated string starting at column 5")."""
+    column = err.colno if column is None else column
+    return f"{err.msg} column {column}" if err.msg.endswith(" at") else f"{err.msg} at column {column}"
+
+
 def write_json(path: Path, value: Any, durable: bool = False) -> None:
     """`value` as indented JSON; `durable` fsyncs it before returning (a checkpoint's last file)."""
     text = json.dumps(value, indent=2, default=_json_default) + "\n"
