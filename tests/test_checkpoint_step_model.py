@@ -199,7 +199,22 @@ def test_a_damaged_or_incomplete_step_is_refused_in_one_line_and_nothing_is_cach
     shard = next((overwritten / "shards").glob("*.safetensors"))
     shard.write_bytes(b"\xff" * 8 + shard.read_bytes()[8:])  # same size: the size check lets it through
     line = refusal(["generate", str(overwritten), "--prompt", "a"], capsys)
-    assert f"{shard} is damaged" in line and "pass another step checkpoint of that run, or its final/" in line
+    assert (
+        f"{overwritten} is not a complete step checkpoint (shards/{shard.name} does not hold the bytes"
+        in line
+    )
+    assert line.endswith("pass another step checkpoint of that run, or its final/")
+
+    flipped = Path(shutil.copytree(runs / "finetune_full" / STEP, tmp_path / "c" / STEP))
+    shard = max((flipped / "shards").glob("*.safetensors"), key=lambda path: path.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[-64:] = bytes(255 - byte for byte in data[-64:])  # inside a tensor: header and size intact
+    shard.write_bytes(bytes(data))
+    line = refusal(["convert_to_hf", str(flipped), "--out_dir", str(tmp_path / "hf")], capsys)
+    assert (
+        f"{flipped} is not a complete step checkpoint (shards/{shard.name} does not hold the bytes it was "
+        "written with (its checksum differs))" in line
+    )
     assert not (tmp_path / "cache" / "converted").exists() or not any(
         (tmp_path / "cache" / "converted").iterdir()
     )

@@ -196,10 +196,11 @@ STEP_MODEL_RECIPES = ("finetune_full", "pretrain", "finetune_lora")
 """The recipes whose step checkpoints open as a model (trainer_state.json's `recipe`)."""
 
 
-def step_model_state(step_dir: Path) -> dict[str, Any]:
+def step_model_state(step_dir: Path, contents: bool = False) -> dict[str, Any]:
     """The trainer_state.json of a step checkpoint given as a model, refused in one line when the checkpoint
-    is incomplete or damaged, of an earlier format, or of a recipe whose steps hold no model."""
-    damage = find_damage(step_dir)
+    is incomplete or damaged (with `contents`, also when a file's bytes no longer have their checksum), of an
+    earlier format, or of a recipe whose steps hold no model."""
+    damage = find_damage(step_dir, contents=contents)
     if damage is not None:
         raise LitsftError(
             f"{step_dir} is not a complete step checkpoint ({damage}), so it holds no model; pass another "

@@ -44,8 +44,9 @@ MODEL_PREFIX = "model/"
 
 def write_step_model(step_dir: Path, out_dir: Path) -> None:
     """Write into the existing, empty `out_dir` what the run of `step_dir` would have written to final/ had
-    it ended at that step (see the module docstring)."""
-    state = step_model_state(step_dir)
+    it ended at that step (see the module docstring). Every file is checked against its checksum first: the
+    model written here is cached and reused, so damage inside a weight must be caught now."""
+    state = step_model_state(step_dir, contents=True)
     config = Config.from_values(state["config"], step_dir / TRAINER_STATE)
     reader = ShardedReader(
         step_dir / SHARDS_DIR, fix="pass another step checkpoint of that run, or its final/"
