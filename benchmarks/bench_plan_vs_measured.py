@@ -70,8 +70,7 @@ QLORA_BASELINE_SHAPE = dict(
     num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64
 )
 QLORA = LoRAConfig(rank=8, alpha=16, dropout=0.0)
-MOE_SHAPE = dict(
-    SHAPE,
+QWEN3_MOE_BLOCK = dict(
     hf_architecture="Qwen3MoeForCausalLM",
     qk_norm=True,
     num_experts=8,
@@ -80,21 +79,14 @@ MOE_SHAPE = dict(
     normalize_expert_weights=True,
     router_aux_loss_coef=0.001,
 )
+"""Qwen3-MoE's block: q/k norms and a routed MLP of 8 experts of 512, 2 per token."""
+MOE_SHAPE = dict(SHAPE, **QWEN3_MOE_BLOCK)
 """--moe: SHAPE's attention with Qwen3-MoE's routed MLP, 8 experts of 512, 2 per token (75.5M of its 88.8M
 parameters are experts)."""
 SMALL_SHAPE = dict(
     num_layers=4, hidden_size=256, intermediate_size=1024, num_heads=4, num_kv_heads=2, head_dim=64
 )
-SMALL_MOE_SHAPE = dict(
-    SMALL_SHAPE,
-    hf_architecture="Qwen3MoeForCausalLM",
-    qk_norm=True,
-    num_experts=8,
-    experts_per_token=2,
-    expert_intermediate_size=512,
-    normalize_expert_weights=True,
-    router_aux_loss_coef=0.001,
-)
+SMALL_MOE_SHAPE = dict(SMALL_SHAPE, **QWEN3_MOE_BLOCK)
 """--small: a 4.2M-parameter dense model and a 13.6M-parameter mixture of experts whose plans (0.07-0.09 and
 0.16-0.24 GiB per process at 256 tokens) are smaller than the runtime beside them."""
 RUNTIME_IMPORTS = (
