@@ -107,6 +107,18 @@ def cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
     return code, out, err
 
 
+def assert_generates_the_same(step: Path, final: Path, capsys: pytest.CaptureFixture) -> None:
+    """`litsft generate` prints the same greedy text from the step as from final/."""
+    generated = [
+        cli(
+            ["generate", str(model), "--prompt", "alpha beta", "--max_new_tokens", "5", "--chat", "false"],
+            capsys,
+        )
+        for model in (step, final)
+    ]
+    assert generated[0][0] == 0 and generated[0][1] == generated[1][1]
+
+
 def refusal(argv: list[str], capsys: pytest.CaptureFixture) -> str:
     code, _, err = cli(argv, capsys)
     lines = err.strip().splitlines()
@@ -134,14 +146,7 @@ def test_a_full_models_step_opens_as_its_final_folder_and_every_command_reads_it
     for model, out in ((step, "from-step"), (final, "from-final")):
         cli(["convert_to_hf", str(model), "--out_dir", str(tmp_path / f"{out}-hf")], capsys)
     assert_same_folder(tmp_path / "from-step-hf", tmp_path / "from-final-hf")
-    generated = [
-        cli(
-            ["generate", str(model), "--prompt", "alpha beta", "--max_new_tokens", "5", "--chat", "false"],
-            capsys,
-        )
-        for model in (step, final)
-    ]
-    assert generated[0][0] == 0 and generated[0][1] == generated[1][1]
+    assert_generates_the_same(step, final, capsys)
     planned = [cli(["plan", str(model), "--device_memory", "1GB"], capsys)[1] for model in (step, final)]
     assert planned[0] == planned[1] and "parameters" in planned[0]
     # A training command started from the step trains what it would from final/.
@@ -172,14 +177,7 @@ def test_a_lora_step_opens_as_its_final_adapters_over_the_base(
     assert cli(["merge_lora", str(final), "--out_dir", str(tmp_path / "final-merged")], capsys)[0] == 0
     assert_same_folder(step.with_name(f"{STEP}-merged"), tmp_path / "final-merged")
     assert find_damage(step) is None
-    generated = [
-        cli(
-            ["generate", str(model), "--prompt", "alpha beta", "--max_new_tokens", "5", "--chat", "false"],
-            capsys,
-        )
-        for model in (step, final)
-    ]
-    assert generated[0][0] == 0 and generated[0][1] == generated[1][1]
+    assert_generates_the_same(step, final, capsys)
     line = refusal(training(runs, "finetune_full", step, tmp_path / "out"), capsys)
     assert f"{step} is a step checkpoint of a finetune_lora run: adapters over a base model" in line
     assert f"`litsft merge_lora {step} --out_dir <dir>`" in line
