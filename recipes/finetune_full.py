@@ -16,6 +16,7 @@ from litsft.training.args import (
     FSDPConfig,
     LogConfig,
     OptimizerConfig,
+    ParallelConfig,
     Precision,
     RunConfig,
     TrainConfig,
@@ -34,6 +35,7 @@ def setup(
     resume: bool | Literal["auto"] | Path = "auto",
     seed: int = 1337,
     fsdp: FSDPConfig = FSDPConfig(),
+    parallel: ParallelConfig = ParallelConfig(),
     train: TrainConfig = TrainConfig(),
     eval: EvalConfig = EvalConfig(),
     optimizer: OptimizerConfig = OptimizerConfig(),
@@ -57,6 +59,8 @@ def setup(
             overwritten): pass another --out_dir to start over.
         seed: Seed for data order, dropout and sampling.
         fsdp: Sharding strategy and memory options (used with more than one process).
+        parallel: Context parallelism: --parallel.context N splits each sequence over N ranks of a
+            node (long sequences; tutorials/long_context.md).
         train: Batch sizes, length of the run and checkpointing.
         eval: Validation settings.
         optimizer: AdamW and the learning-rate schedule.

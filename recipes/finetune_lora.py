@@ -18,6 +18,7 @@ from litsft.training.args import (
     FSDPConfig,
     LogConfig,
     OptimizerConfig,
+    ParallelConfig,
     Precision,
     RunConfig,
     TrainConfig,
@@ -38,6 +39,7 @@ def setup(
     lora: LoRAConfig = LoRAConfig(),
     quantize: Quantization | None = None,
     fsdp: FSDPConfig = FSDPConfig(),
+    parallel: ParallelConfig = ParallelConfig(),
     train: TrainConfig = TrainConfig(),
     eval: EvalConfig = EvalConfig(),
     optimizer: OptimizerConfig = OptimizerConfig(lr=2e-4, warmup_fraction=0.03),
@@ -65,6 +67,8 @@ def setup(
         quantize: nf4 stores the frozen base weight of every adapted block projection in 4-bit NormalFloat
             (QLoRA): about 0.52 bytes per weight instead of 2 (bf16), sharded by FSDP like any frozen weight.
         fsdp: Sharding strategy and memory options (used with more than one process).
+        parallel: Context parallelism: --parallel.context N splits each sequence over N ranks of a
+            node (long sequences; tutorials/long_context.md).
         train: Batch sizes, length of the run and checkpointing.
         eval: Validation settings.
         optimizer: AdamW and the learning-rate schedule.

@@ -18,6 +18,7 @@ from litsft.training.args import (
     FSDPConfig,
     LogConfig,
     OptimizerConfig,
+    ParallelConfig,
     Precision,
     RunConfig,
     TrainConfig,
@@ -37,6 +38,7 @@ def setup(
     resume: bool | Literal["auto"] | Path = "auto",
     seed: int = 1337,
     fsdp: FSDPConfig = FSDPConfig(),
+    parallel: ParallelConfig = ParallelConfig(),
     train: TrainConfig = TrainConfig(global_batch_size=64, micro_batch_size=8),
     eval: EvalConfig = EvalConfig(),
     optimizer: OptimizerConfig = OptimizerConfig(
@@ -62,6 +64,8 @@ def setup(
             overwritten): pass another --out_dir to start over.
         seed: Seed for initialization, data order and dropout.
         fsdp: Sharding strategy and memory options (used with more than one process).
+        parallel: Context parallelism: --parallel.context N splits each sequence over N ranks of a
+            node (long sequences; tutorials/long_context.md).
         train: Batch sizes, length of the run and checkpointing.
         eval: Validation settings.
         optimizer: AdamW and the learning-rate schedule.

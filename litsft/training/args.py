@@ -17,8 +17,8 @@ from litsft.data.step_geometry import StepGeometry
 from litsft.errors import LitsftError, check_number
 from litsft.model.config import Config
 from litsft.model.precision.float8 import Float8Recipe
+from litsft.training.layout import ParallelLayout, ShardingStrategy
 
-ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
 Precision = Literal["bf16-mixed", "bf16-true", "16-mixed", "32-true"]
 Accelerator = Literal["auto", "cpu", "cuda"]
 MAX_DEFAULT_SEQ_LENGTH = 2048
@@ -36,6 +36,17 @@ class FSDPConfig:
     """Recompute each block's activations in the backward pass: less memory, about 1/3 more compute."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory (GPU runs only)."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the ranks split the work besides sharding the model: a group of its own, apart from --fsdp (which
+    says how parameters are sharded), because it splits activations, and the expert axis joins it."""
+
+    context: int = 1
+    """Context parallelism: this many ranks (of one node) share each micro-batch, each holding 1/N of every
+    row's tokens, and swap attention heads for tokens around attention (all-to-all). Activation memory per
+    rank drops about N-fold; N divides --devices and the model's attention heads."""
 
 
 @dataclass
@@ -217,6 +228,7 @@ class RunConfig:
     resume: bool | Literal["auto"] | Path = "auto"
     seed: int = 1337
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -236,6 +248,13 @@ class RunConfig:
     @property
     def world_size(self) -> int:
         return self.devices * self.num_nodes
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """How this run's ranks divide the work (refused in one line if they cannot)."""
+        return ParallelLayout.of(
+            self.devices, self.num_nodes, self.fsdp.sharding_strategy, self.parallel.context
+        )
 
 
 CONFIG_OPTIONS = {"router_aux_loss_coef": "--train.router_aux_loss_coef"}
