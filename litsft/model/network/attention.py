@@ -34,6 +34,13 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from litsft.model.network.context_parallel import (
+    ContextShard,
+    heads_from_tokens,
+    kv_heads_for_context,
+    tokens_from_heads,
+)
+
 Kernel = Literal["varlen", "flex", "mask", "segmented"]
 KERNEL_DESCRIPTIONS: dict[str, str] = {
     "varlen": "flash attention per document (torch.nn.attention.varlen)",
@@ -223,6 +230,9 @@ class PreparedAttention:
     varlen_attn: Any = None
     """torch's varlen_attn and the optional arguments it takes, looked up here, outside compiled code."""
     varlen_features: frozenset[str] = frozenset()
+    context: ContextShard | None = None
+    """Context parallelism: q, k, v hold this rank's tokens, the rest of this object describes the whole row
+    (`attend` trades tokens for heads around the kernel, litsft.model.network.context_parallel)."""
 
 
 def prepare(
@@ -349,7 +359,27 @@ def attend(
     `scale` multiplies the scores (None: 1/sqrt(D)); `softcap` c, when set, caps them smoothly to
     c * tanh(score / c) before the softmax (Gemma 2). Soft-capping runs in flex's score_mod on the flex
     kernel and as explicit masked attention everywhere else (varlen and SDPA's fused kernels cannot apply it).
+
+    With `prepared.context`, q, k, v hold this rank's t = T/N tokens: an all-to-all gives it every token of H/N
+    query heads (and their kv heads), the kernel attends over whole sequences, another gives the tokens back.
     """
+    context = prepared.context
+    if context is None:
+        return _attend(q, k, v, prepared, dropout, scale, softcap)
+    q = heads_from_tokens(q, context)  # (B, H/N, T, D)
+    k, v = (heads_from_tokens(kv_heads_for_context(x, context), context) for x in (k, v))
+    return tokens_from_heads(_attend(q, k, v, prepared, dropout, scale, softcap), context)  # (B, t, H, D)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prepared: PreparedAttention,
+    dropout: float,
+    scale: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
     if prepared.rows_as_documents:
         B, H, T, D = q.shape
         joined = (x.transpose(1, 2).reshape(1, B * T, x.shape[1], D).transpose(1, 2) for x in (q, k, v))

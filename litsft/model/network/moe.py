@@ -26,10 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.nn.functional import all_reduce
 
 from litsft.model.config import Config
 from litsft.model.network.mlp import gated_activation
@@ -63,7 +65,9 @@ def route(
     return weights, experts, probabilities
 
 
-def load_balancing_loss(routings: Iterable[Routing], num_experts: int) -> torch.Tensor:
+def load_balancing_loss(
+    routings: Iterable[Routing], num_experts: int, context_group: Any = None
+) -> torch.Tensor:
     """Each sequence's auxiliary load-balancing loss (S,), that of Switch Transformer
     (https://arxiv.org/abs/2101.03961, eq. 4-6) as transformers' `load_balancing_loss_func` computes it for
     these families: E * sum_e f_e * P_e, where f_e is expert e's share of the assignments and P_e its mean
@@ -73,12 +77,21 @@ def load_balancing_loss(routings: Iterable[Routing], num_experts: int) -> torch.
     transformers pools the whole batch of a forward pass; litsft pools each sequence (each packed document,
     each unpacked row), as DeepSeek-V3's sequence-wise balance loss does (https://arxiv.org/abs/2412.19437,
     eq. 17-20): a sum over sequences does not depend on which micro-batch or rank a sequence lands in, so
-    accumulation and N processes train exactly as one process. For one sequence it is transformers' value."""
+    accumulation and N processes train exactly as one process. For one sequence it is transformers' value.
+
+    `context_group`: the process group of a context group (context parallelism), whose ranks each hold a slice
+    of every sequence: the counts and probability sums are summed over it first, by an all-reduce whose backward
+    sums the ranks' gradients, so that every rank has each whole sequence's loss."""
     routings = list(routings)
-    rows = (len(routings) * routings[0].tokens).clamp(min=1)[:, None]  # (S, 1)
-    assigned = torch.stack([routing.expert_tokens for routing in routings]).sum(0) / rows  # (S, E)
-    probability = torch.stack([routing.probability_sums for routing in routings]).sum(0) / rows  # (S, E)
-    return num_experts * (assigned * probability).sum(-1)
+    tokens = len(routings) * routings[0].tokens  # (S,)
+    assigned = torch.stack([routing.expert_tokens for routing in routings]).sum(0)  # (S, E)
+    probability = torch.stack([routing.probability_sums for routing in routings]).sum(0)  # (S, E)
+    if context_group is not None:
+        E = assigned.shape[1]
+        whole = all_reduce(torch.cat([assigned, probability, tokens[:, None]], dim=1), group=context_group)
+        assigned, probability, tokens = whole[:, :E], whole[:, E : 2 * E], whole[:, 2 * E]
+    rows = tokens.clamp(min=1)[:, None]  # (S, 1)
+    return num_experts * ((assigned / rows) * (probability / rows)).sum(-1)
 
 
 class GroupedExperts(nn.Module):

@@ -34,6 +34,7 @@ from litsft.model.network.attention import (
     token_document_ids,
 )
 from litsft.model.network.batch import loss_positions_of, without_padding
+from litsft.model.network.context_parallel import ContextShard
 from litsft.model.network.loss import chunked_cross_entropy, logits_dtype, loss_chunk_tokens, output_logits
 from litsft.model.network.mlp import MLP
 from litsft.model.network.moe import MoE, load_balancing_loss
@@ -317,6 +318,7 @@ class Transformer(nn.Module):
         labels: torch.Tensor | None = None,
         loss_positions: torch.Tensor | None = None,
         documents: Documents | None = None,
+        context: ContextShard | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, V) for tokens (B, T); with `labels` (B, T) instead the summed fp32 cross-entropy over
         the positions whose label is not -100. `loss_positions`, the flat indices of those labels
@@ -325,7 +327,13 @@ class Transformer(nn.Module):
 
         Packed rows: either `documents` with the row (1, N) of real tokens they describe (what the engine
         passes, built on the host by litsft.model.network.batch.model_inputs), or `document_ids` (B, T), -1 on padding, from which
-        the same are found here (reading the ids: a host sync on a GPU)."""
+        the same are found here (reading the ids: a host sync on a GPU).
+
+        `context`: this rank's place in a context group of size > 1 (context parallelism): `input_ids`,
+        `labels` and `loss_positions` are this rank's tokens, `position_ids` and `documents` the whole row's,
+        as litsft.model.network.context_parallel.split_for_context gives them; the loss is this rank's tokens'."""
+        if context is not None and context.size == 1:
+            context = None
         if documents is None and document_ids is not None:
             if labels is not None:
                 input_ids, position_ids, document_ids, labels = without_padding(
@@ -333,7 +341,7 @@ class Transformer(nn.Module):
                 )
                 loss_positions = None  # found again in the new layout
             documents = documents_of_ids(document_ids)
-        hidden = self.hidden_states(input_ids, position_ids, documents)
+        hidden = self.hidden_states(input_ids, position_ids, documents, context)
         if labels is None:
             return self.logits(hidden)
         hidden, labels = hidden.flatten(0, 1), labels.flatten()
@@ -355,10 +363,12 @@ class Transformer(nn.Module):
             token_index=token_index,
         )
         if self.training and self.config.num_experts:
-            loss = loss + self.router_loss_gradient(loss_positions)
+            loss = loss + self.router_loss_gradient(loss_positions, context)
         return loss
 
-    def router_loss_gradient(self, loss_positions: torch.Tensor) -> torch.Tensor:
+    def router_loss_gradient(
+        self, loss_positions: torch.Tensor, context: ContextShard | None = None
+    ) -> torch.Tensor:
         """A zero whose gradient is that of coef x the sum over this micro-batch's sequences of each one's
         load-balancing loss (litsft.model.network.moe.load_balancing_loss) weighted by its loss tokens. The value of
         the loss `forward` returns stays the summed cross-entropy, what is logged; the training step divides it
@@ -368,7 +378,12 @@ class Transformer(nn.Module):
 
         The term is built in the forward pass from the probabilities the routers' softmax made: autograd runs
         the routers' backward only once the gradient through the rest of their block has arrived too, after
-        FSDP2 has gathered the block's parameters again."""
+        FSDP2 has gathered the block's parameters again.
+
+        Under context parallelism `loss_positions` are this rank's, and each sequence's routing statistics are
+        summed over the context group first (moe.load_balancing_loss), so each sequence's loss is the whole
+        sequence's; weighted by this rank's loss tokens, the terms of the group's ranks add up to one
+        process's, and so do their gradients (the all-reduce's backward sums the ranks' gradients)."""
         routings = [block.mlp.routing for block in self.blocks]
         sequences = routings[0].tokens.shape[0]
         sequence_of = self.blocks[0].mlp.sequences
@@ -376,7 +391,8 @@ class Transformer(nn.Module):
         loss_tokens = torch.zeros(sequences, device=loss_positions.device).index_add_(
             0, of_loss_token.long(), torch.ones(loss_positions.numel(), device=loss_positions.device)
         )
-        weighted = (load_balancing_loss(routings, self.config.num_experts) * loss_tokens).sum()
+        balancing = load_balancing_loss(routings, self.config.num_experts, context.group if context else None)
+        weighted = (balancing * loss_tokens).sum()
         self.balancing_loss_sum = weighted.detach()
         term = self.config.router_aux_loss_coef * weighted
         return term - term.detach()
@@ -400,15 +416,27 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         documents: Documents | None = None,
+        context: ContextShard | None = None,
     ) -> torch.Tensor:
         """Final normalized hidden states (B, T, C), before the output projection. The training loss uses
         this to compute cross-entropy in chunks without materializing all (B, T, V) logits at once.
-        With `documents`, the rows are one sequence of documents joined in order."""
+        With `documents`, the rows are one sequence of documents joined in order. With a `context` of size
+        N > 1, `input_ids` (B, T/N) are this rank's slice of rows whose `position_ids` and `documents` are
+        whole (B, T): attention and RoPE are prepared for the whole rows, and (B, T/N, C) come back."""
+        if context is not None and context.size == 1:
+            context = None
         B, T = input_ids.shape
+        if context is not None:
+            if self.kv_caches is not None or (documents is not None and B > 1):
+                raise ValueError(
+                    "context parallelism takes one joined row (split_for_context), never a KV cache"
+                )
+            T = T * context.size
         if position_ids is None:
             if self.kv_caches is not None:
                 raise ValueError("decoding with a KV cache needs position_ids")
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        local = context.local(T) if context is not None else slice(None)  # this rank's tokens of each row
         joined = documents is not None and B > 1
         if joined:
             input_ids, position_ids = input_ids.reshape(1, B * T), position_ids.reshape(1, B * T)
@@ -421,18 +449,24 @@ class Transformer(nn.Module):
             # The residual stream stays fp32 under autocast, also when a frozen embedding is stored in the
             # compute dtype (LoRA under bf16-mixed): only the matmuls run in 16 bits.
             x = x.float()
-        prepared = self.prepare_attention(tuple(x.shape[:2]), x.device, documents, position_ids)
+        prepared = self.prepare_attention(
+            tuple(position_ids.shape), x.device, documents, position_ids, context
+        )
         layers = range(self.config.num_layers)
         ropes = {
-            local: rope_cos_sin(self.config, position_ids, x.dtype, local, documents)
-            for local in {self.config.uses_local_rope(i) for i in layers}
+            sliding: tuple(
+                part[:, local]  # computed whole: LongRoPE picks its factors by the whole document's length
+                for part in rope_cos_sin(self.config, position_ids, x.dtype, sliding, documents)
+            )
+            for sliding in {self.config.uses_local_rope(i) for i in layers}
         }  # one (cos, sin) per RoPE base the layers use
         if self.config.num_experts:  # each token's sequence, for the routers' per-sequence statistics
-            N = x.shape[0] * x.shape[1]
             if documents is not None:
-                sequences = (token_document_ids(documents.to(x.device), N), documents.cu_seqlens.numel() - 1)
+                N = position_ids.numel()
+                document_of = token_document_ids(documents.to(x.device), N)[local]
+                sequences = (document_of, documents.cu_seqlens.numel() - 1)
             else:
-                sequences = (torch.arange(B, device=x.device).repeat_interleave(T), B)
+                sequences = (torch.arange(B, device=x.device).repeat_interleave(x.shape[1]), B)
             for block in self.blocks:
                 block.mlp.sequences = sequences
         for i, block in enumerate(self.blocks):
@@ -448,14 +482,16 @@ class Transformer(nn.Module):
         device: torch.device,
         documents: Documents | None,
         position_ids: torch.Tensor,
+        context: ContextShard | None = None,
     ) -> dict[int | None, PreparedAttention]:
-        """What the layers' attention shares in this forward pass, for each window a layer uses."""
+        """What the layers' attention shares in this forward pass, for each window a layer uses; under
+        context parallelism, for the whole rows of `shape`, with `context` for `attend`'s all-to-alls."""
         if self.attention_kernel is None:
             self.attention_kernel = self.default_attention_kernel(device)
         decoding = self.kv_caches is not None
         documents = documents.to(device) if documents is not None else None
         windows = {self.config.attention_window(i) for i in range(self.config.num_layers)}
-        return {
+        prepared = {
             window: prepare(
                 self.attention_kernel,
                 shape,
@@ -467,6 +503,9 @@ class Transformer(nn.Module):
             )
             for window in windows
         }
+        for attention in prepared.values():
+            attention.context = context
+        return prepared
 
     def default_attention_kernel(self, device: torch.device) -> Kernel:
         """The kernel for this device when no one chose one (the engine chooses at setup and logs it)."""
