@@ -1,8 +1,8 @@
 """litsft/model/network/context_parallel.py: `split_for_context` on the host (padding, labels, loss positions,
 documents), and context groups of 2 and 4 gloo processes against one process: the loss and every parameter's
 gradient, summed over the ranks, of tiny models of each attention feature (documents, sliding windows,
-soft-capping, q/k norms, LongRoPE, grouped-query attention with fewer kv heads than ranks), and a mixture of
-experts with its load-balancing loss."""
+soft-capping, q/k norms, LongRoPE, grouped-query attention with fewer kv heads than ranks), a mixture of experts
+with its load-balancing loss, and LoRA with dropout."""
 
 from __future__ import annotations
 
@@ -13,9 +13,12 @@ import torch
 from launch import TINY_MOE, TINY_PHI3, on_ranks
 
 from litsft.model.config import Config
+from litsft.model.lora.config import LoRAConfig
+from litsft.model.lora.layers import apply_lora
 from litsft.model.network.attention import Documents
 from litsft.model.network.batch import loss_positions_of, model_inputs
 from litsft.model.network.context_parallel import ContextShard, split_for_context
+from litsft.model.network.sample_dropout import context_samples, dropout_samples, samples_in_micro_batch
 from litsft.model.network.transformer import Transformer
 
 VOCAB = 512
@@ -86,6 +89,17 @@ def tiny_model(name: str, **overrides) -> Transformer:
     return model.train()
 
 
+def tiny_lora() -> Transformer:
+    model = apply_lora(tiny_model("tiny-llama"), LoRAConfig(rank=4, dropout=0.3))
+    with torch.no_grad():  # B starts at zero: give every adapter's A a gradient to compare
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(
+                    torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1
+                )
+    return model
+
+
 MODELS = {
     "llama": lambda: tiny_model("tiny-llama"),  # 4 query heads, 2 kv heads: K < N = 4, K % N == 0 for N = 2
     "mistral-window": lambda: tiny_model(
@@ -96,9 +110,18 @@ MODELS = {
     "phi3-longrope": lambda: tiny_model("tiny-llama", **TINY_PHI3),
     "kv-heads-4": lambda: tiny_model("tiny-llama", num_kv_heads=4),  # K % N == 0 for N = 4
     "moe": lambda: tiny_model("tiny-llama", **dict(TINY_MOE, router_aux_loss_coef=0.5)),
+    "lora-dropout": tiny_lora,
 }
 CASES = [(model, batch) for model in MODELS for batch in BATCHES if batch != "long-document"]
 CASES += [("phi3-longrope", "long-document"), ("llama", "long-document")]
+SEED, STEP = 7, 3
+
+
+def dropout_of(batch: dict[str, torch.Tensor], inputs: dict) -> object:
+    """The whole micro-batch's dropout samples, as the training step makes them for one process."""
+    rows, width = inputs["input_ids"].shape
+    lengths = batch["row_lengths"].tolist()
+    return samples_in_micro_batch(lengths, width, rows != len(lengths), 0, SEED, STEP)
 
 
 def loss_and_gradients(model_name: str, batch_name: str, shard: ContextShard | None) -> tuple[float, dict]:
@@ -106,10 +129,13 @@ def loss_and_gradients(model_name: str, batch_name: str, shard: ContextShard | N
     context rank's share of it."""
     model, batch = MODELS[model_name](), BATCHES[batch_name]()
     inputs = model_inputs(batch)
+    samples = dropout_of(batch, inputs)
     if shard is not None:
         inputs = split_for_context(inputs, shard)
-    loss = model(**inputs)
-    loss.backward()
+        samples = context_samples(samples, shard, inputs["position_ids"].shape[1])
+    with dropout_samples(model, samples):
+        loss = model(**inputs)
+        loss.backward()
     gradients = {name: p.grad.numpy().copy() for name, p in model.named_parameters() if p.grad is not None}
     return loss.item(), gradients
 
@@ -198,6 +224,25 @@ def test_split_keeps_documents_when_nothing_is_padded() -> None:
     assert piece["documents"] is documents
     assert piece["input_ids"].tolist() == [[4, 5, 6, 7]] and piece["loss_positions"].tolist() == [0, 1, 2, 3]
     assert piece["position_ids"].tolist() == [list(range(8))]  # made whole where none were given
+
+
+def test_context_samples_are_each_ranks_slice_of_the_whole_masks() -> None:
+    """A context rank's dropout masks are its rows of one process's, sample by sample."""
+    from litsft.model.network.sample_dropout import SampleDropout
+
+    dropout = SampleDropout(0.4).train()
+    model = torch.nn.Sequential(dropout)
+    samples = samples_in_micro_batch([5, 7, 3], row_width=7, joined=False, first_position=3, seed=1, step=2)
+    x = torch.ones(1, 21, 6)
+    with dropout_samples(model, samples):
+        whole = model(x)[0]
+    pieces = []
+    for rank in range(4):
+        with dropout_samples(model, context_samples(samples, ContextShard(None, rank, 4), 24)):
+            pieces.append(model(torch.ones(1, 6, 6))[0])
+    masks = torch.cat(pieces)
+    assert torch.equal(masks[:21], whole) and torch.equal(masks[21:], torch.ones(3, 6))
+    assert (whole == 0).any()  # some values were dropped
 
 
 def test_size_one_is_the_plain_model() -> None:

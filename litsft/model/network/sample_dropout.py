@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
+
+from litsft.model.network.context_parallel import ContextShard
 
 _MASK_64 = 2**64 - 1
 
@@ -57,6 +59,9 @@ class DropoutSamples:
     lengths: tuple[int, ...]
     tokens: int
     """B * T of the model's input."""
+    local: tuple[int, int] | None = None
+    """Context parallelism: this rank's model input is tokens [start, stop) of the whole input (`tokens` is the
+    whole one's), whose masks are this rank's slice of the whole samples' (`context_samples`)."""
 
 
 _current: DropoutSamples | None = None
@@ -88,6 +93,15 @@ def samples_in_micro_batch(
     keys = tuple(mix_key(seed, step, first_position + row) for row in range(len(row_lengths)))
     tokens = cursor if joined else len(row_lengths) * row_width
     return DropoutSamples(keys, tuple(starts), tuple(int(n) for n in row_lengths), tokens)
+
+
+def context_samples(samples: DropoutSamples, shard: ContextShard, padded_width: int) -> DropoutSamples:
+    """The samples of a context rank (litsft.model.network.context_parallel): `samples` are the whole
+    micro-batch's (`samples_in_micro_batch` of the model input before `split_for_context`), whose tokens lie in
+    that order at the start of the one row of `padded_width` tokens split_for_context makes of them; this rank
+    holds its contiguous slice of that row, and draws for it exactly the mask values one process draws."""
+    local = shard.local(padded_width)
+    return replace(samples, tokens=padded_width, local=(local.start, local.stop))
 
 
 @contextmanager
@@ -174,22 +188,47 @@ class SampleDropout(nn.Dropout):
         """(tokens, width) masks, sample by sample, shaped as `x`."""
         samples, width = _current, x.shape[-1]
         assert samples is not None and self.index is not None
-        masks = torch.empty(samples.tokens, width, dtype=x.dtype, device=x.device)
-        cursor = 0
-        for key, start, length in zip(samples.keys, samples.starts, samples.lengths):
-            masks[cursor:start].fill_(1)  # padding
-            generator = _generator(x.device, mix_key(key, self.index))
-            keep_scale(
-                (length, width), self.p, x.dtype, x.device, generator, out=masks[start : start + length]
-            )
-            cursor = start + length
-        masks[cursor:].fill_(1)
+        if samples.local is not None:
+            masks = self._local_masks(samples, samples.local, x)
+        else:
+            masks = self._whole_masks(samples, x)
         rows = x.numel() // width
-        if rows != samples.tokens:
+        if rows != masks.shape[0]:
             if _head_rows is None or _head_rows.numel() != rows:
                 raise RuntimeError(
-                    f"an adapter's input has {rows} rows, the micro-batch {samples.tokens} tokens, and no "
+                    f"an adapter's input has {rows} rows, the micro-batch {masks.shape[0]} tokens, and no "
                     "head_rows say which tokens they are"
                 )
             masks = masks[_head_rows.to(masks.device)]
         return masks.view(x.shape)
+
+    def _mask(self, key: int, length: int, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The (length, width) mask of the sample keyed `key`, always drawn whole from its own generator."""
+        assert self.index is not None
+        generator = _generator(x.device, mix_key(key, self.index))
+        return keep_scale((length, x.shape[-1]), self.p, x.dtype, x.device, generator, out=out)
+
+    def _whole_masks(self, samples: DropoutSamples, x: torch.Tensor) -> torch.Tensor:
+        width = x.shape[-1]
+        masks = torch.empty(samples.tokens, width, dtype=x.dtype, device=x.device)
+        cursor = 0
+        for key, start, length in zip(samples.keys, samples.starts, samples.lengths):
+            masks[cursor:start].fill_(1)  # padding
+            self._mask(key, length, x, out=masks[start : start + length])
+            cursor = start + length
+        masks[cursor:].fill_(1)
+        return masks
+
+    def _local_masks(self, samples: DropoutSamples, local: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
+        """Tokens [first, stop) of the whole input's masks. A sample reaching into them has its mask drawn whole
+        and sliced: a generator cannot skip ahead to a row exactly (CUDA's Philox offsets advance per call by
+        rounded amounts), so each rank draws the whole of the samples it touches, one at a time."""
+        first, stop = local
+        masks = torch.ones(
+            stop - first, x.shape[-1], dtype=x.dtype, device=x.device
+        )  # padding keeps its values
+        for key, start, length in zip(samples.keys, samples.starts, samples.lengths):
+            a, b = max(start, first), min(start + length, stop)
+            if a < b:
+                masks[a - first : b - first] = self._mask(key, length, x)[a - start : b - start]
+        return masks
