@@ -5,8 +5,9 @@ Around attention an all-to-all turns this rank's tokens with all heads into all 
 windows, soft-capping), and a second all-to-all turns the result back (`tokens_from_heads`).
 
 The all-to-alls are torch's functional collective `all_to_all_single_autograd`: its backward is the reverse
-all-to-all, it works on gloo (the CPU tests) as on NCCL, and torch.compile traces it, so a compiled block
-keeps its attention in one graph (the eager `dist.all_to_all_single` is a graph break and has no backward).
+all-to-all, it works on gloo (the CPU tests) as on NCCL, and torch.compile traces it: `attend` with a context
+compiles with fullgraph=True and dynamic=True, so a compiled block keeps its attention in one graph. The eager
+`dist.all_to_all_single` has no backward, which would need an autograd.Function of our own.
 
 Host side, `split_for_context` gives each rank its share of a micro-batch: the rows joined into one row of
 documents, padded to a multiple of N, this rank's slice of the tokens and labels, the positions and documents
@@ -17,7 +18,6 @@ Shapes in comments: B batch, T whole length, t = T / N this rank's, H query head
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,9 +74,10 @@ def kv_heads_for_context(x: torch.Tensor, shard: ContextShard) -> torch.Tensor:
     kernels' grouped-query attention maps them right without knowing. Splitting K < N heads otherwise leaves
     ranks without one."""
     K = x.shape[1]
-    if K % shard.size == 0:
-        return x
-    return x.repeat_interleave(math.lcm(K, shard.size) // K, dim=1)
+    repeats = 1
+    while (K * repeats) % shard.size:  # lcm(K, N) / K; math.lcm cannot take compile's symbolic sizes
+        repeats += 1
+    return x if repeats == 1 else x.repeat_interleave(repeats, dim=1)
 
 
 def split_for_context(inputs: dict[str, Any], shard: ContextShard) -> dict[str, Any]:
