@@ -16,8 +16,8 @@ from litsft.model.config import Config
 from litsft.model.lora.config import LoRAConfig
 from litsft.model.lora.layers import apply_lora
 from litsft.model.network.attention import Documents
-from litsft.model.network.batch import loss_positions_of, model_inputs
-from litsft.model.network.context_parallel import ContextShard, split_for_context
+from litsft.model.network.batch import loss_positions_of, model_inputs, split_for_context
+from litsft.model.network.context_parallel import ContextShard
 from litsft.model.network.sample_dropout import context_samples, dropout_samples, samples_in_micro_batch
 from litsft.model.network.transformer import Transformer
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from litsft.model.network.attention import Documents
+from litsft.model.network.context_parallel import ContextShard
 
 
 def without_padding(
@@ -60,3 +61,54 @@ def attended_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.diff(batch["cu_seqlens"].long())
     rows, length = batch["input_ids"].shape
     return torch.full((rows,), length)
+
+
+def split_for_context(inputs: dict[str, Any], shard: ContextShard) -> dict[str, Any]:
+    """This rank's model inputs for a micro-batch, from the whole one's (what
+    litsft.model.network.batch.model_inputs returns), on the host.
+
+    Every layout becomes one row (1, W) of documents: packed rows as model_inputs joined them (or joined here
+    when there was no padding to drop), unpacked rows (B, T) each one document of T tokens, which is what
+    attention, RoPE and a mixture of experts' per-sequence routing statistics already treat a row as. W is
+    the tokens rounded up to a multiple of N by one padding document at the end (labels -100, nothing real
+    attends to it): fewer than N tokens per micro-batch, where padding each row would add up to N per row,
+    and a padded row's tail would join its row's routing statistics and LongRoPE length.
+
+    Returned: `input_ids`, `labels` (1, W/N) this rank's contiguous slice, `loss_positions` of those labels,
+    `position_ids` (1, W) and `documents` whole (attention and RoPE are prepared for the whole row), and
+    `context`: `shard`. The labels are already next-token targets aligned with their inputs (the collate
+    shifts them, litsft.data.base), so a slice keeps each target with its input: a target whose previous
+    token sits on another rank trains all the same, attention having brought that token's keys over."""
+    input_ids, labels = inputs["input_ids"], inputs["labels"]
+    B, T = input_ids.shape
+    position_ids = inputs.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(T).expand(B, T)
+    documents = inputs.get("documents")
+    if documents is None:  # unpacked rows (or an all-padding filler batch): each row one document
+        documents = Documents(torch.arange(0, (B + 1) * T, T, dtype=torch.int32), T)
+    width = B * T
+    padding = -width % shard.size
+    if padding:
+        cu_seqlens = documents.cu_seqlens
+        end = cu_seqlens[-1:] + padding
+        documents = Documents(
+            torch.cat([cu_seqlens, end.to(cu_seqlens.dtype)]), max(documents.max_seqlen, padding)
+        )
+    local = shard.local(width + padding)
+
+    def padded(x: torch.Tensor, value: int | None) -> torch.Tensor:
+        tail = torch.arange(padding) if value is None else torch.full((padding,), value)
+        return torch.cat([x.flatten(), tail.to(x.dtype)])[None]  # (1, W)
+
+    local_labels = padded(labels, -100)[:, local]
+    split = {name: value for name, value in inputs.items() if name != "document_ids"}
+    split.update(
+        input_ids=padded(input_ids, 0)[:, local],
+        labels=local_labels,
+        loss_positions=loss_positions_of(local_labels),
+        position_ids=padded(position_ids, None),
+        documents=documents,
+        context=shard,
+    )
+    return split

@@ -9,7 +9,7 @@ all-to-all, it works on gloo (the CPU tests) as on NCCL, and torch.compile trace
 compiles with fullgraph=True and dynamic=True, so a compiled block keeps its attention in one graph. The eager
 `dist.all_to_all_single` has no backward, which would need an autograd.Function of our own.
 
-Host side, `split_for_context` gives each rank its share of a micro-batch: the rows joined into one row of
+Host side, `litsft.model.network.batch.split_for_context` gives each rank its share of a micro-batch: the rows joined into one row of
 documents, padded to a multiple of N, this rank's slice of the tokens and labels, the positions and documents
 whole (attention and RoPE are prepared for the whole row).
 
@@ -78,58 +78,3 @@ def kv_heads_for_context(x: torch.Tensor, shard: ContextShard) -> torch.Tensor:
     while (K * repeats) % shard.size:  # lcm(K, N) / K; math.lcm cannot take compile's symbolic sizes
         repeats += 1
     return x if repeats == 1 else x.repeat_interleave(repeats, dim=1)
-
-
-def split_for_context(inputs: dict[str, Any], shard: ContextShard) -> dict[str, Any]:
-    """This rank's model inputs for a micro-batch, from the whole one's (what
-    litsft.model.network.batch.model_inputs returns), on the host.
-
-    Every layout becomes one row (1, W) of documents: packed rows as model_inputs joined them (or joined here
-    when there was no padding to drop), unpacked rows (B, T) each one document of T tokens, which is what
-    attention, RoPE and a mixture of experts' per-sequence routing statistics already treat a row as. W is
-    the tokens rounded up to a multiple of N by one padding document at the end (labels -100, nothing real
-    attends to it): fewer than N tokens per micro-batch, where padding each row would add up to N per row,
-    and a padded row's tail would join its row's routing statistics and LongRoPE length.
-
-    Returned: `input_ids`, `labels` (1, W/N) this rank's contiguous slice, `loss_positions` of those labels,
-    `position_ids` (1, W) and `documents` whole (attention and RoPE are prepared for the whole row), and
-    `context`: `shard`. The labels are already next-token targets aligned with their inputs (the collate
-    shifts them, litsft.data.base), so a slice keeps each target with its input: a target whose previous
-    token sits on another rank trains all the same, attention having brought that token's keys over."""
-    # attention imports this module for `attend`: import its neighbours when called, not at import.
-    from litsft.model.network.attention import Documents
-    from litsft.model.network.batch import loss_positions_of
-
-    input_ids, labels = inputs["input_ids"], inputs["labels"]
-    B, T = input_ids.shape
-    position_ids = inputs.get("position_ids")
-    if position_ids is None:
-        position_ids = torch.arange(T).expand(B, T)
-    documents = inputs.get("documents")
-    if documents is None:  # unpacked rows (or an all-padding filler batch): each row one document
-        documents = Documents(torch.arange(0, (B + 1) * T, T, dtype=torch.int32), T)
-    width = B * T
-    padding = -width % shard.size
-    if padding:
-        cu_seqlens = documents.cu_seqlens
-        end = cu_seqlens[-1:] + padding
-        documents = Documents(
-            torch.cat([cu_seqlens, end.to(cu_seqlens.dtype)]), max(documents.max_seqlen, padding)
-        )
-    local = shard.local(width + padding)
-
-    def padded(x: torch.Tensor, value: int | None) -> torch.Tensor:
-        tail = torch.arange(padding) if value is None else torch.full((padding,), value)
-        return torch.cat([x.flatten(), tail.to(x.dtype)])[None]  # (1, W)
-
-    local_labels = padded(labels, -100)[:, local]
-    split = {name: value for name, value in inputs.items() if name != "document_ids"}
-    split.update(
-        input_ids=padded(input_ids, 0)[:, local],
-        labels=local_labels,
-        loss_positions=loss_positions_of(local_labels),
-        position_ids=padded(position_ids, None),
-        documents=documents,
-        context=shard,
-    )
-    return split
