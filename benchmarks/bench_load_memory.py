@@ -29,9 +29,12 @@ def rank_main(checkpoint_dir: Path, strategy: str, result_file: Path) -> None:
     from litsft.model.network.transformer import Transformer
     from litsft.training.args import FSDPConfig, RunConfig
     from litsft.training.engine import Recipe, setup_model
+    from litsft.training.layout import ParallelLayout
     from litsft.training.parallel import build_fabric
 
-    fabric = build_fabric(2, 1, "32-true", FSDPConfig(sharding_strategy=strategy), "cpu")
+    fabric = build_fabric(
+        ParallelLayout(2, 1, strategy), "32-true", FSDPConfig(sharding_strategy=strategy), "cpu"
+    )
     fabric.launch()
     config = Config.from_checkpoint(checkpoint_dir)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

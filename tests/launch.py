@@ -130,8 +130,10 @@ def litsft_in_process(
     return result
 
 
-def litsft_two_nodes(args: list[str], tmp_path: Path, timeout: float = DEADLINE_S) -> None:
-    """Two single-process "nodes" on 127.0.0.1, launched by torchrun as on a cluster."""
+def litsft_two_nodes(
+    args: list[str], tmp_path: Path, timeout: float = DEADLINE_S, devices_per_node: int = 1
+) -> None:
+    """Two "nodes" of `devices_per_node` processes on 127.0.0.1, launched by torchrun as on a cluster."""
     env, port = test_env(tmp_path), free_port()
     processes = [
         subprocess.Popen(
@@ -144,7 +146,7 @@ def litsft_two_nodes(args: list[str], tmp_path: Path, timeout: float = DEADLINE_
                 "--node_rank",
                 str(rank),
                 "--nproc_per_node",
-                "1",
+                str(devices_per_node),
                 "--master_addr",
                 "127.0.0.1",
                 "--master_port",

@@ -351,3 +351,37 @@ def test_the_loss_plot_marks_whole_steps() -> None:
     figure.canvas.draw()
     ticks = figure.axes[0].get_xticks()
     assert len(ticks) > 1 and all(tick == int(tick) for tick in ticks), ticks
+
+
+def test_a_context_rank_counts_its_share_of_the_flops_of_the_micro_batches_its_group_shares(
+    tmp_path, monkeypatch
+):
+    """The ranks of a context group are handed the same micro-batches and each executes 1/context of their
+    work: summed over the group, the step's FLOPs are counted once (MFU would be 2x too high otherwise)."""
+    batch = {
+        "input_ids": torch.zeros(1, 12, dtype=torch.long),
+        "labels": torch.zeros(1, 12, dtype=torch.long),
+    }
+    mfus = []
+    for context in (1, 2):
+        clock = FakeClock()
+        monkeypatch.setattr(metrics.time, "perf_counter", clock)
+        out = tmp_path / f"context{context}"
+        logger = MetricsLogger(out, is_global_zero=True)
+        logger.set_model(
+            TINY,
+            world_size=1,
+            device=torch.device("cpu"),
+            precision="bf16-mixed",
+            peak_flops=1e6,
+            context=context,
+        )
+        clock.now += 0.5
+        logger.step_done(
+            1, epoch=0, loss=1.0, learning_rate=0.1, grad_norm=None, target_tokens=12, input_tokens=12,
+            micro_batches=[batch], log=True,
+        )  # fmt: skip
+        logger.close()
+        _, (row,) = read_csv(out / "metrics.csv")
+        mfus.append(float(row["mfu"]))
+    assert mfus[1] == pytest.approx(mfus[0] / 2, rel=1e-9)

@@ -12,10 +12,18 @@ from lightning.fabric.plugins.precision import MixedPrecision
 
 from litsft.errors import LitsftError
 from litsft.model.config import Config
+from litsft.model.network.batch import model_inputs
+from litsft.model.network.context_parallel import ContextShard
 from litsft.model.network.transformer import Transformer
 from litsft.training.args import OptimizerConfig
 from litsft.training.optimizer import build_optimizer
-from litsft.training.step import diverged, next_micro_batches, raise_if_diverged, train_step
+from litsft.training.step import (
+    diverged,
+    dropout_samples_of,
+    next_micro_batches,
+    raise_if_diverged,
+    train_step,
+)
 
 VOCAB = 512
 
@@ -357,3 +365,16 @@ def test_steps_that_log_nothing_make_the_host_wait_for_nothing(tmp_path, monkeyp
     assert len(steps) == 3
     assert steps[0].strip() == steps[1].strip() == "", events
     assert "synchronize" in steps[2] and "host read" in steps[2]
+
+
+def test_a_context_ranks_dropout_samples_are_those_of_the_rows_its_group_splits() -> None:
+    """Unpacked rows, the first shorter than the second: split_for_context lays them out whole (each a document
+    of the padded width, 7 tokens) in one row of 14, so the second sample starts at token 7, not after the
+    first's 3 real tokens; rank 1 of 2 holds tokens 7 to 14."""
+    batch = {
+        "input_ids": torch.ones(2, 7, dtype=torch.long),
+        "labels": torch.ones(2, 7, dtype=torch.long),
+        "row_lengths": torch.tensor([3, 7]),
+    }
+    (samples,) = dropout_samples_of([batch], [model_inputs(batch)], 0, 3, 1, ContextShard(None, 1, 2))
+    assert (samples.starts, samples.lengths, samples.tokens, samples.local) == ((0, 7), (3, 7), 14, (7, 14))

@@ -40,7 +40,7 @@ def launch(recipe_name: str, build_recipe: Callable[[], Recipe], run: RunConfig)
     accelerator = choose_accelerator(run.accelerator, gpus)
     run = with_defaults(dataclasses.replace(run, accelerator=accelerator), default_precision(accelerator))
     check_machine(run, gpus)
-    step_geometry(run.train, run.world_size)  # after the device count, which the world size depends on
+    step_geometry(run.train, run.layout.data_replicas)  # after the device count, which they depend on
     # The run has passed every check: only now the model, the engine and Lightning are imported.
     from litsft.training.engine import fit
     from litsft.training.parallel import build_fabric
@@ -54,9 +54,8 @@ def launch(recipe_name: str, build_recipe: Callable[[], Recipe], run: RunConfig)
         preemption.stopped_exit_code = 0
     with RunLock(run.out_dir) if processes.is_first_process() else nullcontext() as lock:
         fabric = build_fabric(
-            run.devices, run.num_nodes, run.precision, run.fsdp, run.accelerator, run.train.compile,
-            run.train.float8,
-        )  # fmt: skip
+            run.layout, run.precision, run.fsdp, run.accelerator, run.train.compile, run.train.float8
+        )
         if processes.will_spawn(fabric):
             os.environ[processes.LAUNCHER_PID_ENV] = str(os.getpid())
         try:

@@ -31,6 +31,7 @@ from litsft.errors import LitsftError
 from litsft.model.accounting.sizes import num_parameters
 from litsft.model.config import Config
 from litsft.model.network.attention import choose_kernel, describe_kernel
+from litsft.model.network.context_parallel import ContextShard
 from litsft.model.precision.float8 import precompute_float8_scales
 from litsft.model.precision.quantization import is_nf4, stored_bytes
 from litsft.runtime.faults import fault_point
@@ -48,7 +49,7 @@ from litsft.training.args import (
 from litsft.training.checkpointer import Checkpointer, TrainState
 from litsft.training.evaluation import validate
 from litsft.training.optimizer import build_optimizer, learning_rate, set_learning_rate
-from litsft.training.parallel import parallelize
+from litsft.training.parallel import context_shard, parallelize
 from litsft.training.profiling import PROFILE_DIR, StepProfiler
 from litsft.training.recipe import Recipe
 from litsft.training.step import (
@@ -76,9 +77,13 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         checkpoint.remove_partial_checkpoints(out_dir)
         set_aside_damaged(fabric, run.resume, out_dir)
+    layout = run.layout
+    context = context_shard(layout, fabric.global_rank, fabric.device.type)
     tokenizer = Tokenizer(run.tokenizer_dir)
     train_loader, val_loader = setup_data(fabric, run, tokenizer)
-    total_steps = total_optimizer_steps(run.train, train_loader, step_geometry(run.train, fabric.world_size))
+    total_steps = total_optimizer_steps(
+        run.train, train_loader, step_geometry(run.train, layout.data_replicas)
+    )
     run_timer.mark("data: tokenized (or read from the cache), loaders")
     model = setup_model(fabric, recipe, run)
     run_timer.mark("model: built, weights loaded, sharded")
@@ -111,15 +116,18 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
     metrics.set_model(
         run.config,
         world_size=fabric.world_size,
+        context=layout.context,
         device=fabric.device,
         precision=run.precision,
         trainable=recipe.trainable,
         adapter_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
     )
-    evaluate = functools.partial(validate, fabric, model, val_loader, tokenizer, run, metrics)
+    evaluate = functools.partial(
+        validate, fabric, model, val_loader, tokenizer, run, metrics, context=context
+    )
     run_timer.mark("optimizer, resume, metrics")
     with metrics:
-        train_loop(fabric, run, state, metrics, checkpointer, evaluate)
+        train_loop(fabric, run, state, metrics, checkpointer, evaluate, context)
         checkpointer.close()
         run_timer.mark("training loop (with its validations and checkpoints)")
         fault_point("before_final", fabric.global_rank)
@@ -141,10 +149,12 @@ def train_loop(
     metrics: Any,
     checkpointer: Checkpointer,
     evaluate: Callable[[int], None],
+    context: ContextShard | None = None,
 ) -> None:
-    """Train from `state` to the last step: what happens each step, in order. `evaluate(step)` validates."""
+    """Train from `state` to the last step: what happens each step, in order. `evaluate(step)` validates;
+    `context` is this rank's place in its context group (`parallel.context_shard`)."""
     preemption = PreemptionFlag.install()
-    geometry = step_geometry(run.train, fabric.world_size)
+    geometry = step_geometry(run.train, run.layout.data_replicas)
     accumulation = geometry.accumulation_steps
     total_steps = total_optimizer_steps(run.train, state.train_loader, geometry)
     profiler = StepProfiler(
@@ -177,11 +187,12 @@ def train_loop(
                 state.optimizer,
                 micro_batches,
                 run.train.max_norm,
-                run.fsdp.sharding_strategy,
+                run.layout,
                 seed=run.seed,
                 step=state.step + 1,
                 routing=routing,
                 after_update=after_update,
+                context=context,
             )
         state.step += 1
         step = state.step
@@ -246,14 +257,17 @@ def setup_data(fabric: Fabric, run: RunConfig, tokenizer: Any) -> tuple[Any, Any
         run.data.prepare()
     fabric.barrier()
     run.data.setup()
+    # The ranks of a context group read the same micro-batches: the loaders deal to data replicas.
+    layout = run.layout
+    data_rank, replicas = layout.data_rank(fabric.global_rank), layout.data_replicas
     train_loader = run.data.train_dataloader(
-        rank=fabric.global_rank,
-        world_size=fabric.world_size,
+        rank=data_rank,
+        world_size=replicas,
         micro_batch_size=run.train.micro_batch_size,
         global_batch_size=run.train.global_batch_size,
     )
     val_loader = run.data.val_dataloader(
-        rank=fabric.global_rank, world_size=fabric.world_size, micro_batch_size=run.train.micro_batch_size
+        rank=data_rank, world_size=replicas, micro_batch_size=run.train.micro_batch_size
     )
     return train_loader, val_loader
 
@@ -275,6 +289,7 @@ def setup_model(fabric: Fabric, recipe: Recipe, run: RunConfig) -> nn.Module:
     fabric.print(
         f"Attention: {model.attention_kernel}, {describe_kernel(model.attention_kernel, softcapped)}"
     )
+    fabric.print(f"Parallel layout: {run.layout.describe()}")
     compile_blocks = on_cuda_by_default(run.train.compile, fabric.device.type)
     if fabric.world_size == 1:  # with more processes, Fabric's setup_module calls parallelize
         parallelize(model, None, run.fsdp, run.precision, compile_blocks, run.train.float8)

@@ -9,14 +9,24 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
+from litsft.model.network.context_parallel import ContextShard
 from litsft.training.args import RunConfig
 from litsft.training.step import sum_over_ranks, to_device
 
 
 @torch.no_grad()
 def validate(
-    fabric: Fabric, model: nn.Module, val_loader: Any, tokenizer: Any, run: RunConfig, metrics: Any, step: int
+    fabric: Fabric,
+    model: nn.Module,
+    val_loader: Any,
+    tokenizer: Any,
+    run: RunConfig,
+    metrics: Any,
+    step: int,
+    context: ContextShard | None = None,
 ) -> None:
+    """The held-out loss over the validation batches (each rank of a context group its slice of the rows its
+    group shares, `context`), and a greedy sample."""
     if val_loader is None:
         return
     model.eval()
@@ -27,7 +37,7 @@ def validate(
     for i, batch in enumerate(val_loader):
         if run.eval.max_batches is not None and i >= run.eval.max_batches:
             break
-        batch = to_device(batch, fabric.device)
+        batch = to_device(batch, fabric.device, context)
         totals[0] += model(**batch)
         totals[1] += batch["loss_positions"].numel()
     totals = sum_over_ranks(fabric, totals)

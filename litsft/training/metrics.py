@@ -273,6 +273,7 @@ class MetricsLogger:
         self._bar_in_terminal = False
         self._throughput: Throughput | None = None
         self._training_flops: TrainingFlops | None = None
+        self._context = 1
         self._device = torch.device("cpu")
         # The engine's step loss and token counts are already global: no second all-reduce.
         self._train_loss = TokenWeightedMean(sync_on_compute=False)
@@ -311,6 +312,7 @@ class MetricsLogger:
         trainable: Literal["all", "lora"] = "all",
         adapter_parameters: int = 0,
         peak_flops: float | None = None,
+        context: int = 1,
     ) -> None:
         """Enable throughput, MFU and GPU-memory columns for training `config` (see `TrainingFlops`).
 
@@ -322,7 +324,10 @@ class MetricsLogger:
             trainable: "all" for full fine-tuning and pretraining, "lora" for frozen base weights.
             adapter_parameters: With "lora", the trained adapter parameters.
             peak_flops: Peak FLOP/s of one device, overriding the table (see `device_peak_flops`).
+            context: Ranks that share each micro-batch (context parallelism): each executes 1/context of
+                the FLOPs of the micro-batches it is handed, so that MFU counts each token's work once.
         """
+        self._context = context
         self._device = device
         self._train_loss.to(device)
         self._training_flops = TrainingFlops.of(config, trainable, adapter_parameters)
@@ -388,7 +393,7 @@ class MetricsLogger:
         only (reading a tensor here would cost a step that logs nothing a wait on a GPU)."""
         lengths = torch.cat([attended_lengths(batch) for batch in micro_batches])
         head_tokens = sum((batch["labels"] != -100).sum() for batch in micro_batches)
-        return self._training_flops.executed(lengths, head_tokens)
+        return self._training_flops.executed(lengths, head_tokens) / self._context
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

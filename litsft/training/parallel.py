@@ -14,6 +14,10 @@ correct where FSDP1's silently drops the cross-replica all-reduce (measured: tut
 
 One process runs without FSDP (activation checkpointing and compile still apply), its mixed precision
 Fabric's autocast; so FSDP's CPU offload needs 2 or more processes (`validation.check_fsdp_options`).
+
+Which ranks shard, replicate and share sequences is `litsft.training.layout.ParallelLayout`'s to say: here
+its meshes are made (`fsdp_mesh`, and `context_shard`'s process group for context parallelism, whose ranks
+FSDP treats as any other: they shard parameters and reduce gradients with the data ranks).
 """
 
 from __future__ import annotations
@@ -28,36 +32,38 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from litsft.model.network.context_parallel import ContextShard
 from litsft.model.precision.float8 import Float8Recipe, convert_to_float8
 from litsft.model.precision.quantization import is_nf4
 from litsft.training.args import FSDPConfig, Precision, ShardingStrategy
 from litsft.training.devices import Device
+from litsft.training.layout import ParallelLayout
 
 
 def build_fabric(
-    devices: int,
-    num_nodes: int,
+    layout: ParallelLayout,
     precision: Precision,
     fsdp: FSDPConfig,
     accelerator: Device,
     compile_blocks: bool = False,
     float8: Float8Recipe | None = None,
 ) -> Fabric:
-    """A Fabric for `devices` x `num_nodes` processes on `accelerator` (CPU processes talk over gloo). With
-    more than one, `fabric.setup_module` runs `parallelize` (FSDP2-sharded as `fsdp` says); one process
-    calls `parallelize(model, None, ...)` itself."""
-    if devices * num_nodes == 1:
+    """A Fabric for the processes of `layout` on `accelerator` (CPU processes talk over gloo). With more than
+    one, `fabric.setup_module` runs `parallelize` (FSDP2-sharded as the layout says); one process calls
+    `parallelize(model, None, ...)` itself."""
+    if not layout.sharded:
         return Fabric(accelerator=accelerator, devices=1, num_nodes=1, precision=precision)
 
     def parallelize_for_strategy(model: nn.Module, fabric_mesh: DeviceMesh) -> nn.Module:
-        mesh = data_parallel_mesh(fsdp.sharding_strategy, fabric_mesh, num_nodes, devices)
+        mesh = fsdp_mesh(layout, fabric_mesh)
         return parallelize(model, mesh, fsdp, precision, compile_blocks, float8)
 
-    # Every rank is a data-parallel replica (no tensor parallelism), which is also what Fabric's
-    # distributed-sampler arguments are then computed from.
+    # No tensor parallelism: Fabric's mesh is (world size, 1). Context ranks are data-parallel ranks as far
+    # as FSDP goes (they shard parameters and reduce gradients like any other); that they read the same
+    # micro-batch is the loaders' business (`ParallelLayout.data_rank`), not Fabric's.
     strategy = ModelParallelStrategy(
         parallelize_fn=parallelize_for_strategy,
-        data_parallel_size=devices * num_nodes,
+        data_parallel_size=layout.world_size,
         tensor_parallel_size=1,
     )
     # Fabric's autocast would cast inside every op; with FSDP2 the cast happens once per all-gather
@@ -65,19 +71,17 @@ def build_fabric(
     fabric_precision = "32-true" if precision == "bf16-mixed" else precision
     return Fabric(
         accelerator=accelerator,
-        devices=devices,
-        num_nodes=num_nodes,
+        devices=layout.devices,
+        num_nodes=layout.num_nodes,
         strategy=strategy,
         precision=fabric_precision,
     )
 
 
-def data_parallel_mesh(
-    strategy: ShardingStrategy, fabric_mesh: DeviceMesh, num_nodes: int, devices: int
-) -> DeviceMesh:
-    """The mesh FSDP2 shards on, from Fabric's (data_parallel=world size, tensor_parallel=1) mesh.
-
-    FSDP2 reads a 1-D mesh as "shard over these ranks" and a 2-D one as (replicate, shard)."""
+def fsdp_mesh(layout: ParallelLayout, fabric_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards on, of the shape `ParallelLayout.fsdp_mesh_shape` says (FSDP2 reads a 1-D mesh as
+    "shard over these ranks" and a 2-D one as (replicate, shard)): Fabric's (world size, 1) mesh or its
+    first dimension where that is the shape, so no process group is made twice."""
     device_type = fabric_mesh.device_type
     if device_type == "cpu":
         # Fabric materializes the sharded model with each module's reset_parameters(), a random op on
@@ -87,12 +91,25 @@ def data_parallel_mesh(
         warnings.filterwarnings(
             "ignore", message="DTensor random operators may not have complete support on cpu device mesh"
         )
-    if strategy == "NO_SHARD":
-        return fabric_mesh  # (world size, 1): replicate everywhere, shards of one rank
-    if strategy == "HYBRID_SHARD":
-        # Fabric's mesh has no node dimension, so the (nodes, devices per node) one is made here.
-        return init_device_mesh(device_type, (num_nodes, devices), mesh_dim_names=("replicate", "shard"))
-    return fabric_mesh["data_parallel"]
+    shape, names = layout.fsdp_mesh_shape
+    if shape == tuple(fabric_mesh.shape):
+        return fabric_mesh  # NO_SHARD: (world size, 1), replicate everywhere, shards of one rank
+    if shape == (layout.world_size,):
+        return fabric_mesh["data_parallel"]
+    # HYBRID_SHARD: Fabric's mesh has no node dimension.
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def context_shard(layout: ParallelLayout, global_rank: int, device_type: str) -> ContextShard | None:
+    """This rank's place in its context group (None without context parallelism). Collective: every rank
+    calls it once, after the process group started. The groups are `layout.context` consecutive ranks, of
+    one node: their all-to-alls run every attention layer, over the fastest links."""
+    if layout.context == 1:
+        return None
+    mesh = init_device_mesh(
+        device_type, (layout.data_replicas, layout.context), mesh_dim_names=("data", "context")
+    )
+    return ContextShard(mesh["context"].get_group(), layout.context_rank(global_rank), layout.context)
 
 
 def parallelize(

@@ -15,11 +15,17 @@ from torch import nn
 
 from litsft.errors import LitsftError
 from litsft.model.network.attention import Documents
-from litsft.model.network.batch import model_inputs
+from litsft.model.network.batch import model_inputs, split_for_context
+from litsft.model.network.context_parallel import ContextShard
 from litsft.model.network.moe import expert_load
-from litsft.model.network.sample_dropout import DropoutSamples, dropout_samples, samples_in_micro_batch
+from litsft.model.network.sample_dropout import (
+    DropoutSamples,
+    context_samples,
+    dropout_samples,
+    samples_in_micro_batch,
+)
 from litsft.model.network.transformer import Transformer
-from litsft.training.args import ShardingStrategy
+from litsft.training.layout import ParallelLayout
 from litsft.training.parallel import synchronize_gradients
 
 
@@ -78,28 +84,38 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     micro_batches: list[dict[str, torch.Tensor]],
     max_norm: float | None,
-    sharding_strategy: ShardingStrategy = "FULL_SHARD",
+    layout: ParallelLayout | None = None,
     seed: int = 0,
     step: int = 1,
     routing: RoutingTally | None = None,
     after_update: Callable[[], None] | None = None,
+    context: ContextShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One optimizer step over the micro-batches of this rank. Returns (mean loss, grad norm, target tokens,
     non-padding input tokens), all global and still on the device: nothing here makes the host wait for it.
-    `sharding_strategy` decides how the micro-batches' gradients are reduced (`synchronize_gradients`);
-    without FSDP (one process) it changes nothing. LoRA's dropout masks come from (`seed`, `step`, each
+    `layout` (default: this world's processes, FULL_SHARD) says which share of the global batch this rank's
+    micro-batches are and how their gradients are reduced (`synchronize_gradients`); without FSDP (one process)
+    the latter changes nothing. With `context`, this rank trains its slice of every row of the micro-batches
+    its context group shares (`split_for_context`), and each token is counted once. LoRA's dropout masks come from (`seed`, `step`, each
     sample's position in the global batch): `dropout_samples_of`. A mixture of experts adds its load-balancing
     loss's gradient in its forward pass (litsft.model.network.transformer.Transformer.router_loss_gradient); `routing` counts
     what its routers did, for the logs. `after_update` runs after the optimizer step (float8's scales)."""
     device = fabric.device
-    inputs = [to_device(mb, device) for mb in micro_batches]
-    samples = dropout_samples_of(micro_batches, inputs, fabric.global_rank, seed, step)
+    layout = layout or ParallelLayout(fabric.world_size)
+    whole = [model_inputs(mb) for mb in micro_batches]
+    samples = dropout_samples_of(
+        micro_batches, whole, layout.data_rank(fabric.global_rank), seed, step, context
+    )
+    inputs = [move_to_device(split_for_context(w, context) if context else w, device) for w in whole]
     # Counted on the host, where the batches are, and copied like them: a tensor made from host values
-    # directly on a GPU (torch.tensor(..., device=...)) is a copy the host waits for.
+    # directly on a GPU (torch.tensor(..., device=...)) is a copy the host waits for. Loss tokens are each
+    # rank's own (a context rank's slice); a context group's ranks share their micro-batches' input tokens,
+    # which its first rank counts.
+    input_tokens = sum(sum(row_lengths(mb)) for mb in micro_batches)
     counts = torch.tensor(
         [
             sum(batch["loss_positions"].numel() for batch in inputs),
-            sum(sum(row_lengths(mb)) for mb in micro_batches),
+            input_tokens if context is None or context.rank == 0 else 0,
         ]
     )
     counts = sum_over_ranks(fabric, copy_to_device(counts, device))
@@ -110,7 +126,7 @@ def train_step(
     scale = fabric.world_size / target_tokens
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(inputs):
-        synchronize_gradients(model, sharding_strategy, last_micro_batch=i == len(inputs) - 1)
+        synchronize_gradients(model, layout.sharding_strategy, last_micro_batch=i == len(inputs) - 1)
         with dropout_samples(model, samples[i]):  # the backward pass recomputes checkpointed masks
             loss = model(**batch)
             fabric.backward(loss * scale)
@@ -176,13 +192,24 @@ def raise_if_diverged(skipped_steps: torch.Tensor, step: int) -> None:
         )
 
 
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
+def to_device(
+    batch: dict[str, torch.Tensor], device: torch.device, context: ContextShard | None = None
+) -> dict[str, Any]:
     """The model's inputs of a CPU micro-batch (`model_inputs`: packed rows joined, their documents, the flat
-    indices of the labels that carry a loss, all found here on the host), on `device`, copied without making
-    the host wait."""
+    indices of the labels that carry a loss, all found here on the host; with `context`, this rank's slice of
+    every row, `split_for_context`), on `device`, copied without making the host wait."""
+    inputs = model_inputs(batch)
+    return move_to_device(split_for_context(inputs, context) if context else inputs, device)
+
+
+def move_to_device(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Model inputs made on the host (tensors, `Documents`, a `ContextShard`) on `device`, copied without
+    making the host wait."""
     moved: dict[str, Any] = {}
-    for name, value in model_inputs(batch).items():
-        if isinstance(value, Documents):
+    for name, value in inputs.items():
+        if isinstance(value, ContextShard):
+            moved[name] = value
+        elif isinstance(value, Documents):
             moved[name] = Documents(copy_to_device(value.cu_seqlens, device), value.max_seqlen)
         else:
             moved[name] = copy_to_device(value, device)
@@ -218,11 +245,14 @@ def dropout_samples_of(
     rank: int,
     seed: int,
     step: int,
+    context: ContextShard | None = None,
 ) -> list[DropoutSamples]:
     """Where each sample of each micro-batch is in the model's input, and its key: (seed, step, its position
     in the global batch). The position is the one the loader dealt it from (`litsft.data.loader`: rank r
     takes the r-th equal share of the global batch, as consecutive micro-batches), so that any split of the
-    global batch into ranks, micro-batches and accumulation steps gives each sample the same masks."""
+    global batch into ranks, micro-batches and accumulation steps gives each sample the same masks. `rank` is
+    the data rank; with `context`, the samples are those of the whole rows, of which this rank draws the
+    masks of its slice (`context_samples`); `inputs` are the whole micro-batches' (`model_inputs`)."""
     share = sum(len(batch["input_ids"]) for batch in micro_batches)
     position = rank * share
     samples = []
@@ -230,7 +260,10 @@ def dropout_samples_of(
         rows, width = model_input["input_ids"].shape
         lengths = row_lengths(batch)
         joined = rows != len(lengths)  # packed rows joined into one row of their real tokens (model_inputs)
-        samples.append(samples_in_micro_batch(lengths, width, joined, position, seed, step))
+        whole = samples_in_micro_batch(lengths, width, joined, position, seed, step)
+        if context is not None:  # split_for_context's one row of the tokens, padded to a multiple of N
+            whole = context_samples(whole, context, -(-rows * width // context.size) * context.size)
+        samples.append(whole)
         position += len(lengths)
     return samples
 

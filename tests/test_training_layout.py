@@ -1,0 +1,191 @@
+"""The parallel layout (litsft/training/layout.py) and what it promises end to end: context parallelism
+(`--parallel.context N`) trains what one process trains, on every layout it combines with, and resumes across
+layouts. The single-process references run in this process; the distributed runs as users launch them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from launch import (
+    TINY_MOE,
+    litsft,
+    litsft_in_process,
+    litsft_two_nodes,
+    max_difference,
+    stopped_copy,
+    write_records,
+    write_tiny_checkpoint,
+)
+from safetensors.torch import load_file
+
+from litsft.errors import LitsftError
+from litsft.training.layout import ParallelLayout
+
+# ---- the layout ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layout", "shard_group", "data_replicas", "mesh"),
+    [
+        (ParallelLayout.of(1), 1, 1, ((1,), ("shard",))),
+        (ParallelLayout.of(8, 1, "FULL_SHARD", 2), 8, 4, ((8,), ("shard",))),
+        (ParallelLayout.of(8, 1, "SHARD_GRAD_OP", 4), 8, 2, ((8,), ("shard",))),
+        (ParallelLayout.of(4, 2, "HYBRID_SHARD", 2), 4, 4, ((2, 4), ("replicate", "shard"))),
+        (ParallelLayout.of(4, 2, "NO_SHARD", 4), 1, 2, ((8, 1), ("replicate", "shard"))),
+    ],
+)
+def test_the_layout_says_how_ranks_divide_the_work(layout, shard_group, data_replicas, mesh) -> None:
+    assert layout.shard_group_size == shard_group
+    assert layout.data_replicas == data_replicas
+    assert layout.fsdp_mesh_shape == mesh
+
+
+def test_context_groups_are_consecutive_ranks_that_share_a_data_rank() -> None:
+    layout = ParallelLayout.of(4, 2, "HYBRID_SHARD", 2)
+    assert [layout.data_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [layout.context_rank(rank) for rank in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert "context 2 x data 4" in layout.describe()
+
+
+def test_layouts_that_cannot_split_are_refused_naming_the_sizes_that_would() -> None:
+    with pytest.raises(LitsftError, match=r"--parallel.context=3 does not divide --devices=8.*1, 2, 4, 8$"):
+        ParallelLayout.of(8, 1, "FULL_SHARD", 3)
+    with pytest.raises(LitsftError, match="at least 1"):
+        ParallelLayout.of(8, 1, "FULL_SHARD", 0)
+    with pytest.raises(LitsftError, match=r"does not divide tiny's 6 attention heads.*pick one of 1, 2$"):
+        ParallelLayout.of(8, 1, "FULL_SHARD", 4).check_heads(6, "tiny")
+
+
+# ---- context parallelism end to end -------------------------------------------------------------------------
+def finetune_args(
+    recipe: str, checkpoint: Path, data: Path, out_dir: Path, micro: int, steps: int, *extra: str
+) -> list[str]:
+    return [
+        recipe, str(checkpoint), "--out_dir", str(out_dir),
+        "--data", "JSON", "--data.json_path", str(data),
+        "--train.global_batch_size", "4", "--train.micro_batch_size", str(micro),
+        "--train.max_steps", str(steps), "--train.max_seq_length", "64",
+        "--optimizer.lr", "1e-3", "--optimizer.warmup_steps", "1",
+        "--precision", "32-true", "--eval.max_new_tokens", "0", "--accelerator", "cpu", *extra,
+    ]  # fmt: skip
+
+
+MODELS = {
+    "tiny-llama": {},
+    "tiny-mistral": dict(hf_architecture="MistralForCausalLM", sliding_window=6),
+    "tiny-gemma2": dict(model="tiny-gemma2"),
+    "tiny-qwen3": dict(hf_architecture="Qwen3ForCausalLM", qk_norm=True),
+    "tiny-moe": TINY_MOE,
+}
+"""tiny-llama has 4 query heads and 2 kv heads: context 4 repeats each kv head. The window (6) is shorter
+than most documents (7 to 28 tokens); Gemma 2 alternates windowed and global layers and soft-caps."""
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("context")
+    for name, overrides in MODELS.items():
+        write_tiny_checkpoint(root / name, seed=1, **overrides)
+    write_records(root / "data.json", count=32)
+    return root
+
+
+def reference(workspace: Path, capsys, name: str, recipe: str = "finetune_full", *extra: str) -> Path:
+    """One process, micro-batches of 4 (no accumulation), as the distributed runs are compared with."""
+    out = workspace / f"{recipe}-{name}-one{'-'.join(extra)}"
+    if not (out / "final").exists():
+        args = finetune_args(recipe, workspace / name, workspace / "data.json", out, 4, 3, *extra)
+        litsft_in_process(args, workspace, capsys)
+    return out / "final"
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_context_2_trains_as_one_process_for_every_family(workspace: Path, name: str, capsys) -> None:
+    """Packed rows over 2 context ranks, micro-batches of 2 accumulated twice, against one process."""
+    expected = reference(workspace, capsys, name)
+    out = workspace / f"{name}-context2"
+    args = finetune_args("finetune_full", workspace / name, workspace / "data.json", out, 2, 3)
+    result = litsft([*args, "--devices", "2", "--parallel.context", "2"], workspace)
+    assert "context 2 x data 1" in result.stdout
+    assert max_difference(expected, out / "final") < 1e-5
+    assert max_difference(workspace / name, out / "final") > 1e-3  # training moved the weights
+
+
+def test_context_4_unpacked_rows_and_hybrid_data_2_x_context_2_train_as_one_process(
+    workspace: Path, capsys
+) -> None:
+    """Context 4 (more ranks than kv heads) on rows that are not packed; and 2 nodes x 2 devices of HYBRID_SHARD
+    with context 2: two data replicas of two context ranks, parameters sharded in a node."""
+    unpacked = reference(workspace, capsys, "tiny-llama", "finetune_full", "--data.packing", "false")
+    out = workspace / "context4-unpacked"
+    args = finetune_args("finetune_full", workspace / "tiny-llama", workspace / "data.json", out, 2, 3)
+    litsft([*args, "--data.packing", "false", "--devices", "4", "--parallel.context", "4"], workspace)
+    assert max_difference(unpacked, out / "final") < 1e-5
+
+    hybrid = workspace / "hybrid-context2"
+    args = finetune_args("finetune_full", workspace / "tiny-llama", workspace / "data.json", hybrid, 2, 3)
+    litsft_two_nodes(
+        [*args, "--num_nodes", "2", "--devices", "2", "--fsdp.sharding_strategy", "HYBRID_SHARD",
+         "--parallel.context", "2"],
+        workspace, devices_per_node=2,
+    )  # fmt: skip
+    assert max_difference(reference(workspace, capsys, "tiny-llama"), hybrid / "final") < 1e-5
+
+
+def test_lora_with_dropout_over_context_2_trains_as_one_process(workspace: Path, capsys) -> None:
+    """Each context rank draws, for its slice of a row, the dropout masks one process draws for the row: rows
+    not packed, each then a document of its padded width in the row the context ranks split."""
+    lora = ("--lora.dropout", "0.1", "--data.packing", "false")
+    expected = reference(workspace, capsys, "tiny-llama", "finetune_lora", *lora)
+    out = workspace / "lora-context2"
+    args = finetune_args("finetune_lora", workspace / "tiny-llama", workspace / "data.json", out, 2, 3, *lora)
+    litsft([*args, "--devices", "2", "--parallel.context", "2"], workspace)
+    a, b = (load_file(final / "adapter.safetensors") for final in (expected, out / "final"))
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert any(k.endswith("lora_B.weight") and a[k].abs().sum() > 0 for k in a), "adapters were trained"
+
+
+def test_a_run_stopped_under_context_2_resumes_under_context_1_and_back(workspace: Path, capsys) -> None:
+    """Stopped after step 2 of 4 and resumed with another layout (DCP checkpoints reshard; the data order does
+    not depend on the layout): the same weights as the uninterrupted run."""
+    base, data = workspace / "tiny-llama", workspace / "data.json"
+    context2 = ("--devices", "2", "--parallel.context", "2")
+    runs = {}
+    for name, first, then in (("2-then-1", context2, ()), ("1-then-2", (), context2)):
+        whole = workspace / f"resume-{name}-whole"
+        args = finetune_args("finetune_full", base, data, whole, 2, 4, "--train.save_interval", "2")
+        litsft([*args, *first], workspace)
+        resumed = stopped_copy(whole, workspace / f"resume-{name}", last_step=4)
+        args = finetune_args("finetune_full", base, data, resumed, 2, 4, "--train.save_interval", "2")
+        result = litsft([*args, *then], workspace)
+        assert "Resumed from" in result.stdout + result.stderr
+        runs[name] = max_difference(whole / "final", resumed / "final")
+    assert all(difference < 1e-5 for difference in runs.values()), runs
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--devices", "2", "--parallel.context", "3"), "--parallel.context=3 does not divide --devices=2"),
+        (("--devices", "4", "--parallel.context", "4"), None),
+    ],
+)
+def test_a_context_size_that_cannot_split_is_refused_before_anything_starts(
+    workspace: Path, capsys, extra: tuple[str, ...], message: str | None
+) -> None:
+    """One line, a non-zero exit, nothing written. tiny-gemma2's 4 heads take context 4; a model of 6 heads
+    would not (the layout's own test)."""
+    out = workspace / "refused"
+    args = finetune_args(
+        "finetune_full", workspace / "tiny-llama", workspace / "data.json", out, 2, 1, *extra
+    )
+    if message is None:
+        args = [a if a != str(workspace / "tiny-llama") else str(workspace / "tiny-heads-6") for a in args]
+        write_tiny_checkpoint(workspace / "tiny-heads-6", seed=1, num_heads=6, num_kv_heads=2, head_dim=16)
+        message = "--parallel.context=4 does not divide tiny-llama's 6 attention heads"
+    result = litsft_in_process(args, workspace, capsys, check=False)
+    assert result.returncode != 0
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not out.exists()
