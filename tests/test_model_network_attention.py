@@ -95,6 +95,166 @@ def test_chunked_causal_attention_with_a_window_equals_the_window_mask(length, w
     torch.testing.assert_close(chunked_causal_attention(q, k, v, 0.0, window), expected, atol=1e-6, rtol=1e-5)
 
 
+# ---- the mask kernel and soft-capped attention, a chunk of queries at a time ----------------------------------
+def _whole_matrix_mask(document_ids, window):
+    """(B or 1, 1, T, T): what the mask kernel built before it ran in chunks, document_ids (B or 1, T)."""
+    T = document_ids.shape[1]
+    distance = torch.arange(T)[:, None] - torch.arange(T)[None, :]  # (T, T): query - key
+    visible = (distance >= 0) & ((distance < window) if window is not None else True)
+    return ((document_ids[:, :, None] == document_ids[:, None, :]) & visible)[:, None]
+
+
+def _whole_matrix_attention(q, k, v, mask, scale, softcap):
+    """Attention over the whole (B, H, T, T) scores and mask, as the mask kernel and soft-capped attention ran
+    before they ran in chunks -> (B, T, H, D)."""
+    H, K = q.shape[1], k.shape[1]
+    k, v = (x.repeat_interleave(H // K, dim=1) for x in (k, v))
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(1, 2)
+    scores = (q @ k.transpose(-2, -1)).float() * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2)
+
+
+CHUNKED_CASES = {
+    # documents of unequal lengths crossing the 64-query chunks' boundaries, one-token documents
+    "documents": ([70, 3, 1, 150, 40, 1, 55], None),
+    "window smaller than the documents": ([70, 3, 1, 150, 40, 1, 55], 9),
+    "window larger than the documents": ([70, 3, 1, 150, 40, 1, 55], 100),
+    "window larger than the row": ([70, 3, 1, 150, 40, 1, 55], 1000),
+    "one document": ([320], 100),
+    "causal rows": (None, None),
+    "causal rows with a window": (None, 9),
+}
+"""Documents on the mask kernel; plain causal rows soft-capped only (uncapped, a CPU runs
+`chunked_causal_attention`, tested above)."""
+HEADS_SCALE_SOFTCAP = [(4, None, None), (2, 0.7, None), (1, None, 0.5), (2, 0.7, 0.5)]
+
+
+@pytest.mark.parametrize(
+    ("case", "kv_heads", "scale", "softcap"),
+    [(case, *options) for case in CHUNKED_CASES for options in HEADS_SCALE_SOFTCAP
+     if CHUNKED_CASES[case][0] is not None or options[2] is not None],
+)  # fmt: skip
+def test_chunked_attention_equals_the_whole_matrix(monkeypatch, case, kv_heads, scale, softcap):
+    """The mask kernel and soft-capped attention, run 64 queries at a time over the keys each chunk needs,
+    give the output and q, k, v gradients of attention over the whole T x T scores and mask (fp32, within
+    1e-6 and the rounding of k and v's gradients, summed over the chunks in another order), for packed
+    documents and plain causal rows, windows, grouped kv heads, a scale and the soft-cap. Every chunk's keys
+    start at its first query's document (or window), and its mask rows cover those keys only: no T x T mask
+    or scores."""
+    lengths, window = CHUNKED_CASES[case]
+    B, H, T, D = (1, 4, sum(lengths), 8) if lengths else (2, 4, 200, 8)
+    monkeypatch.setattr(attention, "SCORES_PER_CHUNK", B * H * T * 64)  # 64 queries a chunk
+    chunks = []
+    attend_chunk = attention._attend_chunk
+
+    def recording(q, k, v, start, first, *options):
+        chunks.append((start, q.shape[2], first, k.shape[2]))
+        return attend_chunk(q, k, v, start, first, *options)
+
+    monkeypatch.setattr(attention, "_attend_chunk", recording)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, T, D, generator=generator, requires_grad=True)
+    k, v = (torch.randn(B, kv_heads, T, D, generator=generator, requires_grad=True) for _ in range(2))
+    grad = torch.randn(B, T, H, D, generator=generator)
+    if lengths:
+        documents = Documents(cumulative_lengths(lengths), max(lengths))
+        prepared = prepare("mask", (1, T), CPU, documents, window)
+        document_ids = token_document_ids(documents, T)[None]
+    else:
+        prepared, document_ids = (
+            prepare("mask", (B, T), CPU, window=window),
+            torch.zeros(1, T, dtype=torch.long),
+        )
+    got = attention.attend(q, k, v, prepared, scale=scale, softcap=softcap)
+    got_grads = torch.autograd.grad(got, (q, k, v), grad)
+    expected = _whole_matrix_attention(q, k, v, _whole_matrix_mask(document_ids, window), scale, softcap)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    for name, mine, reference in zip("qkv", got_grads, expected_grads):
+        torch.testing.assert_close(
+            mine, reference, atol=1e-6, rtol=5e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
+    starts = [0, *np.cumsum(lengths or [T]).tolist()]
+    forward, recomputed = chunks[: -(-T // 64)], chunks[-(-T // 64) :]
+    assert [(start, size) for start, size, _, _ in forward] == [(a, min(64, T - a)) for a in range(0, T, 64)]
+    assert (
+        sorted(recomputed) == forward
+    )  # each chunk once more in the backward pass, nothing kept but q, k, v
+    for start, size, first, keys in forward:
+        document_start = max(s for s in starts if s <= start)
+        assert first == max(document_start, start - window + 1 if window else 0)
+        assert first + keys == start + size  # keys [first, end of the chunk)
+
+
+def test_a_chunk_holds_a_bounded_number_of_scores():
+    """As many queries as keep a chunk's scores within SCORES_PER_CHUNK, in steps of MIN_QUERY_CHUNK, and
+    never fewer than that."""
+    step, budget = attention.MIN_QUERY_CHUNK, attention.SCORES_PER_CHUNK
+    assert attention.query_chunk(2, 16384) == 1024  # 2 heads over 16k keys: 2^25 scores
+    for batch_heads, keys in [(2, 16384), (1, 1000), (3, 5000), (8, 32768)]:
+        chunk = attention.query_chunk(batch_heads, keys)
+        assert (
+            chunk % step == 0 and chunk * batch_heads * keys <= budget < (chunk + step) * batch_heads * keys
+        )
+    assert attention.query_chunk(32, 131072) == step
+
+
+@pytest.mark.parametrize("softcap", [None, 0.5])
+def test_a_recomputed_chunk_replays_its_dropout(monkeypatch, softcap):
+    """While training, the chunks are recomputed in the backward pass: the dropout drawn again there is the
+    forward's, so the gradients are those of the output returned (as without recomputation)."""
+    monkeypatch.setattr(attention, "SCORES_PER_CHUNK", 4 * 100 * 32)  # chunks of 64 queries
+    lengths = [30, 50, 20]
+    prepared = prepare("mask", (1, 100), CPU, Documents(cumulative_lengths(lengths), max(lengths)))
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 100, 8, generator=generator, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, 100, 4, 8, generator=generator)
+    results = []
+    for recompute in (True, False):
+        if not recompute:  # each chunk kept for the backward pass as it ran
+            monkeypatch.setattr(attention, "checkpoint", lambda function, *args, **options: function(*args))
+        torch.manual_seed(1)
+        out = attention.attend(q, k, v, prepared, dropout=0.5, softcap=softcap)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+    no_dropout = attention.attend(q, k, v, prepared, softcap=softcap)
+    assert not torch.allclose(results[0][0], no_dropout, atol=1e-2)  # dropout applied
+    for name, recomputed, kept in zip(("output", "q", "k", "v"), *results):
+        torch.testing.assert_close(
+            recomputed, kept, atol=1e-6, rtol=0, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+def test_chunked_attention_under_torch_compile_equals_eager_and_does_not_recompile(monkeypatch):
+    """Compiled as GPU runs compile the blocks (dynamic shapes), the chunked path runs eagerly behind a graph
+    break: the same output and gradients as eager, and new document layouts and lengths (other chunk counts)
+    compile nothing new."""
+    import torch._dynamo
+
+    monkeypatch.setattr(attention, "SCORES_PER_CHUNK", 4 * 64 * 64)  # 64 queries a chunk at 64 tokens
+    torch._dynamo.reset()
+
+    def layer(q, k, v, prepared):
+        return attention.attend(q * 2.0, k, v, prepared, scale=0.7, softcap=0.5).square()
+
+    compiled = torch.compile(layer, dynamic=True)
+    for index, lengths in enumerate([[100, 56, 100], [30, 200, 70], [300], [7, 8, 9, 200, 76, 100]]):
+        N = sum(lengths)
+        generator = torch.Generator().manual_seed(index)
+        q = torch.randn(1, 4, N, 8, generator=generator, requires_grad=True)
+        k, v = torch.randn(1, 2, N, 8, generator=generator), torch.randn(1, 2, N, 8, generator=generator)
+        prepared = prepare("mask", (1, N), CPU, Documents(cumulative_lengths(lengths), max(lengths)), 40)
+        with torch._dynamo.config.patch(error_on_recompile=index > 0):
+            got = compiled(q, k, v, prepared)
+            (got_grad,) = torch.autograd.grad(got.sum(), q)
+        expected = layer(q, k, v, prepared)
+        (expected_grad,) = torch.autograd.grad(expected.sum(), q)
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got_grad, expected_grad, atol=1e-6, rtol=0)
+    torch._dynamo.reset()
+
+
 # ---- document boundaries built by the data loader ------------------------------------------------------------
 def test_collate_builds_the_boundaries_of_the_joined_real_tokens():
     """cu_seqlens/max_seqlen describe the rows' real tokens joined in order (padding in no document), and are

@@ -18,21 +18,25 @@ The kernel is chosen once per run (`choose_kernel`) and named in the log:
 |-----------|--------|-------------------------------------------------------------|---------|
 | varlen    | CUDA sm80+ | torch.nn.attention.varlen flash attention per document  | where varlen_attn takes window_size |
 | flex      | CUDA sm70+ | flex_attention with a document block mask               | yes |
-| mask      | any    | SDPA with an explicit (1, 1, N, N) boolean mask: last resort | yes |
+| mask      | any    | SDPA a chunk of queries at a time, mask rows built per chunk: last resort | yes |
 | segmented | CPU    | each document a view of the row, attended on its own        | yes |
 
 Plain causal rows without a window go to SDPA's causal flash kernel on a GPU and to query chunks on the
-CPU; decoding uses SDPA with a boolean mask everywhere (a few queries: the kernel hardly matters).
+CPU; decoding uses SDPA with a boolean mask everywhere (a few queries: the kernel hardly matters). No path
+that trains builds an N x N mask or N x N scores: the mask kernel and soft-capped attention run a chunk of
+queries at a time (`chunked_attention`), so that rows of 32k-128k tokens cost memory linear in N.
 """
 
 from __future__ import annotations
 
+import bisect
 import inspect
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from litsft.model.network.context_parallel import (
     ContextShard,
@@ -45,15 +49,16 @@ Kernel = Literal["varlen", "flex", "mask", "segmented"]
 KERNEL_DESCRIPTIONS: dict[str, str] = {
     "varlen": "flash attention per document (torch.nn.attention.varlen)",
     "flex": "flex_attention with a document block mask",
-    "mask": "scaled_dot_product_attention with a boolean document mask",
+    "mask": "scaled_dot_product_attention with a boolean document mask, a chunk of queries at a time",
     "segmented": "per-document SDPA, one document at a time (CPU)",
 }
 SOFTCAPPED_KERNEL_DESCRIPTIONS: dict[str, str] = {
     "flex": "flex_attention with a document block mask, the soft-cap in its score_mod",
-    "mask": "soft-capped attention written out (scores, tanh cap, document mask, softmax)",
+    "mask": "soft-capped attention written out, a chunk of queries at a time (scores, cap, mask, softmax)",
 }
 """What runs for a model whose attention logits are soft-capped (Gemma 2): SDPA cannot cap them, so the mask
-kernel writes the scores out (`softcapped_attention`); `kernel_for_softcap` never leaves another kernel set."""
+kernel writes the scores out, a chunk of queries at a time (`chunked_attention`); `kernel_for_softcap` never
+leaves another kernel set."""
 
 
 def describe_kernel(kernel: Kernel, softcapped: bool = False) -> str:
@@ -221,9 +226,9 @@ class PreparedAttention:
     rows_as_documents: bool = False
     """Plain causal rows (B, T) with a window, handed to a document kernel as one row of B documents."""
     mask: torch.Tensor | None = None
-    """Boolean (1, 1, T, S), True where a query may attend: the mask kernel, decoding."""
+    """Decoding: boolean (1, 1, T, S), True where a query may attend."""
     segments: list[int] | None = None
-    """The segmented kernel: the lengths of the row's documents."""
+    """The segmented and mask kernels: the lengths of the row's documents, on the host."""
     block_mask: Any = None
     cache_positions: torch.Tensor | None = None
     """Decoding: the cache slots (T,) the new keys and values go to."""
@@ -256,12 +261,8 @@ def prepare(
         )
     B, T = shape
     if documents is None:
-        if window is None or kernel == "segmented":
+        if window is None or kernel in ("segmented", "mask"):  # the mask kernel applies the window itself
             return PreparedAttention(kernel, "causal", window)
-        if kernel == "mask":
-            return PreparedAttention(
-                kernel, "causal", window, mask=document_mask(torch.zeros(T, device=device), window)
-            )
         # A document kernel applies the window: each row is one document of the joined row.
         cu_seqlens = torch.arange(0, (B + 1) * T, T, dtype=torch.int32).to(device, non_blocking=True)
         prepared = prepare(kernel, (1, B * T), device, Documents(cu_seqlens, T), window)
@@ -271,10 +272,10 @@ def prepare(
     if kernel == "varlen":
         prepared.varlen_attn = _varlen_attn()
         prepared.varlen_features = frozenset(varlen_features(prepared.varlen_attn))
-    elif kernel == "segmented":
+    elif kernel in ("segmented", "mask"):
+        # The mask kernel bounds each query chunk's keys by the chunk's first document: one read of the
+        # boundaries per forward pass (a sync on a GPU, where the mask kernel is the last resort).
         prepared.segments = document_lengths(documents)
-    elif kernel == "mask":
-        prepared.mask = document_mask(token_document_ids(documents, T), window)
     elif kernel == "flex":
         prepared.block_mask = _document_block_mask(token_document_ids(documents, T), window)
     return prepared
@@ -282,17 +283,33 @@ def prepare(
 
 def document_mask(document_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """Boolean (B, 1, T, T) mask for document_ids (T,) or (B, T): causal within each document (and
-    within the window), True where a query may attend."""
+    within the window), True where a query may attend. T x T: for counting and checking (the attention FLOPs,
+    the tests); attention builds the rows of one query chunk at a time (`visible_keys`)."""
     if document_ids.dim() == 1:
         document_ids = document_ids[None]
     T = document_ids.shape[1]
-    positions = torch.arange(T, device=document_ids.device)
-    distance = positions[:, None] - positions[None, :]  # (T, T): query - key
-    visible = distance >= 0
+    return visible_keys(0, T, 0, window, document_ids, document_ids.device)[:, None]
+
+
+def visible_keys(
+    start: int,
+    end: int,
+    first: int,
+    window: int | None,
+    document_ids: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """Boolean (end - start, end - first) mask rows of queries [start, end) over keys [first, end), True where
+    a query may attend: causal, within the window, and, given document_ids (N,) or (B, N) of every token of
+    the row, within the query's document ((B, end - start, end - first) for (B, N) ids)."""
+    queries = torch.arange(start, end, device=device)[:, None]
+    keys = torch.arange(first, end, device=device)[None, :]
+    visible = keys <= queries
     if window is not None:
-        visible = visible & (distance < window)
-    same_document = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, T)
-    return (same_document & visible)[:, None]
+        visible &= keys > queries - window
+    if document_ids is not None:
+        visible = visible & (document_ids[..., start:end, None] == document_ids[..., None, first:end])
+    return visible
 
 
 FLEX_BLOCK = 128
@@ -384,17 +401,16 @@ def _attend(
         B, H, T, D = q.shape
         joined = (x.transpose(1, 2).reshape(1, B * T, x.shape[1], D).transpose(1, 2) for x in (q, k, v))
         return _attend_documents(*joined, prepared, dropout, scale, softcap).reshape(B, T, H, D)
-    if softcap is not None and prepared.pattern != "documents":
-        mask = prepared.mask
-        if mask is None:  # plain causal rows
-            mask = document_mask(torch.zeros(q.shape[2], device=q.device), prepared.window)
-        return softcapped_attention(q, k, v, mask, dropout, scale, softcap)
-    if prepared.pattern == "decode":
+    if prepared.pattern == "decode":  # a few queries: their (T, S) mask is small
+        if softcap is not None:
+            return softcapped_attention(q, k, v, prepared.mask, dropout, scale, softcap)
         return _sdpa(q, k, v, prepared.mask, dropout, scale)
     if prepared.pattern == "causal":
-        if q.device.type == "cpu":
+        if softcap is None and q.device.type == "cpu":
             return chunked_causal_attention(q, k, v, dropout, prepared.window, scale).transpose(1, 2)
-        return _sdpa(q, k, v, prepared.mask, dropout, scale)
+        if softcap is None and prepared.window is None:
+            return _sdpa(q, k, v, None, dropout, scale)
+        return chunked_attention(q, k, v, prepared, dropout, scale, softcap)
     return _attend_documents(q, k, v, prepared, dropout, scale, softcap)
 
 
@@ -409,17 +425,11 @@ def _attend_documents(
 ) -> torch.Tensor:
     if prepared.kernel == "flex":
         return _flex(q, k, v, prepared, scale, softcap)
-    if softcap is not None:
-        assert prepared.documents is not None
-        mask = prepared.mask
-        if mask is None:
-            mask = document_mask(token_document_ids(prepared.documents, q.shape[2]), prepared.window)
-        return softcapped_attention(q, k, v, mask, dropout, scale, softcap)
+    if softcap is not None or prepared.kernel == "mask":
+        return chunked_attention(q, k, v, prepared, dropout, scale, softcap)
     if prepared.kernel == "segmented":
         return segmented_attention(q, k, v, prepared.segments, dropout, prepared.window, scale)
-    if prepared.kernel == "varlen":
-        return _varlen(q, k, v, prepared, scale)
-    return _sdpa(q, k, v, prepared.mask, dropout, scale)
+    return _varlen(q, k, v, prepared, scale)
 
 
 def softcapped_attention(
@@ -432,15 +442,112 @@ def softcapped_attention(
     softcap: float,
 ) -> torch.Tensor:
     """Attention with soft-capped scores, written out: q (B, H, T, D), k, v (B, K, S, D), mask (B or 1, 1,
-    T, S) True where a query may attend -> (B, T, H, D). Materializes the (B, H, T, S) scores."""
-    H, K, D = q.shape[1], k.shape[1], q.shape[-1]
-    if K != H:
-        k, v = (x.repeat_interleave(H // K, dim=1) for x in (k, v))
-    scores = (q @ k.transpose(-2, -1)).float() * (scale if scale is not None else D**-0.5)  # (B, H, T, S)
+    T, S) True where a query may attend -> (B, T, H, D). Materializes the (B, H, T, S) scores: for a few
+    queries (decoding) or one chunk of them (`chunked_attention`)."""
+    B, H, T, D = q.shape
+    K = k.shape[1]
+    # Grouped-query attention without repeating the kv heads: the H // K query heads of a kv head are
+    # stacked along the queries, (B, K, H // K * T, D), and the mask broadcast over them.
+    grouped = q.reshape(B, K, H // K * T, D)
+    scores = (grouped @ k.transpose(-2, -1)).float() * (scale if scale is not None else D**-0.5)
     scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores.view(B, K, H // K, T, -1).masked_fill(~mask[:, :, None], float("-inf"))  # (B, K, G, T, S)
     weights = F.dropout(torch.softmax(scores, dim=-1), dropout).to(v.dtype)
-    return (weights @ v).transpose(1, 2)
+    return (weights.view(B, K, H // K * T, -1) @ v).view(B, H, T, D).transpose(1, 2)
+
+
+SCORES_PER_CHUNK = 2**25
+"""The scores (batch x heads x queries x keys) of one query chunk in `chunked_attention`: 128 MiB in fp32.
+Soft-capped attention keeps a few tensors of that size alive at once in its forward and backward passes
+(scores, capped scores, weights, their gradients), so a chunk stays under about a GiB whatever the row's
+length, while a chunk still holds enough queries (1024 for 2 heads over 16k keys) that the per-chunk calls
+cost little next to their matmuls."""
+MIN_QUERY_CHUNK = 64
+"""Queries of a chunk at least, however many heads and keys: each chunk's matmuls stay large next to the
+fixed cost of a call (and the memory is still linear in the keys)."""
+
+
+def query_chunk(batch_heads: int, keys: int) -> int:
+    """Queries per chunk for `batch_heads` rows of scores over `keys` keys: SCORES_PER_CHUNK at most, in
+    multiples of MIN_QUERY_CHUNK."""
+    return max(MIN_QUERY_CHUNK, SCORES_PER_CHUNK // (batch_heads * keys) // MIN_QUERY_CHUNK * MIN_QUERY_CHUNK)
+
+
+@torch.compiler.disable
+def chunked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prepared: PreparedAttention,
+    dropout: float,
+    scale: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Causal attention of q (B, H, T, D) over k, v (B, K, T, D) a chunk of queries at a time -> (B, T, H, D):
+    soft-capped (`softcapped_attention`) when softcap is set, else SDPA with the chunk's mask rows.
+
+    Plain causal rows or one row (B = 1) of documents, as `prepared` says, with its window. Queries [a, b)
+    only need keys [f, b), f the first token of a's document (0 for plain rows), or a - window + 1 if that is
+    later; their mask rows are built for those keys alone (`visible_keys`), from each token's document
+    (`token_document_ids`). Each chunk's scores stay under SCORES_PER_CHUNK (`query_chunk`), and while
+    training every chunk is recomputed in the backward pass (`torch.utils.checkpoint`, which replays its
+    dropout), so that only q, k, v and the output are kept: memory linear in T, not T x T. A lone chunk (a
+    short row) is not: its scores are within the bound already, and it saves the recomputation.
+
+    Run eagerly under torch.compile (`torch.compiler.disable`: a graph break). Traced with dynamic shapes,
+    the loop unrolls into a checkpointed region per chunk, compiled anew for each number of chunks (five
+    row lengths of 4 to 16 chunks took over 10 minutes to compile on a 2-core CPU, against seconds behind
+    the break), and the document boundaries read on the host would be guarded on, a recompilation for every
+    new layout: `prepared` is passed whole for that reason (traced code that reads its list guards on its
+    length).
+    """
+    B, H, T, D = q.shape
+    chunk = min(T, query_chunk(B * H, T))
+    window, documents, document_ids, starts = prepared.window, prepared.documents, None, [0]
+    if prepared.pattern == "documents":
+        assert documents is not None
+        document_ids = token_document_ids(documents, T)
+        lengths = prepared.segments if prepared.segments is not None else document_lengths(documents)
+        for length in lengths:
+            starts.append(starts[-1] + length)
+    recompute = T > chunk and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    outputs = []
+    for start in range(0, T, chunk):
+        end = min(start + chunk, T)
+        first = starts[bisect.bisect_right(starts, start) - 1]  # the chunk's first document's first token
+        if window is not None:
+            first = max(first, start - window + 1)
+        pieces = (q[:, :, start:end], k[:, :, first:end], v[:, :, first:end])
+        options = (start, first, document_ids, window, dropout, scale, softcap)
+        if recompute:
+            outputs.append(
+                checkpoint(
+                    _attend_chunk, *pieces, *options, use_reentrant=False, preserve_rng_state=dropout > 0
+                )
+            )
+        else:
+            outputs.append(_attend_chunk(*pieces, *options))
+    return torch.cat(outputs, dim=1)
+
+
+def _attend_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    first: int,
+    document_ids: torch.Tensor | None,
+    window: int | None,
+    dropout: float,
+    scale: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Queries [start, start + q's length) of `chunked_attention` over keys [first, ...) -> (B, T, H, D)."""
+    end = start + q.shape[2]
+    mask = visible_keys(start, end, first, window, document_ids, q.device)[None, None]
+    if softcap is not None:
+        return softcapped_attention(q, k, v, mask, dropout, scale, softcap)
+    return _sdpa(q, k, v, mask, dropout, scale)
 
 
 def _sdpa(
@@ -601,11 +708,7 @@ def chunked_causal_attention(
     sizes = [end - start for start, end in zip(bounds, bounds[1:])]
     for start, end, q_chunk in zip(bounds, bounds[1:], q.split(sizes, dim=2)):
         first = 0 if window is None else max(0, start - window + 1)
-        queries = torch.arange(start, end, device=q.device)[:, None]
-        keys = torch.arange(first, end, device=q.device)[None, :]
-        mask = keys <= queries  # the lower-right causal mask
-        if window is not None:
-            mask &= keys > queries - window
+        mask = visible_keys(start, end, first, window, None, q.device)  # the lower-right causal mask
         outputs.append(
             F.scaled_dot_product_attention(
                 q_chunk,
