@@ -102,15 +102,13 @@ def lora_finetuning(
     from litsft.model.lora.variants import adapter_variant
     from litsft.model.network.transformer import Transformer, parameter_generator
     from litsft.model.precision.quantization import check_nf4_shardable, quantize_base
-    from litsft.training.plan import shard_group_size
 
     variant = adapter_variant(lora.variant)
     base_config = Config.from_checkpoint(checkpoint_dir)
     variant.check(lora, base_config, quantize)  # before any process starts
     check_expert_targets(lora, base_config, quantize)
     if quantize is not None:
-        shard_group = shard_group_size(run.devices, run.num_nodes, run.fsdp.sharding_strategy)
-        check_nf4_shardable(run.config, shard_group if run.world_size > 1 else 1, lora.target_list)
+        check_nf4_shardable(run.config, run.layout.shard_group_size, lora.target_list)
 
     def initialize(model: Transformer) -> None:
         load_model_weights(model, checkpoint_dir, stored_name=base_weight_name)

@@ -33,6 +33,7 @@ from litsft.training.plan import (
     adapter_parameters,
     block_activation_bytes_per_token,
     block_parameters,
+    context_attention_bytes,
     estimate_memory,
     fits,
     parse_memory_size,
@@ -57,7 +58,7 @@ def test_plan_takes_the_recipes_options():
     for recipe in (finetune_full, finetune_lora):
         for name, parameter in inspect.signature(recipe.setup).parameters.items():
             assert name in planned, (recipe.__name__, name)
-            if name in ("devices", "num_nodes", "fsdp", "precision", "lora"):
+            if name in ("devices", "num_nodes", "fsdp", "parallel", "precision", "lora"):
                 assert planned[name].annotation == parameter.annotation or (
                     name == "lora" and planned[name].annotation == "LoRAConfig | None"
                 ), name
@@ -553,3 +554,74 @@ def test_plan_says_what_a_step_checkpoint_takes_on_disk_and_in_a_nodes_host_memo
         f"step checkpoint: {whole / 2**30:.2f} GiB on disk; a background save (--train.async_save) keeps "
         f"{whole / 2**30:.2f} GiB of host memory per node (8 x {whole / 8 / 2**30:.2f} GiB) until it is written"
     ) in capsys.readouterr().out.splitlines()
+
+
+def test_context_parallelism_halves_activations_and_keeps_the_parameter_shards():
+    """With --parallel.context 2 each rank holds half of every row: activations drop to about half (the
+    all-to-all's transients come on top), while parameters stay sharded over every rank, context ranks
+    included, and a 65537-token row is padded to 2 x 32769."""
+    config = Config.from_name("Llama-3.1-8B")
+    for checkpointing in (False, True):
+        one = estimate_memory(config, devices=8, max_seq_length=65536, activation_checkpointing=checkpointing)
+        two = estimate_memory(
+            config, devices=8, max_seq_length=65536, activation_checkpointing=checkpointing, context=2
+        )
+        assert two.activations / one.activations == pytest.approx(0.5, rel=0.01), checkpointing
+        assert two.transients > one.transients
+        assert (two.parameters, two.gradients, two.optimizer_states) == (
+            one.parameters, one.gradients, one.optimizer_states
+        )  # fmt: skip
+    odd = estimate_memory(config, devices=8, max_seq_length=65537, context=2)
+    assert odd.activations == estimate_memory(config, devices=8, max_seq_length=65538, context=2).activations
+
+
+def test_context_parallelism_counts_repeated_kv_heads_when_the_context_does_not_divide_them(monkeypatch):
+    """Llama-3.1-8B has 8 kv heads: context 8 splits them (one a rank), context 16 repeats them to 16 first,
+    and every layer saves the repeated heads' k and v for the whole sequence (1/16 of a head's worth per
+    rank each), on top of its q, k, v and output in both layouts at attention time."""
+    import litsft.training.plan as plan_module
+
+    config = Config.from_name("Llama-3.1-8B")
+    tokens, head = 4096, 4096 * 128 * 2  # a rank's tokens; one head over them in bf16
+    assert context_attention_bytes(config, tokens, 2, 1) == (0, 0)
+    assert context_attention_bytes(config, tokens, 2, 8) == (0, 2 * (2 * 32 + 2 * 8) * head)
+    assert context_attention_bytes(config, tokens, 2, 16) == (2 * 8 * head, 2 * (2 * 32 + 2 * 16) * head)
+    repeated = estimate_memory(config, devices=16, max_seq_length=16 * tokens, context=16)
+    monkeypatch.setattr(plan_module, "context_kv_heads", lambda num_kv_heads, context: num_kv_heads)
+    split = estimate_memory(config, devices=16, max_seq_length=16 * tokens, context=16)
+    assert repeated.activations - split.activations == 32 * 2 * 8 * head
+    assert repeated.transients - split.transients == 2 * 2 * 8 * head
+
+
+@pytest.mark.parametrize(
+    ("model", "devices", "context", "message"),
+    [
+        ("Llama-3.1-8B", 8, 3, "--parallel.context=3 does not divide --devices=8: a context group is made of "
+         "ranks of one node; pick one of 1, 2, 4, 8"),
+        ("Qwen2.5-7B", 8, 8, "--parallel.context=8 does not divide Qwen2.5-7B's 28 attention heads: each context "
+         "rank attends with an equal share of them; pick one of 1, 2, 4"),
+        ("Llama-3.1-8B", 8, 0, "--parallel.context=0: it is a number of ranks, at least 1"),
+    ],
+)  # fmt: skip
+def test_plan_refuses_a_context_size_training_refuses(model, devices, context, message, capsys):
+    with pytest.raises(LitsftError) as error:
+        estimate_memory(Config.from_name(model), devices=devices, context=context)
+    assert str(error.value) == message
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", model, "--devices", str(devices), "--parallel.context", str(context)])
+    assert exit_info.value.code != 0
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_plan_prints_the_context_layout_and_accumulates_over_data_replicas(capsys):
+    """8 devices in context groups of 4 are 2 data replicas: a global batch of 8 rows, one per micro-batch,
+    takes 4 micro-batches on each."""
+    main(["plan", "Llama-3.1-8B", "--devices", "8", "--parallel.context", "4", "--train.max_seq_length", "131072",
+          "--train.global_batch_size", "8", "--train.micro_batch_size", "1"])  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert "8 device(s) x 1 node(s): FULL_SHARD, shard group 8, context 4 x data 2" in lines
+    assert (
+        "micro batch 1 x 131072 tokens (32768 on each rank of a context group), without activation checkpointing"
+        in lines
+    )
+    assert any(line.startswith("gradient accumulation over 4 micro-batches") for line in lines)

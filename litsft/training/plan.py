@@ -24,8 +24,12 @@ weight whole on every rank, one at a time, before any optimizer state exists: th
 and torchao's working memory (`nf4_loading_bytes`, 128 MiB of it fixed) on top of the parameters. The run's
 peak is the larger of that and a step's: loading's for a small model at a short sequence.
 
-Parameters, gradients and optimizer states are divided by the shard group: every rank for FULL_SHARD and
-SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, one (replicated) for NO_SHARD. On top come
+Parameters, gradients and optimizer states are divided by the shard group that
+litsft.training.layout.ParallelLayout names (the one reading of the sharding strategy and the context size):
+every rank for FULL_SHARD and SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, one (replicated) for
+NO_SHARD; context ranks count as data ranks there. With `--parallel.context N` a rank holds 1/N of every row's
+tokens (rows padded to a multiple of N), so its activations shrink about N-fold, and each attention layer adds
+its all-to-all's tensors (`context_attention_bytes`); gradient accumulation follows the data replicas. On top come
 activations and transients (all-gathered compute-dtype parameters, a chunk of logits, gradient-reduction
 buffers). Everything the model rests on is a named constant below, so that a calibration test can compare
 `estimate_memory` with measured peaks and adjust them.
@@ -72,12 +76,13 @@ from litsft.training.args import (
     FSDPConfig,
     LogConfig,
     OptimizerConfig,
+    ParallelConfig,
     Precision,
-    ShardingStrategy,
     TrainConfig,
     step_geometry,
 )
 from litsft.training.devices import gpu_has_bf16
+from litsft.training.layout import ParallelLayout, ShardingStrategy
 
 # (bytes of a stored parameter, bytes of a parameter as the matmuls see it). Gradients take the stored dtype: FSDP2 reduces gradients in fp32 (reduce_dtype) into the fp32 shards.
 PARAMETER_BYTES: dict[str, tuple[int, int]] = {
@@ -193,13 +198,30 @@ def nf4_loading_bytes(weight_values: int) -> int:
     return math.ceil(weight_values * NF4_QUANTIZE_BYTES + 2 * NF4_LEVELS * 4 * chunk)
 
 
-def shard_group_size(devices: int, num_nodes: int, sharding_strategy: ShardingStrategy) -> int:
-    """How many devices split each parameter between them."""
-    if sharding_strategy == "NO_SHARD":
-        return 1
-    if sharding_strategy == "HYBRID_SHARD":
-        return devices  # shard within a node, replicate across nodes
-    return devices * num_nodes
+def context_kv_heads(num_kv_heads: int, context: int) -> int:
+    """The key/value heads a context group's all-to-all splits between its ranks: the model's own when the
+    context size divides them, otherwise each repeated until there are lcm(heads, context), so that every rank
+    gets whole heads (a query head's rank must hold the kv head it reads)."""
+    return num_kv_heads if num_kv_heads % context == 0 else math.lcm(num_kv_heads, context)
+
+
+def context_attention_bytes(config: Config, tokens: int, compute_bytes: int, context: int) -> tuple[int, int]:
+    """(saved, transient) bytes that context parallelism adds on a rank holding `tokens` tokens (its 1/context
+    of each row) around one attention layer.
+
+    Each rank swaps its q, k, v, laid out (B, H, T/N, D), for (B, H/N, T, D) in an all-to-all, attends over
+    the whole sequence with H/N heads and swaps the output back to (B, T/N, H, D): the whole-sequence tensors
+    are as large as a rank's slice of every head, so what the kernel saves is what it saves without context
+    parallelism, but for kv heads repeated to lcm(K, N) when N does not divide K: those extra heads are saved
+    (`saved`, per layer). Transient, one layer at a time: q, k, v and the output in both layouts, the
+    all-to-all's send and receive buffers (and in the backward pass their gradients, as large)."""
+    if context == 1:
+        return 0, 0
+    kv_heads = context_kv_heads(config.num_kv_heads, context)
+    per_head = tokens * config.head_dim * compute_bytes  # one head over a rank's tokens, or 1/N head-sequence
+    saved = 2 * (kv_heads - config.num_kv_heads) * per_head  # the repeated k and v
+    transient = 2 * (2 * config.num_heads + 2 * kv_heads) * per_head  # q, k, v, output; send and receive
+    return saved, transient
 
 
 def root_parameters(config: Config) -> int:
@@ -265,17 +287,20 @@ def estimate_memory(
     lora: LoRAConfig | None = None,
     accumulation_steps: int = 1,
     quantize: Quantization | None = None,
+    context: int = 1,
 ) -> MemoryEstimate:
     """Per-device bytes of one training step with AdamW; see the module docstring for the model. `lora`:
     train adapters on its targets (`adapter_parameters` counts them) instead of every weight;
-    `quantize`: store the adapted block projections in NF4 (QLoRA; LoRA only)."""
+    `quantize`: store the adapted block projections in NF4 (QLoRA; LoRA only); `context`: split every row
+    over this many ranks (`--parallel.context`, refused as training refuses it: litsft.training.layout)."""
     if precision not in PARAMETER_BYTES:
         raise LitsftError(
             f"precision {precision!r} is not supported; choose one of {', '.join(PARAMETER_BYTES)}"
         )
     stored, compute = PARAMETER_BYTES[precision]
-    world_size = devices * num_nodes
-    shard = shard_group_size(devices, num_nodes, sharding_strategy) if world_size > 1 else 1
+    layout = ParallelLayout.of(devices, num_nodes, sharding_strategy, context)
+    layout.check_heads(config.num_heads, config.name)
+    shard = layout.shard_group_size
 
     targets = lora.target_list if lora is not None else []
     adapters = adapter_parameters(config, lora) if lora is not None else 0
@@ -308,8 +333,10 @@ def estimate_memory(
     optimizer_states = math.ceil(trainable * state_bytes / shard)
     whole_checkpoint = trainable * (stored + state_bytes)
 
-    tokens = micro_batch_size * max_seq_length
-    per_block = block_activation_bytes_per_token(config, compute, lora) * tokens
+    # A context rank holds 1/context of every row, rows padded to a multiple of the context size.
+    tokens = micro_batch_size * -(-max_seq_length // context)
+    context_saved, context_transient = context_attention_bytes(config, tokens, compute, context)
+    per_block = block_activation_bytes_per_token(config, compute, lora) * tokens + context_saved
     if activation_checkpointing:
         # Each block keeps only its input; one block's activations come back during its recomputation.
         blocks = config.num_layers * tokens * config.hidden_size * compute + per_block
@@ -320,7 +347,7 @@ def estimate_memory(
     activations = math.ceil((blocks + head) * ACTIVATION_SCALE)
 
     block_size = block_parameters(config) + adapters_per_block
-    if world_size == 1:
+    if not layout.sharded:
         # No FSDP: Fabric's autocast casts every fp32 weight for its matmul and the cast copies are kept for
         # the backward pass; with one dtype the parameters are used as they are (LoRA's frozen base too).
         gathered = ((num_parameters(config) - frozen) + adapters) * compute if stored != compute else 0
@@ -347,6 +374,7 @@ def estimate_memory(
     logits = min(loss_chunk, tokens) * config.vocab_size * (compute + FP32_BYTES_PER_LOGIT)
     dequantized = max(quantized_linears, default=0) * NF4_DEQUANTIZE_BYTES
     transients = math.ceil(gathered - gathered_nf4_savings) + reduce_buffers + logits + dequantized
+    transients += context_transient
     # Each rank quantizes every NF4 weight whole, one at a time (litsft.model.precision.quantization.load_nf4_weight).
     loading = nf4_loading_bytes(max(quantized_linears)) if quantized_linears else 0
     return MemoryEstimate(
@@ -407,6 +435,7 @@ def plan(
     lora: LoRAConfig | None = None,
     quantize: Quantization | None = None,
     fsdp: FSDPConfig = FSDPConfig(),
+    parallel: ParallelConfig = ParallelConfig(),
     train: TrainConfig | None = None,
     device_memory: str | None = None,
     out_dir: Path | None = None,
@@ -434,6 +463,8 @@ def plan(
             stored in the compute dtype. Without it, finetune_full (every parameter trained).
         quantize: nf4 plans finetune_lora --quantize nf4 (QLoRA): the adapted block projections in 4 bits.
         fsdp: Sharding strategy and activation checkpointing, as in training (cpu_offload is not modelled).
+        parallel: Context parallelism, as in training: --parallel.context N splits every row over N ranks of
+            a node, which read the same micro-batches.
         train: Micro batch size, global batch size and sequence length, as in training. Default: one row of
             the model's context length (at most 2048 tokens) per device and step, no gradient accumulation.
         device_memory: Memory of one device, e.g. 80GB or 80GiB, for a fits / does not fit verdict.
@@ -451,18 +482,18 @@ def plan(
             raise LitsftError(f"--{name} must be at least 1, got {value}")
     memory = parse_memory_size(device_memory) if device_memory is not None else None
     config = load_model_config(checkpoint_dir)
-    world_size = devices * num_nodes
+    layout = ParallelLayout.of(devices, num_nodes, fsdp.sharding_strategy, parallel.context)
+    layout.check_heads(config.num_heads, config.name)
     micro_batch_size = train.micro_batch_size if train is not None else 1
     max_seq_length = (train.max_seq_length if train is not None else None) or min(
         config.max_position_embeddings, MAX_DEFAULT_SEQ_LENGTH
     )
     precision = precision or "bf16-mixed"
-    accumulation = step_geometry(train, world_size).accumulation_steps if train is not None else 1
+    accumulation = step_geometry(train, layout.data_replicas).accumulation_steps if train is not None else 1
     estimate = estimate_memory(
         config, devices, num_nodes, fsdp.sharding_strategy, precision, micro_batch_size, max_seq_length,
-        fsdp.activation_checkpointing, lora, accumulation, quantize,
+        fsdp.activation_checkpointing, lora, accumulation, quantize, parallel.context,
     )  # fmt: skip
-    shard = shard_group_size(devices, num_nodes, fsdp.sharding_strategy) if world_size > 1 else 1
     sizes = model_sizes(config)
     # An MoE block has no gate, up or down projection: all-linear adapts what it has, and naming the
     # experts (or gate, up, down) adapts the fused experts.
@@ -472,21 +503,21 @@ def plan(
     method = f"LoRA rank {lora.rank} on {', '.join(targets)}" if lora is not None else "full fine-tuning"
     if quantize is not None:
         method = f"Q{method}, base in {quantize.upper()}"
-    layout = f"{fsdp.sharding_strategy}, shard group {shard}" if world_size > 1 else "one process, no FSDP"
     active = sizes.active_parameters
     counted = format_count(sizes.parameters) + (
         f", {format_count(active)} active" if active < sizes.parameters else ""
     )
     print(f"{config.name} ({counted} parameters), {method}, {precision}")
-    note = precision_note(precision, local_gpu(), world_size)
+    note = precision_note(precision, local_gpu(), layout.world_size)
     if note:
         print(note)
-    print(f"{devices} device(s) x {num_nodes} node(s): {layout}")
+    print(f"{devices} device(s) x {num_nodes} node(s): {layout.describe()}")
     checkpointing = "with" if fsdp.activation_checkpointing else "without"
-    print(
-        f"micro batch {micro_batch_size} x {max_seq_length} tokens, {checkpointing} activation checkpointing"
-    )
-    if accumulation > 1 and world_size > 1:
+    row = f"{max_seq_length} tokens"
+    if layout.context > 1:
+        row += f" ({-(-max_seq_length // layout.context)} on each rank of a context group)"
+    print(f"micro batch {micro_batch_size} x {row}, {checkpointing} activation checkpointing")
+    if accumulation > 1 and layout.sharded:
         print(accumulation_summary(estimate, fsdp.sharding_strategy, accumulation))
     print(checkpoint_summary(estimate, devices))
     print_estimate(estimate, memory, device_memory)
