@@ -1,7 +1,7 @@
 """`litsft plan` against measured peak memory: 2-process finetune_full (or, with --qlora, finetune_lora
 --quantize nf4) on this CPU, per sharding strategy.
 
-python benchmarks/bench_plan_vs_measured.py [--steps 3] [--max_seq_length 256] [--qlora | --moe | --small]
+python benchmarks/bench_plan_vs_measured.py [--steps 3] [--max_seq_length 256] [--qlora | --moe | --small] [--context 2]
 
 The model is a ~50M-parameter Llama shape (8 layers, hidden 768, GQA 12/4, MLP 2048; the demo tokenizer's
 449-token vocabulary), so weights, gradients and AdamW state (16 bytes a parameter, 800 MB unsharded)
@@ -26,6 +26,9 @@ hidden-256 Llama shape, and SMALL_MOE_SHAPE, the same with 8 experts of 512, 2 p
 peak RSS itself, no baseline taken away; planned = `estimate_memory(...)`'s total plus the runtime `litsft plan`
 prints beside it (litsft.training.plan.RUNTIME_BYTES). The runtime is measured first, as the resident memory of
 a fresh process that has imported what a training process imports (`runtime_rss_mib`), and printed.
+
+--context N: the runs split every row over N ranks (`--parallel.context N`; both processes read the same
+micro-batch, so the global batch is 2 / N rows, one micro-batch a step), planned with `context=N`.
 
 --qlora: LoRA rank 8 on all-linear over an NF4 base (QLORA_SHAPE: 4 layers, hidden 1024, MLP 2816, whose
 projections split into whole NF4 scale blocks over 2 ranks), baseline the same recipe on QLORA_BASELINE_SHAPE
@@ -121,8 +124,8 @@ def peak_rss_mib(
             "--data.json_path", str(data), "--data.prompt_style", "alpaca", "--devices", "2",
             "--fsdp.sharding_strategy", strategy, "--precision", "32-true", "--train.max_steps", str(args.steps),
             "--train.max_seq_length", str(args.max_seq_length), "--train.micro_batch_size", "1",
-            "--train.global_batch_size", "2", "--eval.max_batches", "1", "--eval.max_new_tokens", "0",
-            "--resume", "false", "--log.timings", "true",
+            "--train.global_batch_size", str(2 // args.context), "--parallel.context", str(args.context),
+            "--eval.max_batches", "1", "--eval.max_new_tokens", "0", "--resume", "false", "--log.timings", "true",
         ],
         args.work_dir, threads=1, extra_env={"MALLOC_MMAP_THRESHOLD_": "131072"},
     )  # fmt: skip
@@ -158,7 +161,7 @@ def whole_process(args: argparse.Namespace, data: Path) -> None:
             peak = max(peak_rss_mib(model, data, strategy, args))
             estimate = estimate_memory(
                 config, devices=2, sharding_strategy=strategy, precision="32-true", micro_batch_size=1,
-                max_seq_length=args.max_seq_length,
+                max_seq_length=args.max_seq_length, context=args.context,
             )  # fmt: skip
             planned = (estimate.total + RUNTIME_BYTES) / 2**20
             print(
@@ -178,8 +181,8 @@ def main(args: argparse.Namespace) -> None:
         data = write_mixed_length_data(args.work_dir / "train.json", 200, max_words=400)
         print(machine_description())
         print(
-            f"2 processes, 32-true, micro batch 1 x {args.max_seq_length} tokens, {args.steps} steps, "
-            "MALLOC_MMAP_THRESHOLD_=131072"
+            f"2 processes, context {args.context}, 32-true, micro batch 1 x {args.max_seq_length} tokens, "
+            f"{args.steps} steps, MALLOC_MMAP_THRESHOLD_=131072"
         )
         whole_process(args, data)
         return
@@ -194,7 +197,7 @@ def main(args: argparse.Namespace) -> None:
     print(machine_description())
     method = f"QLoRA rank {QLORA.rank} all-linear, NF4 base, " if args.qlora else ""
     print(
-        f"{num_parameters(config) / 1e6:.1f}M parameters, {method}2 processes, 32-true, micro batch 1 x "
+        f"{num_parameters(config) / 1e6:.1f}M parameters, {method}2 processes, context {args.context}, 32-true, micro batch 1 x "
         f"{args.max_seq_length} tokens, {args.steps} steps, MALLOC_MMAP_THRESHOLD_=131072"
     )
     print(f"{'':<15}{'baseline':>14}{'peak RSS':>14}{'measured':>14}{'planned':>14}")
@@ -207,7 +210,7 @@ def main(args: argparse.Namespace) -> None:
             estimate_memory(
                 Config.from_checkpoint(checkpoint), devices=2, sharding_strategy=strategy, precision="32-true",
                 micro_batch_size=1, max_seq_length=args.max_seq_length, lora=QLORA if args.qlora else None,
-                quantize="nf4" if args.qlora else None,
+                quantize="nf4" if args.qlora else None, context=args.context,
             )
             for checkpoint in (model, baseline_model)
         )  # fmt: skip
@@ -234,6 +237,9 @@ if __name__ == "__main__":
     parser.add_argument("--work_dir", default=None, help="default: a new temporary directory")
     parser.add_argument("--qlora", action="store_true", help="finetune_lora --quantize nf4 instead")
     parser.add_argument("--moe", action="store_true", help="a mixture of experts (MOE_SHAPE) instead")
+    parser.add_argument(
+        "--context", type=int, default=1, choices=(1, 2), help="--parallel.context: ranks splitting each row"
+    )
     parser.add_argument(
         "--small",
         action="store_true",
