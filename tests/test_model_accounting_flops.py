@@ -230,3 +230,23 @@ def test_attention_flops_stop_at_each_layers_window():
     assert flops_per_token(one_windowed, 16) - flops_per_token(full, 16) == -3 * 4 * width * (16 - 4)
     assert flops_per_token(both, 16) - flops_per_token(full, 16) == -2 * 3 * 4 * width * (16 - 4)
     assert flops_per_token(both, 3) == flops_per_token(full, 3)  # shorter than the window
+
+
+@pytest.mark.parametrize("length", [32768, 131072])
+def test_long_documents_count_attention_per_document_and_it_overtakes_the_matmuls(length):
+    """At long-context lengths attention is counted per document, over its causal pairs (float64, past 2**53 at
+    128k on Llama-3.1-8B): a row of four packed documents does a quarter of one document's attention. For
+    Llama-3.1-8B the causal pairs cost as much as the matmuls at 57,256 tokens (12 H D L (T + 1) / 2
+    = 6 N per token), so attention is the smaller part at 32k and the larger at 128k. Under context
+    parallelism (Ulysses) every rank of a group attends whole documents with H/N heads, so the group executes
+    exactly these FLOPs once: a rank's share is 1/N of them."""
+    config = Config.from_name("Llama-3.1-8B")
+    H, D, L = config.num_heads, config.head_dim, config.num_layers
+    weights = executed_training_flops(config, [length], length) - 12 * L * H * D * length * (length + 1) / 2
+    assert weights == pytest.approx(flops_per_token(config, 0) * length, rel=1e-12)
+    one = executed_training_flops(config, [length], length) - weights
+    packed = executed_training_flops(config, [length // 4] * 4, length) - weights
+    assert one == pytest.approx(12 * L * H * D * length * (length + 1) // 2, rel=1e-12)
+    assert packed == pytest.approx(4 * 12 * L * H * D * (length // 4) * (length // 4 + 1) // 2, rel=1e-12)
+    assert packed / one == pytest.approx(0.25, rel=1e-4)
+    assert (one > weights) == (length > 57_255)
