@@ -12,6 +12,7 @@ from litsft.recipes import finetune_full, finetune_lora, pretrain
 from litsft.data import JSON, HFDataset, LitData, TextFiles
 from litsft.model.config import NAMED_CONFIGS
 from litsft.training.args import step_geometry
+from litsft.training.layout import ParallelLayout
 
 CONFIG_HUB = Path(__file__).parent.parent / "config_hub"
 RECIPES = {
@@ -88,6 +89,20 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "num_nodes": 1,
         "fsdp.sharding_strategy": "FULL_SHARD",
         "precision": "bf16-mixed",
+    },
+    # Long context: 64k-token packed rows, each split over 2 GPUs (the context size litsft plan fits).
+    "finetune_full/llama-3.1-8b-64k-reasoning.yaml": {
+        "checkpoint_dir": "checkpoints/meta-llama/Llama-3.1-8B",
+        "devices": 8,
+        "num_nodes": 1,
+        "parallel.context": 2,
+        "fsdp.sharding_strategy": "FULL_SHARD",
+        "fsdp.activation_checkpointing": True,
+        "train.max_seq_length": 65536,
+        "train.micro_batch_size": 1,
+        "data": HFDataset,
+        "data.path": "open-r1/Mixture-of-Thoughts",
+        "data.packing": True,
     },
     "finetune_full/phi-4-mini-instruct.yaml": {
         "checkpoint_dir": "checkpoints/microsoft/Phi-4-mini-instruct",
@@ -210,12 +225,17 @@ def test_config_parses_with_its_values(name: str) -> None:
             assert isinstance(value, expected), (key, value)
         else:
             assert value == expected, (key, value)
-    # The batch arithmetic holds (the engine refuses the run otherwise) and the model is a known one.
-    world_size = config.devices * config.num_nodes
-    accumulation = step_geometry(config.train, world_size).accumulation_steps
-    assert accumulation * config.train.micro_batch_size * world_size == config.train.global_batch_size
+    # The layout and the batch arithmetic hold (the engine refuses the run otherwise: the ranks of a context
+    # group read the same micro-batch) and the model is a known one.
+    context = config.parallel.context if "parallel" in config else 1
+    layout = ParallelLayout.of(config.devices, config.num_nodes, config.fsdp.sharding_strategy, context)
+    accumulation = step_geometry(config.train, layout.data_replicas).accumulation_steps
+    assert (
+        accumulation * config.train.micro_batch_size * layout.data_replicas == config.train.global_batch_size
+    )
     model = config.model_name if name.startswith("pretrain/") else Path(config.checkpoint_dir).name
     assert model in NAMED_CONFIGS
+    layout.check_heads(NAMED_CONFIGS[model].num_heads, model)
     if config.train.max_seq_length is not None:
         assert config.train.max_seq_length <= NAMED_CONFIGS[model].max_position_embeddings
     if name.startswith("finetune"):
