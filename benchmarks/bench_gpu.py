@@ -2,6 +2,7 @@
 
 python benchmarks/bench_gpu.py [--steps 40] [--warmup 10] [--max_seq_length 4096] [--lora_rank 16]
     [--records 20000] [--float8 tensorwise|rowwise|none] [--results_json results.json]
+python benchmarks/bench_gpu.py --context_sizes 1 2 --max_seq_length 32768 [--steps 12 --warmup 4] [--results_json ...]
 
 In one invocation, on a randomly initialized Llama-3.2-1B shape (16 layers, hidden 2048, GQA 32/8, 128k
 vocabulary, tied embeddings), bf16-mixed, packed rows of `--max_seq_length` tokens of instruction data of
@@ -29,6 +30,13 @@ every side. MFU counts the FLOPs each side executes (litsft.model.accounting.flo
 datasheet bf16 peak: litsft's blocks on the real tokens, its output head on the loss tokens only and
 attention within each document; the plain loop's blocks and head on every position of the row and causal
 attention over the whole row. Each run's line is printed as soon as it finishes, then the ratios.
+
+--context_sizes: instead, finetune_full once per context size (`--parallel.context`) on the same model, with
+full activation checkpointing, on two GPUs of this machine (one when it has one: a context size larger than
+the GPUs is skipped and its reason recorded), one row per data replica and step; tokens/s per GPU and MFU as
+litsft's metrics.csv logs them (rows after the first), the peak against the plan. The anchor printed beside
+them is torchtitan's published Llama 3.1 8B table (CONTEXT_ANCHOR), another model on other GPUs: a scale to
+read the figures against, not a target.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ import torch
 from harness import (
     machine_description,
     make_checkpoint,
+    median,
     run_litsft,
     training_rows,
     write_mixed_length_data,
@@ -60,29 +69,49 @@ from litsft.model.lora.layers import LoRAConfig
 from litsft.training.plan import estimate_memory
 
 LLAMA_3_2_1B = "Llama-3.2-1B"
+CONTEXT_ANCHOR = {
+    "source": "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md (Table 2)",
+    "setup": "Llama 3.1 8B, 8x H100 (96 GB HBM2e, 500 W), FSDP + CP (ring attention) + torch.compile + Float8, "
+    "local batch 1, full activation checkpointing",
+    "tokens_per_second_per_gpu": {"32768 tokens, CP 1": 3890, "131072 tokens, CP 4": 1071},
+}
+"""What torchtitan's team published for context parallelism on one node, to read --context_sizes against."""
 SHAPE_FIELDS = (
     "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
     "tie_word_embeddings", "max_position_embeddings", "vocab_size", "rope_theta", "rope_scaling",
 )  # fmt: skip
 
 
-def litsft_run(
-    recipe: str, checkpoint: Path, data: Path, args: argparse.Namespace, work: list[StepWork], *extra: str
-) -> dict:
+def litsft_rows(
+    recipe: str,
+    checkpoint: Path,
+    data: Path,
+    args: argparse.Namespace,
+    *extra: str,
+    devices: int = 1,
+    context: int = 1,
+) -> list[dict[str, float]]:
+    """Run a litsft recipe on `devices` GPUs, one row per data replica and step; its metrics.csv rows."""
     out_dir = args.work_dir / "_".join([recipe, *extra]).replace("--", "").replace(".", "-")  # one per run
     shutil.rmtree(out_dir, ignore_errors=True)
     run_litsft(
         [
             recipe, str(checkpoint), "--out_dir", str(out_dir), "--data", "JSON", "--data.json_path", str(data),
-            "--data.prompt_style", "alpaca", "--devices", "1", "--precision", "bf16-mixed",
+            "--data.prompt_style", "alpaca", "--devices", str(devices), "--precision", "bf16-mixed",
             "--train.max_steps", str(args.steps), "--train.max_seq_length", str(args.max_seq_length),
-            "--train.micro_batch_size", "1", "--train.global_batch_size", "1",
+            "--train.micro_batch_size", "1", "--train.global_batch_size", str(devices // context),
             "--train.log_interval", str(args.warmup),
             "--eval.max_batches", "1", "--eval.max_new_tokens", "0", "--resume", "false", *extra,
         ],
         args.work_dir, threads=8,
     )  # fmt: skip
-    rows = training_rows(out_dir)
+    return training_rows(out_dir)
+
+
+def litsft_run(
+    recipe: str, checkpoint: Path, data: Path, args: argparse.Namespace, work: list[StepWork], *extra: str
+) -> dict:
+    rows = litsft_rows(recipe, checkpoint, data, args, *extra)
     return {
         **measured_rates(rows, work, device_peak_flops(torch.device("cuda"), "bf16-mixed")),
         "peak_mib": max(r["peak_gpu_memory_allocated_mib"] for r in rows),
@@ -224,6 +253,58 @@ def transformers_run(
     }
 
 
+def context_runs(config: Config, checkpoint: Path, data: Path, args: argparse.Namespace) -> dict:
+    """--context_sizes: finetune_full at each context size on two GPUs (one if that is all), tokens/s per GPU."""
+    gpus = torch.cuda.device_count()
+    devices = min(2, gpus)
+    results: dict = {
+        "gpus_used": devices,
+        "gpus_found": gpus,
+        "anchor": CONTEXT_ANCHOR,
+        "runs": {},
+        "skipped": {},
+    }
+    for context in args.context_sizes:
+        name = f"context_{context}"
+        if context > devices:
+            results["skipped"][name] = (
+                f"--parallel.context {context} needs {context} GPUs of one node; found {gpus}"
+            )
+            print(f"{name:34s} skipped: {results['skipped'][name]}", flush=True)
+            continue
+        rows = litsft_rows(
+            "finetune_full", checkpoint, data, args, "--parallel.context", str(context),
+            "--fsdp.activation_checkpointing", "true", devices=devices, context=context,
+        )  # fmt: skip
+        measured = rows[1:]  # the first row holds the warm-up steps
+        if not measured:
+            raise SystemExit("error: litsft logged no step after the warm-up; raise --steps")
+        planned = estimate_memory(
+            config, devices=devices, precision="bf16-mixed", micro_batch_size=1, max_seq_length=args.max_seq_length,
+            activation_checkpointing=True, context=context,
+        )  # fmt: skip
+        result = {
+            "devices": devices,
+            "context": context,
+            "tokens_per_second_per_gpu": median([r["tokens_per_second_per_device"] for r in measured]),
+            "mfu": median([r["mfu"] for r in measured]) if all("mfu" in r for r in measured) else None,
+            "peak_mib": max(r["peak_gpu_memory_allocated_mib"] for r in rows),
+            "planned_peak_mib": planned.total / 2**20,
+        }
+        results["runs"][name] = result
+        mfu = "—" if result["mfu"] is None else f"{result['mfu']:.1%}"
+        print(
+            f"{name:34s} {result['tokens_per_second_per_gpu']:>9,.0f} tokens/s per GPU on {devices}  MFU {mfu}  "
+            f"peak allocated {result['peak_mib']:>8,.0f} MiB (plan {result['planned_peak_mib']:,.0f})",
+            flush=True,
+        )
+        if args.results_json:
+            Path(args.results_json).write_text(json.dumps(results, indent=1))
+    anchors = ", ".join(f"{k}: {v:,}" for k, v in CONTEXT_ANCHOR["tokens_per_second_per_gpu"].items())
+    print(f"torchtitan, {CONTEXT_ANCHOR['setup']}: {anchors} tokens/s per GPU ({CONTEXT_ANCHOR['source']})")
+    return results
+
+
 def main(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         sys.exit(
@@ -245,6 +326,18 @@ def main(args: argparse.Namespace) -> None:
     config = Config.from_checkpoint(checkpoint)
     data = write_mixed_length_data(args.work_dir / "train.json", args.records, max_words=4000)
     print(machine_description(), "|", torch.cuda.get_device_name())
+    if args.context_sizes:
+        print(f"{num_parameters(config) / 1e9:.2f}B parameters, bf16-mixed, packed rows of {args.max_seq_length}",
+              flush=True)  # fmt: skip
+        results = context_runs(config, checkpoint, data, args)
+        if args.results_json:
+            Path(args.results_json).write_text(
+                json.dumps(
+                    {"device": torch.cuda.get_device_name(), "machine": machine_description(), **results},
+                    indent=1,
+                )
+            )
+        return
     print(
         f"{num_parameters(config) / 1e9:.2f}B parameters, 1 GPU, bf16-mixed, packed rows of {args.max_seq_length}, "
         f"micro batch 1, {args.steps} steps ({args.warmup} warm-up left out)",
@@ -329,5 +422,9 @@ if __name__ == "__main__":
     )
     parser.add_argument("--float8", default="tensorwise", choices=("tensorwise", "rowwise", "none"))
     parser.add_argument("--results_json", default=None, help="write every figure here as JSON")
+    parser.add_argument(
+        "--context_sizes", type=int, nargs="+", default=None,
+        help="instead: finetune_full at each --parallel.context size on two GPUs, tokens/s per GPU",
+    )  # fmt: skip
     parser.add_argument("--work_dir", default=None, help="default: a new temporary directory")
     main(parser.parse_args())

@@ -146,7 +146,7 @@ def test_bench_gpu_records_every_run_its_ratios_and_targets_in_its_results_file(
     )
     args = argparse.Namespace(
         steps=3, warmup=1, max_seq_length=128, lora_rank=4, records=200, float8="tensorwise",
-        results_json=str(results_json), work_dir=str(tmp_path / "work"),
+        results_json=str(results_json), work_dir=str(tmp_path / "work"), context_sizes=None,
     )  # fmt: skip
     bench_gpu.main(args)
     assert calls == [
@@ -168,3 +168,65 @@ def test_bench_gpu_records_every_run_its_ratios_and_targets_in_its_results_file(
     assert results["full_minus_lora_peak_mib"] == 2000.0
     full = results["runs"]["finetune_full"]
     assert full["plan_over_measured"] == full["planned_peak_mib"] / 3000.0
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_bench_gpu_context_sizes_runs_each_size_on_two_gpus_and_skips_what_one_cannot_hold(
+    gpus, tmp_path, monkeypatch
+) -> None:
+    """--context_sizes 1 2 on a CPU with the runs stood in for: finetune_full once per context size with
+    activation checkpointing on two GPUs (one when that is all, context 2 then skipped with its reason), one
+    row per data replica, tokens/s per GPU and MFU the medians of the rows after the first, the plan beside
+    the peak, the torchtitan anchor in the results file."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import argparse
+    import json
+
+    import bench_gpu
+    import harness
+
+    from litsft.model.config import Config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(bench_gpu, "SHAPE_FIELDS", ("vocab_size",))
+    from_name = Config.from_name
+    monkeypatch.setattr(Config, "from_name", lambda name, **shape: from_name("demo-llama", **shape))
+    monkeypatch.setattr(
+        bench_gpu, "make_checkpoint", lambda directory, **shape: harness.make_checkpoint(directory)
+    )
+    calls = []
+
+    def fake_litsft_rows(recipe, checkpoint, data, args, *extra, devices=1, context=1):
+        calls.append((recipe, *extra, devices, context))
+        rate = 1000.0 / context
+        return [
+            {"tokens_per_second_per_device": 1.0, "mfu": 0.01, "peak_gpu_memory_allocated_mib": 500.0},
+            {"tokens_per_second_per_device": rate, "mfu": 0.4, "peak_gpu_memory_allocated_mib": 300.0},
+            {"tokens_per_second_per_device": rate + 10, "mfu": 0.42, "peak_gpu_memory_allocated_mib": 310.0},
+            {"tokens_per_second_per_device": rate + 20, "mfu": 0.44, "peak_gpu_memory_allocated_mib": 320.0},
+        ]
+
+    monkeypatch.setattr(bench_gpu, "litsft_rows", fake_litsft_rows)
+    results_json = tmp_path / "context.json"
+    args = argparse.Namespace(
+        steps=10, warmup=3, max_seq_length=256, lora_rank=4, records=50, float8="none",
+        results_json=str(results_json), work_dir=str(tmp_path / "work"), context_sizes=[1, 2],
+    )  # fmt: skip
+    bench_gpu.main(args)
+    options = ("--fsdp.activation_checkpointing", "true")
+    expected = [("finetune_full", "--parallel.context", "1", *options, gpus, 1)]
+    if gpus == 2:
+        expected.append(("finetune_full", "--parallel.context", "2", *options, 2, 2))
+    assert calls == expected
+    results = json.loads(results_json.read_text())
+    assert results["device"] == "NVIDIA H200" and results["gpus_used"] == gpus
+    assert results["anchor"]["tokens_per_second_per_gpu"]["131072 tokens, CP 4"] == 1071
+    one = results["runs"]["context_1"]
+    assert (one["tokens_per_second_per_gpu"], one["mfu"], one["peak_mib"]) == (1010.0, 0.42, 500.0)
+    assert one["planned_peak_mib"] > 0
+    if gpus == 1:
+        assert results["skipped"] == {"context_2": "--parallel.context 2 needs 2 GPUs of one node; found 1"}
+    else:
+        assert results["runs"]["context_2"]["tokens_per_second_per_gpu"] == 510.0 and results["skipped"] == {}

@@ -32,7 +32,8 @@ gpu_run = load("benchmarks/gpu/run.py", "gpu_run")
 prepare_wheels = load("benchmarks/gpu/prepare_wheels.py", "prepare_wheels")
 
 STEP_NAMES = [
-    "install", "environment", "torch_api", "gpu_tests", "cpu_subset_on_cuda", "bench_gpu", "async_save", "demo"
+    "install", "environment", "torch_api", "gpu_tests", "cpu_subset_on_cuda", "bench_gpu", "context_parallel",
+    "async_save", "demo",
 ]  # fmt: skip
 
 
@@ -54,6 +55,10 @@ def test_the_dry_run_prints_every_step_and_budget_and_writes_nothing(tmp_path: P
     assert budgets["bench_gpu"] >= 200  # four training runs with compilation
     assert f"--results_json {out_dir}/bench_gpu.json" in result.stdout
     assert f"--device cuda --repeats 2 --results_json {out_dir}/async_save.json" in result.stdout
+    assert (
+        f"--context_sizes 1 2 --max_seq_length 32768 --steps 10 --warmup 3 --records 1000 "
+        f"--results_json {out_dir}/context_parallel.json --work_dir {gpu_run.WORK_DIR}/work/context"
+    ) in result.stdout
     assert (
         f"--work_dir {gpu_run.WORK_DIR}/work/bench" in result.stdout
     )  # the 5 GB checkpoint stays out of OUT_DIR
@@ -170,6 +175,24 @@ def test_the_summary_tables_the_figures_and_judges_each_target(tmp_path: Path) -
         "float8 loss vs bf16 (largest relative difference)": True,
         "float8 / bf16 tokens/s": None,
     }
+    # The context-parallel runs: a table of tokens/s per GPU, the skipped size, the anchor, and the plan judged.
+    context = {
+        "runs": {"context_1": {"devices": 1, "context": 1, "tokens_per_second_per_gpu": 9000.0, "mfu": 0.41,
+                               "peak_mib": 40000.0, "planned_peak_mib": 42000.0}},
+        "skipped": {"context_2": "--parallel.context 2 needs 2 GPUs of one node; found 1"},
+        "anchor": {"source": "https://example.org/table", "setup": "Llama 3.1 8B, 8x H100",
+                   "tokens_per_second_per_gpu": {"131072 tokens, CP 4": 1071}},
+    }  # fmt: skip
+    (tmp_path / "context_parallel.json").write_text(json.dumps(context))
+    markdown = gpu_run.summarize(tmp_path, [])
+    assert "| context_1 | 1 | 9,000 | 41.0% | 40,000 | 42,000 |" in markdown
+    assert (
+        "| context_2 | — | skipped: --parallel.context 2 needs 2 GPUs of one node; found 1 | | | |"
+        in markdown
+    )
+    assert "131072 tokens, CP 4: 1,071 tokens/s per GPU (https://example.org/table)" in markdown
+    assert "| litsft plan / measured peak, context_1 at 32k | 1.05 | 0.90-1.10 | yes |" in markdown
+    (tmp_path / "context_parallel.json").unlink()
     # A run cut short: no figures, so nothing is judged met.
     (tmp_path / "bench_gpu.json").unlink()
     assert "| finetune_full MFU (executed FLOPs) | — | >= 40% | — |" in gpu_run.summarize(tmp_path, [])

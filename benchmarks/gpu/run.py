@@ -16,6 +16,7 @@ before anything is installed.
 OUT_DIR/logs/<n>-<step>.log      each step's output
 OUT_DIR/bench_gpu.json           benchmarks/bench_gpu.py's figures (rewritten after each of its runs)
 OUT_DIR/async_save.json          benchmarks/bench_async_save.py's figures (the time a save blocks a step)
+OUT_DIR/context_parallel.json    bench_gpu.py --context_sizes 1 2: tokens/s per GPU at 32k tokens by context size
 OUT_DIR/results.json, results.md every step's status and time, test counts, figures and targets
 """
 
@@ -64,7 +65,7 @@ def steps(out_dir: Path, work_dir: Path = WORK_DIR, python: str = "python3") -> 
     pytest = f"{python} -m pytest -q -p no:cacheprovider --rootdir {repo}"
     return [
         Step(
-            "install", 25,
+            "install", 20,
             f"test -n \"$(ls {wheels}/*.whl 2>/dev/null)\" || {{ echo 'no wheels in {wheels}: run "
             f"benchmarks/gpu/prepare_wheels.py and carry .whl'; exit 1; }}; "
             # setuptools, wheel and packaging only build litsft's wheel (in pip's isolated build environment):
@@ -83,7 +84,7 @@ def steps(out_dir: Path, work_dir: Path = WORK_DIR, python: str = "python3") -> 
             "the GPU, the driver, torch and CUDA versions",
         ),
         Step(
-            "torch_api", 25,
+            "torch_api", 15,
             f"{pytest} --junitxml {out}/junit-torch_api.xml {repo}/tests/test_torch_compatibility.py",
             "the torch and torchao functions litsft calls take its arguments (the image's versions)",
         ),
@@ -93,16 +94,23 @@ def steps(out_dir: Path, work_dir: Path = WORK_DIR, python: str = "python3") -> 
             "the tests a CPU machine skips (pytest -m gpu): flash, flex, float8, grouped_mm, generation, syncs",
         ),
         Step(
-            "cpu_subset_on_cuda", 45,
+            "cpu_subset_on_cuda", 35,
             f"{pytest} --junitxml {out}/junit-cpu_subset_on_cuda.xml "
             + " ".join(f"{repo}/{path}" for path in CPU_SUBSET),
             "test files that pass on the CPU, on the GPU machine",
         ),
         Step(
-            "bench_gpu", 230,
+            "bench_gpu", 205,
             f"{python} {repo}/benchmarks/bench_gpu.py --steps 30 --warmup 10 --max_seq_length 4096 --records 2000 "
             f"--float8 tensorwise --results_json {out}/bench_gpu.json --work_dir {work}/bench",
             "finetune_full, the compiled transformers loop, finetune_lora, finetune_full float8; plan vs peak",
+        ),
+        Step(
+            "context_parallel", 60,
+            f"{python} {repo}/benchmarks/bench_gpu.py --context_sizes 1 2 --max_seq_length 32768 --steps 10 "
+            f"--warmup 3 --records 1000 --results_json {out}/context_parallel.json --work_dir {work}/context",
+            "finetune_full at 32k tokens with --parallel.context 1 and 2 on two GPUs (context 2 skipped on one): "
+            "tokens/s per GPU, read against torchtitan's published Llama 3.1 8B table",
         ),
         Step(
             "async_save", 35,
@@ -111,7 +119,7 @@ def steps(out_dir: Path, work_dir: Path = WORK_DIR, python: str = "python3") -> 
             "a step blocked by a checkpoint save: synchronous, in the background into ordinary or page-locked memory",
         ),
         Step(
-            "demo", 45,
+            "demo", 35,
             f"{python} -m litsft demo --devices 1 --max_steps 60 --num_eval 20 --out_dir {work}/demo",
             "a shortened `litsft demo --devices 1` (60 steps, 20 held-out prompts)",
         ),
@@ -201,6 +209,49 @@ def targets(bench: dict) -> list[tuple[str, str, str, bool | None]]:
     return rows
 
 
+def context_lines(context: dict) -> list[str]:
+    """The context-parallel runs' table (bench_gpu.py --context_sizes), the sizes skipped, and the anchor."""
+    if not context:
+        return []
+    lines = [
+        "",
+        "| 32k tokens | GPUs | tokens/s per GPU | MFU | peak MiB | plan MiB |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, run in context.get("runs", {}).items():
+        mfu = "—" if run.get("mfu") is None else f"{run['mfu']:.1%}"
+        lines.append(
+            f"| {name} | {run['devices']} | {run['tokens_per_second_per_gpu']:,.0f} | {mfu} | {run['peak_mib']:,.0f} "
+            f"| {run['planned_peak_mib']:,.0f} |"
+        )
+    for name, reason in context.get("skipped", {}).items():
+        lines.append(f"| {name} | — | skipped: {reason} | | | |")
+    anchor = context.get("anchor")
+    if anchor:
+        figures = ", ".join(f"{k}: {v:,}" for k, v in anchor["tokens_per_second_per_gpu"].items())
+        lines += [
+            "",
+            f"Anchor (another model and GPU): torchtitan, {anchor['setup']}: {figures} tokens/s per GPU ({anchor['source']}).",
+        ]
+    return lines
+
+
+def context_targets(context: dict) -> list[tuple[str, str, str, bool | None]]:
+    """The plan against each context-parallel run's peak, as the other runs' (within 10%)."""
+    rows: list[tuple[str, str, str, bool | None]] = []
+    for name, run in context.get("runs", {}).items():
+        ratio = run["planned_peak_mib"] / run["peak_mib"]
+        rows.append(
+            (
+                f"litsft plan / measured peak, {name} at 32k",
+                f"{ratio:.2f}",
+                "0.90-1.10",
+                abs(ratio - 1) <= 0.1,
+            )
+        )
+    return rows
+
+
 def summarize(out_dir: Path, results: list[StepResult]) -> str:
     """Write results.json and results.md under `out_dir`; return the markdown."""
     bench_file = out_dir / "bench_gpu.json"
@@ -225,6 +276,9 @@ def summarize(out_dir: Path, results: list[StepResult]) -> str:
             lines.append(
                 f"| {name} | {run['tokens_per_second']:,.0f} | {run['mfu']:.1%} | {run['peak_mib']:,.0f} | {plan} |"
             )
+    context_file = out_dir / "context_parallel.json"
+    context = json.loads(context_file.read_text()) if context_file.is_file() else {}
+    lines += context_lines(context)
     saves_file = out_dir / "async_save.json"
     saves = json.loads(saves_file.read_text()) if saves_file.is_file() else {}
     if saves:
@@ -232,7 +286,7 @@ def summarize(out_dir: Path, results: list[StepResult]) -> str:
                   "|---|---:|---:|"]  # fmt: skip
         for kind, save in saves["saves"].items():
             lines.append(f"| {kind} | {save['blocked_s']:.2f} | {save['published_s']:.2f} |")
-    rows = targets(bench)
+    rows = targets(bench) + context_targets(context)
     lines += ["", "| target | measured | wanted | met |", "|---|---:|---|---|"]
     for name, value, wanted, met in rows:
         lines.append(f"| {name} | {value} | {wanted} | {'—' if met is None else 'yes' if met else 'NO'} |")
@@ -242,6 +296,7 @@ def summarize(out_dir: Path, results: list[StepResult]) -> str:
         "steps": [asdict(result) for result in results],
         "tests": tests,
         "bench_gpu": bench,
+        "context_parallel": context,
         "async_save": saves,
         "targets": [dict(zip(("target", "measured", "wanted", "met"), row)) for row in rows],
     }
