@@ -134,6 +134,18 @@ def peak_rss_mib(
     return float(loaded.group(1).replace(",", "")), run
 
 
+def long_rows(args: argparse.Namespace) -> dict[str, int]:
+    """The models' context length when --max_seq_length is longer than demo-llama's."""
+    length = Config.from_name("demo-llama").max_position_embeddings
+    return {"max_position_embeddings": args.max_seq_length} if args.max_seq_length > length else {}
+
+
+def records(args: argparse.Namespace) -> int:
+    """Instruction records to write: 200 fill the rows of 256 tokens the runs take by default; longer rows
+    take proportionally more, so that every packed row is full."""
+    return 200 * max(1, args.max_seq_length // 256)
+
+
 def runtime_rss_mib(work_dir: Path) -> float:
     """Peak RSS of a fresh process (one thread, as the runs) that has imported RUNTIME_IMPORTS and nothing else."""
     code = f"import {', '.join(RUNTIME_IMPORTS)}; from litsft.runtime.timings import peak_rss_bytes; print(peak_rss_bytes())"
@@ -155,7 +167,7 @@ def whole_process(args: argparse.Namespace, data: Path) -> None:
         f"{'model':<16}{'parameters':>11}{'strategy':>15}{'peak RSS':>10}{'planned':>9}{'+ runtime':>11}{'plan/peak':>11}"
     )
     for label, shape in (("dense", SMALL_SHAPE), ("MoE", SMALL_MOE_SHAPE)):
-        model = make_checkpoint(args.work_dir / f"small-{label}", **shape)
+        model = make_checkpoint(args.work_dir / f"small-{label}", **shape, **long_rows(args))
         config = Config.from_checkpoint(model)
         for strategy in args.strategies:
             peak = max(peak_rss_mib(model, data, strategy, args))
@@ -178,7 +190,7 @@ def main(args: argparse.Namespace) -> None:
     args.work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="litsft-plan-"))
     os.environ["LITSFT_CACHE_DIR"] = str(args.work_dir / "cache")
     if args.small:
-        data = write_mixed_length_data(args.work_dir / "train.json", 200, max_words=400)
+        data = write_mixed_length_data(args.work_dir / "train.json", records(args), max_words=400)
         print(machine_description())
         print(
             f"2 processes, context {args.context}, 32-true, micro batch 1 x {args.max_seq_length} tokens, "
@@ -187,12 +199,14 @@ def main(args: argparse.Namespace) -> None:
         whole_process(args, data)
         return
     shape = QLORA_SHAPE if args.qlora else MOE_SHAPE if args.moe else SHAPE
-    model = make_checkpoint(args.work_dir / "model", **shape)
+    model = make_checkpoint(args.work_dir / "model", **shape, **long_rows(args))
     baseline_model = make_checkpoint(
-        args.work_dir / "baseline", **(QLORA_BASELINE_SHAPE if args.qlora else BASELINE_SHAPE)
+        args.work_dir / "baseline",
+        **(QLORA_BASELINE_SHAPE if args.qlora else BASELINE_SHAPE),
+        **long_rows(args),
     )
     # Long samples: every packed row is full, so each step holds max_seq_length tokens of activations.
-    data = write_mixed_length_data(args.work_dir / "train.json", 200, max_words=400)
+    data = write_mixed_length_data(args.work_dir / "train.json", records(args), max_words=400)
     config = Config.from_checkpoint(model)
     print(machine_description())
     method = f"QLoRA rank {QLORA.rank} all-linear, NF4 base, " if args.qlora else ""

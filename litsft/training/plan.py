@@ -28,11 +28,11 @@ Parameters, gradients and optimizer states are divided by the shard group that
 litsft.training.layout.ParallelLayout names (the one reading of the sharding strategy and the context size):
 every rank for FULL_SHARD and SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, one (replicated) for
 NO_SHARD; context ranks count as data ranks there. With `--parallel.context N` a rank holds 1/N of every row's
-tokens (rows padded to a multiple of N), so its activations shrink about N-fold, and each attention layer adds
-its all-to-all's tensors (`context_attention_bytes`); gradient accumulation follows the data replicas. On top come
-activations and transients (all-gathered compute-dtype parameters, a chunk of logits, gradient-reduction
-buffers). Everything the model rests on is a named constant below, so that a calibration test can compare
-`estimate_memory` with measured peaks and adjust them.
+tokens (a micro-batch's rows joined into one, padded to a multiple of N), so its activations shrink about
+N-fold, and each attention layer adds its all-to-all's tensors (`context_attention_bytes`); gradient
+accumulation follows the data replicas. On top come activations and transients (all-gathered compute-dtype
+parameters, a chunk of logits, gradient-reduction buffers). Everything the model rests on is a named constant
+below, so that a calibration test can compare `estimate_memory` with measured peaks and adjust them.
 
 The peak: parameters and AdamW states live through the whole step. Gradients do not exist during the
 forward pass (the engine zeroes them with set_to_none) unless an earlier micro-batch of the same step left
@@ -333,8 +333,10 @@ def estimate_memory(
     optimizer_states = math.ceil(trainable * state_bytes / shard)
     whole_checkpoint = trainable * (stored + state_bytes)
 
-    # A context rank holds 1/context of every row, rows padded to a multiple of the context size.
-    tokens = micro_batch_size * -(-max_seq_length // context)
+    # A context rank holds 1/context of a micro-batch's tokens: its rows joined into one, padded to a multiple
+    # of the context size (litsft.model.network.context_parallel.split_for_context).
+    whole_tokens = micro_batch_size * max_seq_length
+    tokens = -(-whole_tokens // context)
     context_saved, context_transient = context_attention_bytes(config, tokens, compute, context)
     per_block = block_activation_bytes_per_token(config, compute, lora) * tokens + context_saved
     if activation_checkpointing:
@@ -342,8 +344,9 @@ def estimate_memory(
         blocks = config.num_layers * tokens * config.hidden_size * compute + per_block
     else:
         blocks = config.num_layers * per_block
-    # Outside the blocks: the final norm (fp32 upcast + output) and RoPE's cos and sin.
-    head = tokens * (config.hidden_size * (4 + compute) + 2 * config.head_dim * compute)
+    # Outside the blocks: the final norm (fp32 upcast + output) on a rank's tokens, and RoPE's cos and sin,
+    # which every context rank makes for the whole row (LongRoPE picks its factors by whole lengths).
+    head = tokens * config.hidden_size * (4 + compute) + whole_tokens * 2 * config.head_dim * compute
     activations = math.ceil((blocks + head) * ACTIVATION_SCALE)
 
     block_size = block_parameters(config) + adapters_per_block
@@ -515,7 +518,7 @@ def plan(
     checkpointing = "with" if fsdp.activation_checkpointing else "without"
     row = f"{max_seq_length} tokens"
     if layout.context > 1:
-        row += f" ({-(-max_seq_length // layout.context)} on each rank of a context group)"
+        row += f" ({-(-micro_batch_size * max_seq_length // layout.context)} a micro-batch on each rank of a context group)"
     print(f"micro batch {micro_batch_size} x {row}, {checkpointing} activation checkpointing")
     if accumulation > 1 and layout.sharded:
         print(accumulation_summary(estimate, fsdp.sharding_strategy, accumulation))
