@@ -188,6 +188,7 @@ def whole_process(args: argparse.Namespace, data: Path) -> None:
 
 def main(args: argparse.Namespace) -> None:
     args.work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="litsft-plan-"))
+    args.work_dir.mkdir(parents=True, exist_ok=True)  # --small writes its data before any checkpoint
     os.environ["LITSFT_CACHE_DIR"] = str(args.work_dir / "cache")
     if args.small:
         data = write_mixed_length_data(args.work_dir / "train.json", records(args), max_words=400)
