@@ -334,7 +334,7 @@ def estimate_memory(
     whole_checkpoint = trainable * (stored + state_bytes)
 
     # A context rank holds 1/context of a micro-batch's tokens: its rows joined into one, padded to a multiple
-    # of the context size (litsft.model.network.context_parallel.split_for_context).
+    # of the context size (litsft.model.network.batch.split_for_context).
     whole_tokens = micro_batch_size * max_seq_length
     tokens = -(-whole_tokens // context)
     context_saved, context_transient = context_attention_bytes(config, tokens, compute, context)
