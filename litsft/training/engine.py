@@ -79,6 +79,7 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
         set_aside_damaged(fabric, run.resume, out_dir)
     layout = run.layout
     context = context_shard(layout, fabric.global_rank, fabric.device.type)
+    fabric.print(f"Parallel layout: {layout.describe()}")
     tokenizer = Tokenizer(run.tokenizer_dir)
     train_loader, val_loader = setup_data(fabric, run, tokenizer)
     total_steps = total_optimizer_steps(
@@ -289,7 +290,6 @@ def setup_model(fabric: Fabric, recipe: Recipe, run: RunConfig) -> nn.Module:
     fabric.print(
         f"Attention: {model.attention_kernel}, {describe_kernel(model.attention_kernel, softcapped)}"
     )
-    fabric.print(f"Parallel layout: {run.layout.describe()}")
     compile_blocks = on_cuda_by_default(run.train.compile, fabric.device.type)
     if fabric.world_size == 1:  # with more processes, Fabric's setup_module calls parallelize
         parallelize(model, None, run.fsdp, run.precision, compile_blocks, run.train.float8)

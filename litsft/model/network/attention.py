@@ -272,9 +272,10 @@ def prepare(
     if kernel == "varlen":
         prepared.varlen_attn = _varlen_attn()
         prepared.varlen_features = frozenset(varlen_features(prepared.varlen_attn))
-    elif kernel in ("segmented", "mask"):
-        # The mask kernel bounds each query chunk's keys by the chunk's first document: one read of the
-        # boundaries per forward pass (a sync on a GPU, where the mask kernel is the last resort).
+    elif kernel == "segmented":
+        # The CPU's kernel plans on the host (free there). The mask kernel does not: reading the boundaries
+        # would make the host wait for a GPU every forward pass, so its query chunks are bounded by the
+        # window alone (their mask rows still keep documents apart).
         prepared.segments = document_lengths(documents)
     elif kernel == "flex":
         prepared.block_mask = _document_block_mask(token_document_ids(documents, T), window)
@@ -487,8 +488,9 @@ def chunked_attention(
     soft-capped (`softcapped_attention`) when softcap is set, else SDPA with the chunk's mask rows.
 
     Plain causal rows or one row (B = 1) of documents, as `prepared` says, with its window. Queries [a, b)
-    only need keys [f, b), f the first token of a's document (0 for plain rows), or a - window + 1 if that is
-    later; their mask rows are built for those keys alone (`visible_keys`), from each token's document
+    only need keys [f, b), f the first token of a's document where the boundaries are known on the host
+    (`prepared.segments`, the CPU's kernel; else 0, as for plain rows), or a - window + 1 if that is later;
+    their mask rows are built for those keys alone (`visible_keys`), from each token's document
     (`token_document_ids`). Each chunk's scores stay under SCORES_PER_CHUNK (`query_chunk`), and while
     training every chunk is recomputed in the backward pass (`torch.utils.checkpoint`, which replays its
     dropout), so that only q, k, v and the output are kept: memory linear in T, not T x T. A lone chunk (a
@@ -507,8 +509,7 @@ def chunked_attention(
     if prepared.pattern == "documents":
         assert documents is not None
         document_ids = token_document_ids(documents, T)
-        lengths = prepared.segments if prepared.segments is not None else document_lengths(documents)
-        for length in lengths:
+        for length in prepared.segments or ():  # known on the host for the CPU's kernel only
             starts.append(starts[-1] + length)
     recompute = T > chunk and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     outputs = []
