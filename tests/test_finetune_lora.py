@@ -204,6 +204,42 @@ def test_lora_on_a_mixture_of_experts_exports_a_peft_adapter_equal_to_the_merged
     assert torch.equal(experts, base_model.blocks[0].mlp.experts.gate_up_proj)
 
 
+def test_lora_on_qwen2_moe_adapts_its_shared_expert_and_exports_a_peft_adapter_equal_to_the_merged_model(
+    workspace: Path, capsys
+) -> None:
+    """--lora.targets [q, gate, up, down] on tiny-qwen2-moe (layer 0 dense, layer 1 routed beside a shared
+    expert) adapts the dense MLP, the shared expert's projections and every expert, and trains them; the PEFT
+    export (target_modules for the projections, target_parameters for the fused experts) loads in PEFT over the
+    exported base with the merged export's logits, which are the trained model's."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    base, data, out = workspace / "base-tiny-qwen2-moe", workspace / "data.json", workspace / "qwen2-moe-lora"
+    write_tiny_checkpoint(base, seed=1, model="tiny-qwen2-moe")
+    targets = ("--lora.targets", "[q, gate, up, down]")
+    litsft_in_process(lora_args(base, data, out, 2, 2, *targets, dropout=0.0), workspace, capsys)
+    adapters = load_file(out / "final" / "adapter.safetensors")
+    adapted = {name.rsplit(".", 2)[0] for name in adapters}
+    assert {
+        "blocks.0.mlp.gate_proj",
+        "blocks.1.mlp.shared_expert.gate_proj",
+        "blocks.1.mlp.shared_expert.down_proj",
+        "blocks.1.mlp.experts.gate_up_lora",
+        "blocks.1.mlp.experts.down_lora",
+    } <= adapted
+    assert adapters["blocks.1.mlp.shared_expert.up_proj.lora_B.weight"].abs().sum() > 0
+    for lora_format in ("peft", "merged"):
+        command = ["convert_to_hf", str(out / "final"), "--out_dir", str(out / lora_format)]
+        litsft_in_process([*command, "--lora_format", lora_format], workspace, capsys)
+    model = load_model(out / "final", torch.device("cpu"), torch.float32)
+    tokens = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        peft_logits = AutoPeftModelForCausalLM.from_pretrained(out / "peft").eval()(tokens).logits
+        merged_logits = AutoModelForCausalLM.from_pretrained(out / "merged").eval()(tokens).logits
+        assert (peft_logits - merged_logits).abs().max() < 1e-5
+        assert (merged_logits - model(tokens)).abs().max() < 1e-4
+
+
 def test_lora_on_a_mixture_of_experts_resumes_with_its_own_load_balancing_weight(
     workspace: Path, capsys
 ) -> None:

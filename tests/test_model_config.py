@@ -92,6 +92,9 @@ PUBLISHED = {
     "Mixtral-8x7B-v0.1": (32, 32, 8, 4096, 14336, 32000, 1e6, False),
     "Mixtral-8x7B-Instruct-v0.1": (32, 32, 8, 4096, 14336, 32000, 1e6, False),
     "Mixtral-8x22B-v0.1": (56, 48, 8, 6144, 16384, 32000, 1e6, False),
+    "Qwen1.5-MoE-A2.7B": (24, 16, 16, 2048, 5632, 151936, 1e6, False),
+    "Qwen2-57B-A14B": (28, 28, 4, 3584, 18944, 151936, 1e6, False),
+    "tiny-qwen2-moe": (2, 4, 2, 64, 176, 512, 1e6, False),
 }
 
 # The mixtures of experts' own numbers, from the same config.json files: experts, experts per token, an
@@ -104,6 +107,8 @@ MOE_PUBLISHED = {
     "Mixtral-8x7B-v0.1": (8, 2, 14336, True, 0.02),
     "Mixtral-8x7B-Instruct-v0.1": (8, 2, 14336, True, 0.02),
     "Mixtral-8x22B-v0.1": (8, 2, 16384, True, 0.001),
+    "Qwen1.5-MoE-A2.7B": (60, 4, 1408, False, 0.001),
+    "Qwen2-57B-A14B": (64, 8, 2560, False, 0.001),
 }
 
 # Gemma's own numbers, from the same config.json files (Gemma 3 4B-27B: their text_config, the keys it leaves
@@ -133,6 +138,7 @@ KNOWN_PARAMETER_COUNTS = {
     "OLMoE-1B-7B-0924": 6_919_161_856,
     "Qwen3-30B-A3B": 30_532_122_624,
     "Mixtral-8x7B-v0.1": 46_702_792_704,
+    "Qwen1.5-MoE-A2.7B": 14_315_784_192,
 }
 
 
@@ -183,11 +189,18 @@ def test_moe_config_matches_published_numbers(name):
 
 @pytest.mark.parametrize(
     "name, active",
-    [("OLMoE-1B-7B-0924", "1.28B"), ("Qwen3-30B-A3B", "3.35B"), ("Mixtral-8x7B-v0.1", "12.9B")],
+    [
+        ("OLMoE-1B-7B-0924", "1.28B"),
+        ("Qwen3-30B-A3B", "3.35B"),
+        ("Mixtral-8x7B-v0.1", "12.9B"),
+        ("Qwen1.5-MoE-A2.7B", "2.69B"),
+        ("Qwen2-57B-A14B", "14.2B"),
+    ],
 )
 def test_active_parameters_are_those_of_the_k_experts_a_token_takes(name, active):
     """The "A3B" of Qwen3-30B-A3B: every parameter but the experts a token is not routed to (OLMoE's paper
-    says 1.3B active, Mixtral's 12.9B)."""
+    says 1.3B active, Mixtral's 12.9B; Qwen2-MoE's shared expert counts as active, as the "A2.7B" and "A14B" of
+    its names do)."""
     assert format_count(model_sizes(Config.from_name(name)).active_parameters) == active
 
 

@@ -443,3 +443,65 @@ def test_moe_config_json_round_trips_and_transformers_reads_it(kind):
     for key in ("num_experts_per_tok", "router_aux_loss_coef", "intermediate_size"):
         assert getattr(reread, key) == hf_config[key]
     assert getattr(reread, "num_experts", None) or reread.num_local_experts == 4
+
+
+# ---- qwen2_moe -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(decoder_sparse_step=1),
+        dict(decoder_sparse_step=2),
+        dict(decoder_sparse_step=3, mlp_only_layers=[5]),
+        dict(decoder_sparse_step=1, mlp_only_layers=[0, 3, 9]),
+        dict(use_sliding_window=True, sliding_window=16, max_window_layers=4),
+    ],
+    ids=["every-layer", "step-2", "step-3-one-dense", "dense-listed", "window-without-layer-types"],
+)
+def test_qwen2_moe_routes_and_slides_the_layers_transformers_does(layout):
+    """A config.json of 6 layers: litsft's model has a mixture of experts (with its shared expert) where
+    transformers' Qwen2MoeForCausalLM has a sparse block and a dense MLP of intermediate_size elsewhere, and a
+    window on the layers transformers slides, from a config.json without layer_types (old hub files) too; its
+    export reads back the same model."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    tiny = TINY_HF_MODELS["qwen2-moe"][0].to_dict()
+    config_json = {key: value for key, value in tiny.items() if key != "layer_types"}
+    config_json.update({"num_hidden_layers": 6, "use_sliding_window": False, "mlp_only_layers": [], **layout})
+    hf_config = Qwen2MoeConfig(**config_json)
+    config = Config.from_hf_config(config_json)
+    with torch.device("meta"):
+        hf_layers = Qwen2MoeForCausalLM(hf_config).model.layers
+        blocks = Transformer(config).blocks
+    hf_sparse = [type(layer.mlp).__name__ == "Qwen2MoeSparseMoeBlock" for layer in hf_layers]
+    assert [hasattr(block.mlp, "router") for block in blocks] == hf_sparse
+    assert [hasattr(block.mlp, "shared_expert") for block in blocks] == hf_sparse
+    assert [block.mlp.gate_proj.out_features for block, sparse in zip(blocks, hf_sparse) if not sparse] == [
+        128
+    ] * hf_sparse.count(False)
+    windows = [SLIDING_WINDOW if kind == "sliding_attention" else None for kind in hf_config.layer_types]
+    assert [config.attention_window(i) for i in range(6)] == windows
+    assert Config.from_hf_config(config.to_hf_config()) == config
+    assert Qwen2MoeConfig(**config.to_hf_config()).layer_types == hf_config.layer_types
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            dict(decoder_sparse_step=0),
+            "config.json's decoder_sparse_step is 0, but every how many layers the MLP is a mixture of experts is "
+            "a whole number from 1; restore the original config.json",
+        ),
+        (
+            dict(mlp_only_layers="1"),
+            "config.json's mlp_only_layers is '1', but it lists the indices of the layers with a dense MLP; "
+            "restore the original config.json",
+        ),
+    ],
+)
+def test_a_qwen2_moe_layout_transformers_cannot_build_is_refused_in_one_line(change, message):
+    """decoder_sparse_step 0 divides by zero in transformers, and mlp_only_layers is a list of layers."""
+    config_json = TINY_HF_MODELS["qwen2-moe"][0].to_dict()
+    with pytest.raises(LitsftError) as error:
+        Config.from_hf_config({**config_json, **change})
+    assert str(error.value) == message

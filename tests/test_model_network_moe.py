@@ -147,7 +147,7 @@ def test_training_loss_has_transformers_gradients_with_the_balancing_loss_on(tmp
     loss = model(tokens, labels=labels)
     (loss / (labels != -100).sum()).backward()
 
-    routings = [block.mlp.routing for block in model.blocks]
+    routings = [mlp.routing for mlp in model.routed_mlps]
     assert abs(load_balancing_loss(routings, model.config.num_experts).item() - out.aux_loss.item()) < 1e-6
     assert abs(loss.item() / 39 - (out.loss - coef * out.aux_loss).item()) < 1e-5  # the cross-entropy alone
     hf_grads = {name: p.grad for name, p in hf_model.named_parameters()}

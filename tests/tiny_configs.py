@@ -11,7 +11,8 @@ def tiny_shape(config: Config) -> Config:
     """`config`'s block features (biases, q/k norms, norms, partial rotary, tying, GQA ratio, an explicit
     head_dim, its first two layer types) at tiny widths: 2 layers, 2 kv heads, a vocabulary of 96.
     LongRoPE's factors fit the published head width only, so RoPE scaling is dropped (it has no parameters).
-    A mixture of experts keeps 4 experts, 2 per token (24 wide where they have their own width)."""
+    A mixture of experts keeps 4 experts, 2 per token (24 wide where they have their own width), and a shared
+    expert 40 wide where it has one."""
     group = config.num_heads // config.num_kv_heads
     return dataclasses.replace(
         config,
@@ -25,7 +26,12 @@ def tiny_shape(config: Config) -> Config:
         vocab_size=96,
         rope_scaling=None,
         **(
-            dict(num_experts=4, experts_per_token=2, expert_intermediate_size=24)
+            dict(
+                num_experts=4,
+                experts_per_token=2,
+                expert_intermediate_size=24,
+                shared_expert_intermediate_size=40 if config.shared_expert_intermediate_size else 0,
+            )
             if config.num_experts
             else {}
         ),

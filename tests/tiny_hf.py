@@ -31,6 +31,8 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -180,6 +182,20 @@ TINY_HF_MODELS: dict[str, tuple[PretrainedConfig, type[PreTrainedModel]]] = {
         Qwen3MoeConfig(**_SHAPES, **MOE, head_dim=32, moe_intermediate_size=48, norm_topk_prob=True),
         Qwen3MoeForCausalLM,
     ),
+    # Qwen2-MoE: a shared expert beside the routed ones, not renormalized, q/k/v biases; of its 3 layers the
+    # second is dense (mlp_only_layers), and its window is on the first and third, by Qwen2-MoE's own rule.
+    "qwen2-moe": (
+        Qwen2MoeConfig(
+            **{**_SHAPES, "num_hidden_layers": 3},
+            **MOE,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=96,
+            mlp_only_layers=[1],
+            use_sliding_window=True,
+            sliding_window=SLIDING_WINDOW,
+        ),
+        Qwen2MoeForCausalLM,
+    ),
     "mixtral": (
         MixtralConfig(
             **_SHAPES,
@@ -191,7 +207,7 @@ TINY_HF_MODELS: dict[str, tuple[PretrainedConfig, type[PreTrainedModel]]] = {
         MixtralForCausalLM,
     ),
 }
-MOE_KINDS = ("olmoe", "qwen3-moe", "mixtral")
+MOE_KINDS = ("olmoe", "qwen3-moe", "qwen2-moe", "mixtral")
 
 
 def tiny_hf_model(kind: str, seed: int = 0) -> PreTrainedModel:
@@ -206,8 +222,9 @@ def tiny_hf_model(kind: str, seed: int = 0) -> PreTrainedModel:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             elif name.endswith(".bias"):  # zero-initialized by transformers
                 param.normal_(std=0.1)
-            elif ".experts." in name or name.endswith("mlp.gate.weight"):
-                # Experts and routers large enough that a wrong route or weight changes the logits by far more
+            elif ".experts." in name or ".shared_expert" in name or name.endswith("mlp.gate.weight"):
+                # Experts (Qwen2-MoE's shared one and its gate too) and routers large enough that a wrong route or
+                # weight changes the logits by far more
                 # than the tests' tolerance (transformers starts the routers of some families at zero).
                 param.normal_(std=0.2)
     return model

@@ -107,7 +107,7 @@ class Config:
     kernels' head_dim ** -0.5."""
     logits_scaling: float = 1.0
     """Output logits are divided by this, before any soft-cap (Granite; litsft.model.network.loss.output_logits)."""
-    # ---- mixture of experts (OLMoE, Qwen3-MoE, Mixtral; off by default) ----
+    # ---- mixture of experts (OLMoE, Qwen3-MoE, Qwen2-MoE, Mixtral; off by default) ----
     num_experts: int = 0
     """Routed experts in each block's MLP (litsft.model.network.moe); 0: a dense MLP."""
     experts_per_token: int = 0
@@ -118,6 +118,14 @@ class Config:
     """Rescale a token's k router probabilities to sum to 1 (norm_topk_prob; Mixtral always does)."""
     router_aux_loss_coef: float = 0.0
     """Weight of the load-balancing loss added to the training loss (the family's config.json value)."""
+    shared_expert_intermediate_size: int = 0
+    """The intermediate size of a shared expert, a SwiGLU MLP every token of an MoE layer runs beside its routed
+    experts, its output scaled by sigmoid(`shared_expert_gate`) (Qwen2-MoE); 0: none."""
+    sparse_step: int = 1
+    """Layer i (counting from 0) routes its MLP when (i + 1) is a multiple of this and i is not in `dense_layers`
+    (Qwen2-MoE's decoder_sparse_step); the others have a dense MLP of `intermediate_size`."""
+    dense_layers: list[int] = field(default_factory=list)
+    """Layers whose MLP is dense whatever `sparse_step` says (Qwen2-MoE's mlp_only_layers)."""
     # ----
     hf_architecture: str = "LlamaForCausalLM"
     """The config.json architecture, which names the family (litsft.model.families) that builds and converts it."""
@@ -191,9 +199,18 @@ class Config:
         """Each expert's intermediate size."""
         return self.expert_intermediate_size or self.intermediate_size
 
+    def routes_experts(self, layer: int) -> bool:
+        """Whether layer `layer` (counting from 0) has a mixture of experts for its MLP, as transformers'
+        Qwen2MoeDecoderLayer decides."""
+        return self.num_experts > 0 and (layer + 1) % self.sparse_step == 0 and layer not in self.dense_layers
+
     def _check_experts(self) -> None:
         if not self.num_experts:
             return
+        if self.sparse_step < 1:
+            raise LitsftError(
+                f"{self.name}: sparse_step={self.sparse_step} must be at least 1 (1: every layer routes its MLP)"
+            )
         if not 1 <= self.experts_per_token <= self.num_experts:
             raise LitsftError(
                 f"{self.name}: experts_per_token={self.experts_per_token} must be between 1 and "

@@ -21,11 +21,13 @@ def gated_activation(
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, intermediate_size: int | None = None) -> None:
+        """`intermediate_size`: another width than the config's dense one (a shared expert's)."""
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        intermediate = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, config.hidden_size, bias=False)
         self.activation = config.mlp_activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

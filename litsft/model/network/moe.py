@@ -1,5 +1,6 @@
-"""Mixture-of-experts MLP (OLMoE, Qwen3-MoE, Mixtral): a router that picks `k` of `E` SwiGLU experts per token,
-the experts as two fused 3D weights, computed dropless, and the load-balancing loss over the routing.
+"""Mixture-of-experts MLP (OLMoE, Qwen3-MoE, Qwen2-MoE, Mixtral): a router that picks `k` of `E` SwiGLU experts per
+token, the experts as two fused 3D weights, computed dropless, Qwen2-MoE's gated shared expert beside them, and the
+load-balancing loss over the routing.
 
 Shapes in comments: N tokens, C hidden size, E experts, k experts per token, I an expert's intermediate size,
 A = N * k (token, expert) assignments, L MoE layers.
@@ -34,7 +35,7 @@ from torch import nn
 from torch.distributed.nn.functional import all_reduce
 
 from litsft.model.config import Config
-from litsft.model.network.mlp import gated_activation
+from litsft.model.network.mlp import MLP, gated_activation
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,10 @@ class MoE(nn.Module):
         self.normalize = config.normalize_expert_weights
         self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.expert_intermediate)
+        # Qwen2-MoE's shared expert: a dense MLP every token runs, scaled by its own sigmoid gate (Linear(C, 1)).
+        shared = config.shared_expert_intermediate_size
+        self.shared_expert = MLP(config, shared) if shared else None
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared else None
         self.sequences: tuple[torch.Tensor, int] | None = None
         """(the sequence of each token (N,), the number of sequences S); None: all tokens one sequence."""
         self.routing: Routing | None = None
@@ -275,7 +280,11 @@ class MoE(nn.Module):
         counts = torch.zeros(E, dtype=torch.int64, device=x.device)
         counts = counts.index_add_(0, flat_experts, torch.ones_like(flat_experts))  # (E,)
         self.routing = self._routing_per_sequence(experts, probabilities)
-        return self.experts(flat, experts, weights, counts).view(B, T, C)
+        out = self.experts(flat, experts, weights, counts)  # (N, C)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(flat))  # (N, 1)
+            out = out + gate * self.shared_expert(flat)
+        return out.view(B, T, C)
 
     def _routing_per_sequence(self, experts: torch.Tensor, probabilities: torch.Tensor) -> Routing:
         N, E = probabilities.shape

@@ -1,5 +1,6 @@
 """The decoder-only transformer: Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2 and 3, OLMo 2, Phi-3 and Phi-4, Granite in
-one flat file, and the mixtures of experts (OLMoE, Qwen3-MoE, Mixtral), whose routed MLP is litsft.model.network.moe's.
+one flat file, and the mixtures of experts (OLMoE, Qwen3-MoE, Qwen2-MoE, Mixtral), whose routed MLP is
+litsft.model.network.moe's.
 
 Shapes in comments: B batch, T query length, S key length, H query heads, K kv heads, D head dim,
 C hidden size, V vocab size, N tokens of a packed row.
@@ -239,7 +240,8 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, layer: int = 0) -> None:
+        """`layer`: the block's index, which says whether its MLP is routed (`Config.routes_experts`)."""
         super().__init__()
         C = config.hidden_size
         # Norms before (Llama), after (OLMo 2) or on both sides (Gemma's "sandwich") of attention and MLP.
@@ -247,7 +249,7 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.attn_post_norm = rms_norm(config, C) if config.post_attention_norm else nn.Identity()
         self.mlp_norm = rms_norm(config, C) if config.pre_norms else nn.Identity()
-        self.mlp = MoE(config) if config.num_experts else MLP(config)
+        self.mlp = MoE(config) if config.routes_experts(layer) else MLP(config)
         self.mlp_post_norm = rms_norm(config, C) if config.post_mlp_norm else nn.Identity()
         self.residual_multiplier = config.residual_multiplier
 
@@ -284,7 +286,7 @@ class Transformer(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         block = BLOCK_VARIANTS[family_of(config.hf_architecture).block]
-        self.blocks = nn.ModuleList(block(config) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(block(config, i) for i in range(config.num_layers))
         self.norm = rms_norm(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
@@ -296,6 +298,11 @@ class Transformer(nn.Module):
         self.loss_compiled = False
         """Whether the loss runs each chunk's cast and cross-entropy compiled: set with the blocks' compile
         (litsft.training.parallel.parallelize), the path `--train.compile` takes."""
+
+    @property
+    def routed_mlps(self) -> list[MoE]:
+        """The mixtures of experts of the blocks that route their MLP (all of them but Qwen2-MoE's dense layers)."""
+        return [block.mlp for block in self.blocks if isinstance(block.mlp, MoE)]
 
     @property
     def attention_kernel(self) -> Kernel | None:
@@ -362,7 +369,7 @@ class Transformer(nn.Module):
             scaling=self.config.logits_scaling,
             token_index=token_index,
         )
-        if self.training and self.config.num_experts:
+        if self.training and self.routed_mlps:
             loss = loss + self.router_loss_gradient(loss_positions, context)
         return loss
 
@@ -384,9 +391,10 @@ class Transformer(nn.Module):
         summed over the context group first (moe.load_balancing_loss), so each sequence's loss is the whole
         sequence's; weighted by this rank's loss tokens, the terms of the group's ranks add up to one
         process's, and so do their gradients (the all-reduce's backward sums the ranks' gradients)."""
-        routings = [block.mlp.routing for block in self.blocks]
+        routed = self.routed_mlps
+        routings = [mlp.routing for mlp in routed]
         sequences = routings[0].tokens.shape[0]
-        sequence_of = self.blocks[0].mlp.sequences
+        sequence_of = routed[0].sequences
         of_loss_token = sequence_of[0][loss_positions] if sequence_of is not None else loss_positions * 0
         loss_tokens = torch.zeros(sequences, device=loss_positions.device).index_add_(
             0, of_loss_token.long(), torch.ones(loss_positions.numel(), device=loss_positions.device)
@@ -467,8 +475,8 @@ class Transformer(nn.Module):
                 sequences = (document_of, documents.cu_seqlens.numel() - 1)
             else:
                 sequences = (torch.arange(B, device=x.device).repeat_interleave(x.shape[1]), B)
-            for block in self.blocks:
-                block.mlp.sequences = sequences
+            for mlp in self.routed_mlps:
+                mlp.sequences = sequences
         for i, block in enumerate(self.blocks):
             kv_cache = self.kv_caches[i] if self.kv_caches is not None else None
             cos, sin = ropes[self.config.uses_local_rope(i)]
