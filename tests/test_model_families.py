@@ -493,14 +493,20 @@ def test_qwen2_moe_routes_and_slides_the_layers_transformers_does(layout):
             "a whole number from 1; restore the original config.json",
         ),
         (
+            dict(shared_expert_intermediate_size=0),
+            "config.json's shared_expert_intermediate_size is 0, but litsft builds Qwen2-MoE's shared expert at "
+            "least 1 wide, as the published models have it; restore the original config.json",
+        ),
+        (
             dict(mlp_only_layers="1"),
             "config.json's mlp_only_layers is '1', but it lists the indices of the layers with a dense MLP; "
             "restore the original config.json",
         ),
     ],
 )
-def test_a_qwen2_moe_layout_transformers_cannot_build_is_refused_in_one_line(change, message):
-    """decoder_sparse_step 0 divides by zero in transformers, and mlp_only_layers is a list of layers."""
+def test_a_qwen2_moe_layout_litsft_does_not_build_is_refused_in_one_line(change, message):
+    """decoder_sparse_step 0 divides by zero in transformers; a shared expert 0 wide still has a gate and empty
+    projections in transformers' weights, which litsft has no place for; mlp_only_layers is a list of layers."""
     config_json = TINY_HF_MODELS["qwen2-moe"][0].to_dict()
     with pytest.raises(LitsftError) as error:
         Config.from_hf_config({**config_json, **change})

@@ -63,6 +63,17 @@ def _sparse_layers_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
     return {"sparse_step": step, "dense_layers": sorted(set(dense))}
 
 
+def _shared_expert_from_hf(hf_config: dict[str, Any]) -> int:
+    size = hf_config["shared_expert_intermediate_size"]
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        # transformers still builds the shared expert's gate and empty projections, which litsft has no place for
+        raise LitsftError(
+            f"config.json's shared_expert_intermediate_size is {size!r}, but litsft builds Qwen2-MoE's shared "
+            "expert at least 1 wide, as the published models have it; restore the original config.json"
+        )
+    return size
+
+
 def _config_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
     window = sliding_layers_from_hf(hf_config)
     if window["sliding_window"] is not None and not hf_config.get("layer_types"):
@@ -74,7 +85,7 @@ def _config_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
         **_sparse_layers_from_hf(hf_config),
         "qkv_bias": True if qkv_bias is None else bool(qkv_bias),  # transformers 5's key; older files lack it
         "expert_intermediate_size": int(hf_config["moe_intermediate_size"]),
-        "shared_expert_intermediate_size": int(hf_config["shared_expert_intermediate_size"]),
+        "shared_expert_intermediate_size": _shared_expert_from_hf(hf_config),
         "normalize_expert_weights": bool(hf_config.get("norm_topk_prob", False)),
     }
 
