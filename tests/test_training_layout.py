@@ -57,6 +57,38 @@ def test_layouts_that_cannot_split_are_refused_naming_the_sizes_that_would() -> 
         ParallelLayout.of(8, 1, "FULL_SHARD", 4).check_heads(6, "tiny")
 
 
+def test_expert_groups_are_consecutive_ranks_of_a_shard_group_and_the_rest_shard_their_weights() -> None:
+    layout = ParallelLayout.of(4, 2, "FULL_SHARD", expert=4)
+    assert [layout.expert_rank(rank) for rank in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert layout.expert_group(5) == [4, 5, 6, 7]
+    assert layout.expert_fsdp_mesh_shape == ((2, 4), ("efsdp", "expert"))
+    assert "expert 4 x expert-fsdp 2" in layout.describe()
+    hybrid = ParallelLayout.of(4, 2, "HYBRID_SHARD", 2, expert=2)
+    assert hybrid.expert_group(6) == [6, 7]
+    assert hybrid.expert_fsdp_mesh_shape == ((2, 2, 2), ("replicate", "efsdp", "expert"))
+    assert ParallelLayout.of(2, expert=2).expert_fsdp_mesh_shape == ((1, 2), ("efsdp", "expert"))
+
+
+def test_expert_sizes_that_cannot_split_are_refused_naming_the_sizes_that_would() -> None:
+    with pytest.raises(
+        LitsftError, match=r"--parallel.expert=3 does not divide the shard group of 4 ranks.*1, 2, 4$"
+    ):
+        ParallelLayout.of(4, expert=3)
+    with pytest.raises(
+        LitsftError, match=r"shard group of 2 ranks \(--devices=2 of a node under HYBRID_SHARD"
+    ):
+        ParallelLayout.of(2, 2, "HYBRID_SHARD", expert=4)
+    with pytest.raises(LitsftError, match="NO_SHARD shards nothing"):
+        ParallelLayout.of(4, 1, "NO_SHARD", expert=2)
+    with pytest.raises(LitsftError, match="at least 1"):
+        ParallelLayout.of(4, expert=0)
+    with pytest.raises(LitsftError, match=r"does not divide tiny's 6 experts.*pick one of 1, 2$"):
+        ParallelLayout.of(4, expert=4).check_experts(6, "tiny")
+    with pytest.raises(LitsftError, match="tiny has no experts"):
+        ParallelLayout.of(4, expert=2).check_experts(0, "tiny")
+    ParallelLayout.of(4, expert=4).check_experts(8, "tiny")
+
+
 # ---- context parallelism end to end -------------------------------------------------------------------------
 def finetune_args(
     recipe: str, checkpoint: Path, data: Path, out_dir: Path, micro: int, steps: int, *extra: str

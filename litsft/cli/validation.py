@@ -40,6 +40,7 @@ def check_run(run: RunConfig, recipe_name: str) -> None:
     check_positive(run)
     check_world_size(run.devices, run.num_nodes)
     run.layout.check_heads(run.config.num_heads, run.config.name)  # the layout refuses what cannot split
+    run.layout.check_experts(run.config.num_experts, run.config.name)
     check_float8_recipe(run.train.float8, recipe_name)
     max_length = run.config.max_position_embeddings
     if run.train.max_seq_length is not None and run.train.max_seq_length > max_length:

@@ -47,6 +47,11 @@ class ParallelConfig:
     """Context parallelism: this many ranks (of one node) share each micro-batch, each holding 1/N of every
     row's tokens, and swap attention heads for tokens around attention (all-to-all). Activation memory per
     rank drops about N-fold; N divides --devices and the model's attention heads."""
+    expert: int = 1
+    """Expert parallelism (MoE models): this many consecutive ranks of a shard group each own 1/N of every MoE
+    layer's experts, whole, and send each token to the ranks of its chosen experts and back (all-to-all,
+    dropless); the experts' weights are FSDP-sharded over the rest of the shard group. N divides the shard
+    group (--devices under HYBRID_SHARD, --devices x --num_nodes otherwise) and the model's experts."""
 
 
 @dataclass
@@ -253,7 +258,11 @@ class RunConfig:
     def layout(self) -> ParallelLayout:
         """How this run's ranks divide the work (refused in one line if they cannot)."""
         return ParallelLayout.of(
-            self.devices, self.num_nodes, self.fsdp.sharding_strategy, self.parallel.context
+            self.devices,
+            self.num_nodes,
+            self.fsdp.sharding_strategy,
+            self.parallel.context,
+            self.parallel.expert,
         )
 
 

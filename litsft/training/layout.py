@@ -16,7 +16,12 @@ ranks shrinks parameter memory as adding data ranks does:
 | HYBRID_SHARD  | the ranks of a node               | the nodes       |
 | NO_SHARD      | - (every rank holds all of them)  | every rank      |
 
-There is room for the expert axis: it splits the ranks of a shard group again, for the experts' weights only.
+The expert axis (`expert`, expert parallelism) splits the ranks of a shard group again, for the MoE experts'
+weights only: an expert group is `expert` consecutive ranks of a shard group (so, as far as they can, of one
+node: its all-to-alls run every MoE layer, over the fastest links), each owning 1/expert of every layer's
+experts, whole; each expert weight is then FSDP-sharded over the shard group's ranks that hold the same
+experts (one per expert group, `expert_fsdp_mesh_shape`), as torchtitan's `dp_shard x cp == efsdp x ep`.
+Every other parameter is sharded as the table says.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class ParallelLayout:
     num_nodes: int = 1
     sharding_strategy: ShardingStrategy = "FULL_SHARD"
     context: int = 1
+    expert: int = 1
 
     @classmethod
     def of(
@@ -52,6 +58,7 @@ class ParallelLayout:
         num_nodes: int = 1,
         sharding_strategy: ShardingStrategy = "FULL_SHARD",
         context: int = 1,
+        expert: int = 1,
     ) -> ParallelLayout:
         """The layout, or one line saying why it cannot be and which sizes would work."""
         if context < 1:
@@ -62,7 +69,23 @@ class ParallelLayout:
                 f"--parallel.context={context} does not divide --devices={devices}: a context group is made of "
                 f"ranks of one node; pick one of {sizes}"
             )
-        return cls(devices, num_nodes, sharding_strategy, context)
+        layout = cls(devices, num_nodes, sharding_strategy, context, expert)
+        if expert < 1:
+            raise LitsftError(f"--parallel.expert={expert}: it is a number of ranks, at least 1")
+        if expert > 1 and layout.shard_group_size % expert:
+            shard_group = layout.shard_group_size
+            sizes = ", ".join(map(str, divisors(shard_group)))
+            why = (
+                "--fsdp.sharding_strategy NO_SHARD shards nothing; use FULL_SHARD or HYBRID_SHARD"
+                if shard_group == 1 and layout.sharded and sharding_strategy == "NO_SHARD"
+                else f"pick one of {sizes}"
+            )
+            raise LitsftError(
+                f"--parallel.expert={expert} does not divide the shard group of {shard_group} ranks "
+                f"({layout.shard_group_description}): an expert group splits the ranks that shard the "
+                f"weights; {why}"
+            )
+        return layout
 
     @property
     def world_size(self) -> int:
@@ -97,6 +120,38 @@ class ParallelLayout:
         return self.world_size
 
     @property
+    def shard_group_description(self) -> str:
+        """What the shard group is made of, in words, for refusals."""
+        if not self.sharded:
+            return "one process"
+        if self.sharding_strategy == "NO_SHARD":
+            return "NO_SHARD"
+        if self.sharding_strategy == "HYBRID_SHARD":
+            return f"--devices={self.devices} of a node under HYBRID_SHARD"
+        return f"--devices={self.devices} x --num_nodes={self.num_nodes}"
+
+    def expert_rank(self, global_rank: int) -> int:
+        """Which 1/expert of every MoE layer's experts `global_rank` owns: experts
+        [expert_rank * E / expert, (expert_rank + 1) * E / expert)."""
+        return global_rank % self.expert
+
+    def expert_group(self, global_rank: int) -> list[int]:
+        """The ranks of `global_rank`'s expert group: `expert` consecutive ranks (within one shard group, since
+        `expert` divides its size and shard groups are consecutive ranks too)."""
+        first = global_rank - self.expert_rank(global_rank)
+        return list(range(first, first + self.expert))
+
+    @property
+    def expert_fsdp_mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The mesh of the experts' weights, its last dimension the expert group: FSDP2 shards them over the
+        dimension before it (the ranks of a shard group that own the same experts) and replicates them over
+        a first "replicate" one under HYBRID_SHARD (the nodes), as it does every other weight."""
+        efsdp = self.shard_group_size // self.expert
+        if self.sharding_strategy == "HYBRID_SHARD":
+            return (self.num_nodes, efsdp, self.expert), ("replicate", "efsdp", "expert")
+        return (efsdp, self.expert), ("efsdp", "expert")
+
+    @property
     def fsdp_mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The shape and dimension names of the mesh FSDP2 shards on: 1-D (shard) or 2-D (replicate, shard)."""
         if self.sharding_strategy == "NO_SHARD":
@@ -115,6 +170,22 @@ class ParallelLayout:
                 f"context rank attends with an equal share of them; pick one of {sizes}"
             )
 
+    def check_experts(self, num_experts: int, name: str) -> None:
+        """Refuse an expert size that does not divide the model's experts (each expert rank owns an equal share
+        of them, whole), or one asked of a model without experts, naming the sizes that would work."""
+        if self.expert == 1:
+            return
+        if not num_experts:
+            raise LitsftError(
+                f"--parallel.expert={self.expert}: {name} has no experts (not a mixture of experts); drop it"
+            )
+        if num_experts % self.expert:
+            sizes = ", ".join(str(d) for d in divisors(self.shard_group_size) if num_experts % d == 0)
+            raise LitsftError(
+                f"--parallel.expert={self.expert} does not divide {name}'s {num_experts} experts: each expert "
+                f"rank owns an equal share of them; pick one of {sizes}"
+            )
+
     def describe(self) -> str:
         """The layout in words, for the start-up line and `litsft plan`."""
         if not self.sharded:
@@ -122,4 +193,6 @@ class ParallelLayout:
         text = f"{self.sharding_strategy}, shard group {self.shard_group_size}"
         if self.context > 1:
             text += f", context {self.context} x data {self.data_replicas}"
+        if self.expert > 1:
+            text += f", expert {self.expert} x expert-fsdp {self.shard_group_size // self.expert}"
         return text
