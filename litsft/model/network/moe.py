@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.nn.functional import all_reduce
 
 from litsft.model.config import Config
+from litsft.model.network.expert_parallel import ExpertShard, combine, dispatch, local_experts
 from litsft.model.network.mlp import MLP, gated_activation
 
 
@@ -106,6 +107,9 @@ class GroupedExperts(nn.Module):
         # `lora_A.weight` (E, r, in), `lora_B.weight` (E, out, r) and `scaling`, or None.
         self.gate_up_lora: nn.Module | None = None
         self.down_lora: nn.Module | None = None
+        # Expert parallelism (litsft.model.network.expert_parallel): this rank's place in its expert group, its
+        # weights and adapters then DTensors sharded over that group along dim 0 (its experts' rows local).
+        self.expert_shard: ExpertShard | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -123,10 +127,15 @@ class GroupedExperts(nn.Module):
         order = experts.flatten().argsort(stable=True)  # assignments grouped by expert, in token order
         token_of = order // k  # (A,) the token of each sorted assignment
         sorted_x = x[token_of]  # (A, C)
-        if uses_grouped_mm(sorted_x, self):
-            out = self._grouped(sorted_x, counts)
+        rows, row_counts = sorted_x, counts
+        if self.expert_shard is not None:  # the rows of this rank's experts, from every rank of its group
+            rows, row_counts, exchange = dispatch(sorted_x, counts, self.expert_shard)
+        if uses_grouped_mm(rows, self):
+            out = self._grouped(rows, row_counts)
         else:
-            out = self._per_expert(sorted_x, counts)  # (A, C)
+            out = self._per_expert(rows, row_counts)
+        if self.expert_shard is not None:
+            out = combine(out, exchange, self.expert_shard)  # (A, C)
         out = out * weights.flatten()[order, None].to(out.dtype)
         return torch.zeros_like(x, dtype=out.dtype).index_add_(0, token_of, out).to(x.dtype)
 
@@ -136,8 +145,8 @@ class GroupedExperts(nn.Module):
         # compute dtype (bf16) here.
         offsets = counts.cumsum(0, dtype=torch.int32)  # (E,) end of each expert's slice
         dtype = compute_dtype(self.gate_up_proj)
-        gate_up = self.gate_up_proj.to(dtype).transpose(-2, -1)  # (E, C, 2I)
-        down = self.down_proj.to(dtype).transpose(-2, -1)  # (E, I, C)
+        gate_up = local_experts(self.gate_up_proj).to(dtype).transpose(-2, -1)  # (E, C, 2I)
+        down = local_experts(self.down_proj).to(dtype).transpose(-2, -1)  # (E, I, C)
         sorted_x = sorted_x.to(dtype)
         hidden = torch._grouped_mm(sorted_x, gate_up, offs=offsets)  # (A, 2I)
         if self.gate_up_lora is not None:
@@ -155,15 +164,19 @@ class GroupedExperts(nn.Module):
         # unbind, not gate_up_proj[e]: the backward of one unbind stacks the experts' gradients into one
         # (E, 2I, C) tensor, where each indexing adds a zero-filled full-size gradient of its own (64 per
         # projection for OLMoE: 36x slower at 128 tokens, forward and backward; benchmarks/bench_moe_cpu.py).
-        gate_ups, downs = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        gate_ups = local_experts(self.gate_up_proj).unbind(0)
+        downs = local_experts(self.down_proj).unbind(0)
         gate_up_lora, down_lora = (
             _per_expert_adapters(self.gate_up_lora),
             _per_expert_adapters(self.down_lora),
         )
         outputs = []
-        for expert, rows in enumerate(sorted_x.split(slice_sizes(counts, sorted_x.shape[0]))):
-            if rows.shape[0] == 0:
-                continue
+        slices = sorted_x.split(slice_sizes(counts, sorted_x.shape[0]))
+        # The experts with rows; with none (an expert-parallel rank that received nothing), the first over its
+        # empty slice, so that the weights still get their (zero) gradient and the backward reaches the input.
+        computed = [expert for expert, rows in enumerate(slices) if rows.shape[0]] or [0]
+        for expert in computed:
+            rows = slices[expert]
             hidden = F.linear(rows, gate_ups[expert])  # (n_e, 2I)
             if gate_up_lora is not None:
                 hidden = hidden + _low_rank(gate_up_lora, expert, rows)
@@ -183,7 +196,8 @@ def _per_expert_adapters(
     for the base weights), and its scaling; None without an adapter."""
     if adapter is None:
         return None
-    return adapter.lora_A.weight.unbind(0), adapter.lora_B.weight.unbind(0), adapter.scaling
+    lora_A, lora_B = (local_experts(weight) for weight in (adapter.lora_A.weight, adapter.lora_B.weight))
+    return lora_A.unbind(0), lora_B.unbind(0), adapter.scaling
 
 
 def _low_rank(
@@ -198,8 +212,8 @@ def _grouped_low_rank(
     adapter: nn.Module, sorted_rows: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """The adapter's term for every sorted assignment (A, in) -> (A, out), as two grouped matmuls."""
-    lora_A = adapter.lora_A.weight.to(dtype).transpose(-2, -1)  # (E, in, r)
-    lora_B = adapter.lora_B.weight.to(dtype).transpose(-2, -1)  # (E, r, out)
+    lora_A = local_experts(adapter.lora_A.weight).to(dtype).transpose(-2, -1)  # (E, in, r)
+    lora_B = local_experts(adapter.lora_B.weight).to(dtype).transpose(-2, -1)  # (E, r, out)
     narrow = torch._grouped_mm(sorted_rows, lora_A, offs=offsets) * adapter.scaling  # (A, r)
     return torch._grouped_mm(narrow.to(dtype), lora_B, offs=offsets)
 
