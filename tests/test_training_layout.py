@@ -221,3 +221,61 @@ def test_a_context_size_that_cannot_split_is_refused_before_anything_starts(
     assert result.returncode != 0
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not out.exists()
+
+
+# ---- expert parallelism end to end --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("devices", "extra"),
+    [
+        ("2", ("--parallel.expert", "2")),
+        ("4", ("--parallel.expert", "4")),
+        ("4", ("--parallel.expert", "2")),  # FSDP 2 x expert 2
+        ("2", ("--parallel.expert", "2", "--parallel.context", "2")),
+    ],
+)
+def test_expert_parallel_trains_as_one_process(workspace: Path, capsys, devices: str, extra: tuple) -> None:
+    """tiny-moe's 4 experts split over expert groups, micro-batches of 1 (accumulated where the ranks are fewer
+    than the rows), against one process: the same final weights, experts included."""
+    expected = reference(workspace, capsys, "tiny-moe")
+    out = workspace / f"expert-{devices}-{'-'.join(extra)}"
+    micro = "2" if "--parallel.context" in extra else "1"
+    args = finetune_args("finetune_full", workspace / "tiny-moe", workspace / "data.json", out, micro, 3)
+    result = litsft([*args, "--devices", devices, *extra], workspace)
+    assert f"expert {extra[1]} x expert-fsdp {int(devices) // int(extra[1])}" in result.stdout
+    assert max_difference(expected, out / "final") < 1e-5
+    assert max_difference(workspace / "tiny-moe", out / "final") > 1e-3  # training moved the weights
+
+
+def test_lora_on_experts_split_over_an_expert_group_saves_every_expert_complete(
+    workspace: Path, capsys
+) -> None:
+    """Per-expert adapters sharded with their experts over 2 ranks: the saved adapter holds all 4 experts' A and B,
+    equal to one process's."""
+    lora = ("--lora.targets", "[q, experts]", "--lora.dropout", "0")
+    expected = reference(workspace, capsys, "tiny-moe", "finetune_lora", *lora)
+    out = workspace / "lora-expert2"
+    args = finetune_args("finetune_lora", workspace / "tiny-moe", workspace / "data.json", out, 1, 3, *lora)
+    litsft([*args, "--devices", "2", "--parallel.expert", "2"], workspace)
+    a, b = (load_file(final / "adapter.safetensors") for final in (expected, out / "final"))
+    assert a.keys() == b.keys()
+    experts = [k for k in a if "experts" in k]
+    assert experts and all(b[k].shape[0] == 4 for k in experts)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert any(k.endswith("lora_B.weight") and "experts" in k and a[k].abs().sum() > 0 for k in a)
+
+
+def test_a_run_stopped_under_expert_2_resumes_under_expert_1_and_expert_4(workspace: Path, capsys) -> None:
+    """Stopped after step 2 of 4 at expert 2 and resumed at expert 1 (plain FSDP on 2 ranks) and at expert 4 on 4
+    ranks: DCP reshards the experts' weights and optimizer state, and both end as the uninterrupted run."""
+    base, data = workspace / "tiny-moe", workspace / "data.json"
+    whole = workspace / "expert-resume-whole"
+    args = finetune_args("finetune_full", base, data, whole, 1, 4, "--train.save_interval", "2")
+    litsft([*args, "--devices", "2", "--parallel.expert", "2"], workspace)
+    runs = {}
+    for name, then in (("1", ("--devices", "2")), ("4", ("--devices", "4", "--parallel.expert", "4"))):
+        resumed = stopped_copy(whole, workspace / f"expert-resume-{name}", last_step=4)
+        args = finetune_args("finetune_full", base, data, resumed, 1, 4, "--train.save_interval", "2")
+        result = litsft([*args, *then], workspace)
+        assert "Resumed from" in result.stdout + result.stderr
+        runs[name] = max_difference(whole / "final", resumed / "final")
+    assert all(difference < 1e-5 for difference in runs.values()), runs

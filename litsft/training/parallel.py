@@ -23,6 +23,7 @@ FSDP treats as any other: they shard parameters and reduce gradients with the da
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +34,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from litsft.model.network.context_parallel import ContextShard
+from litsft.model.network.expert_parallel import ExpertShard, shard_experts
+from litsft.model.network.moe import GroupedExperts
 from litsft.model.precision.float8 import Float8Recipe, convert_to_float8
 from litsft.model.precision.quantization import is_nf4
 from litsft.training.args import FSDPConfig, Precision, ShardingStrategy
@@ -56,7 +59,8 @@ def build_fabric(
 
     def parallelize_for_strategy(model: nn.Module, fabric_mesh: DeviceMesh) -> nn.Module:
         mesh = fsdp_mesh(layout, fabric_mesh)
-        return parallelize(model, mesh, fsdp, precision, compile_blocks, float8)
+        experts = expert_meshes(layout, fabric_mesh.device_type)
+        return parallelize(model, mesh, fsdp, precision, compile_blocks, float8, experts)
 
     # No tensor parallelism: Fabric's mesh is (world size, 1). Context ranks are data-parallel ranks as far
     # as FSDP goes (they shard parameters and reduce gradients like any other); that they read the same
@@ -100,6 +104,34 @@ def fsdp_mesh(layout: ParallelLayout, fabric_mesh: DeviceMesh) -> DeviceMesh:
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
+def expert_meshes(layout: ParallelLayout, device_type: str) -> ExpertMeshes | None:
+    """The meshes of expert parallelism (None without it): the expert group's, which holds each rank's experts
+    (`layout.expert_rank`), and the one FSDP2 shards the experts' weights on, both of one mesh of the shape
+    `layout.expert_fsdp_mesh_shape` (FSDP2 asks that a parameter's own mesh and its FSDP mesh have one root).
+    Collective: every rank calls it, after the process group started."""
+    if layout.expert == 1:
+        return None
+    shape, names = layout.expert_fsdp_mesh_shape
+    root = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    expert = root["expert"]
+    shard = ExpertShard(expert.get_group(), expert.get_local_rank(), layout.expert)
+    return ExpertMeshes(expert, root[names[:-1]], shard, layout.world_size)
+
+
+@dataclass(frozen=True)
+class ExpertMeshes:
+    """Where the experts' weights live under expert parallelism (`expert_meshes`)."""
+
+    expert: DeviceMesh
+    """The expert group's 1-D mesh: each weight is sharded along its experts (dim 0) over it."""
+    fsdp: DeviceMesh
+    """The mesh FSDP2 shards (and under HYBRID_SHARD replicates) the experts' weights on."""
+    shard: ExpertShard
+    world_size: int
+    """What FSDP2 divides the experts' gradients by, as it divides every other gradient: its own mesh is
+    `expert` times smaller, and the all-to-all's backward already summed the expert group's tokens."""
+
+
 def context_shard(layout: ParallelLayout, global_rank: int, device_type: str) -> ContextShard | None:
     """This rank's place in its context group (None without context parallelism). Collective: every rank
     calls it once, after the process group started. The groups are `layout.context` consecutive ranks, of
@@ -119,12 +151,18 @@ def parallelize(
     precision: Precision,
     compile_blocks: bool = False,
     float8: Float8Recipe | None = None,
+    experts: ExpertMeshes | None = None,
 ) -> nn.Module:
     """Prepare `model` (in place; parameter names do not change) for training: its large block projections
     swapped for float8 ones if asked (`litsft.model.precision.float8`), activation checkpointing on each block if asked,
     then each block and the loss's cross-entropy compiled if asked, then FSDP2 on `mesh` (None: one process,
     no FSDP). The order matters: compile sees the float8 casts and the recomputation, and FSDP wraps the
-    compiled blocks (and all-gathers tensorwise float8 weights in float8 when it shards them)."""
+    compiled blocks (and all-gathers tensorwise float8 weights in float8 when it shards them). With `experts`
+    (expert parallelism) each MoE layer's experts keep only this rank's experts, first of all."""
+    if experts is not None:
+        for module in model.modules():
+            if isinstance(module, GroupedExperts):
+                shard_experts(module, experts.shard, experts.expert)
     if float8 is not None:
         sharded = mesh is not None and mesh.size(mesh.ndim - 1) > 1
         convert_to_float8(model, float8, fsdp_all_gather=sharded and float8 == "tensorwise")
@@ -141,7 +179,7 @@ def parallelize(
             block.compile(dynamic=True)
         model.loss_compiled = True
     if mesh is not None:
-        fully_shard_blocks(model, mesh, fsdp, precision)
+        fully_shard_blocks(model, mesh, fsdp, precision, experts)
     return model
 
 
@@ -159,8 +197,15 @@ def recompute_in_backward(block: nn.Module) -> None:
     block.forward = forward_recomputed_in_backward
 
 
-def fully_shard_blocks(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, precision: Precision) -> None:
-    """Shard each transformer block as its own FSDP unit, then the root (embeddings, final norm, head).
+def fully_shard_blocks(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    fsdp: FSDPConfig,
+    precision: Precision,
+    experts: ExpertMeshes | None = None,
+) -> None:
+    """Shard each transformer block as its own FSDP unit, then the root (embeddings, final norm, head). Under
+    expert parallelism (`experts`) each block's experts are a unit of their own first, on the experts' mesh.
 
     A block is one unit also under LoRA, its frozen base and its adapters together: one all-gather and one
     reduce-scatter per block, and no FSDP hook between the block's layers, which would break a compiled
@@ -184,6 +229,19 @@ def fully_shard_blocks(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, pre
         options["ignored_params"] = {p for p in model.parameters() if is_nf4(p)}
 
     for block in model.blocks:
+        if experts is not None:
+            for module in block.modules():
+                if isinstance(module, GroupedExperts):
+                    unit = fully_shard(
+                        module, reshard_after_forward=reshard, **{**options, "mesh": experts.fsdp}
+                    )
+                    unit.set_gradient_divide_factor(float(experts.world_size))
+                    # Summed, then divided: a factor other than the mesh's size is otherwise a PREMUL_SUM
+                    # reduce-scatter, which gloo (the CPU) does not have. Not over one rank, which reduces
+                    # nothing: torch 2.13 then divides by the factor twice (`foreach_reduce`'s copy for a
+                    # world of one, then the post-division that forced sums add).
+                    if experts.fsdp.size(experts.fsdp.ndim - 1) > 1:
+                        unit.set_force_sum_reduction_for_comms(True)
         fully_shard(block, reshard_after_forward=reshard, **options)
     # The root's parameters are needed again right at the start of backward; keeping them saves one all-gather.
     fully_shard(model, reshard_after_forward=False, **options)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from lightning.fabric import Fabric
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from litsft.errors import LitsftError
 from litsft.model.network.attention import Documents
@@ -269,7 +270,24 @@ def dropout_samples_of(
 
 
 def clip_gradients(model: nn.Module, max_norm: float | None) -> torch.Tensor:
-    """Global gradient norm over all ranks (clipped to max_norm when given)."""
+    """Global gradient norm over all ranks (clipped to max_norm when given). The norm of each mesh's gradients
+    is taken apart and the parts combined: under expert parallelism the experts' gradients are DTensors of
+    a mesh of their own, which one norm over every gradient cannot mix with the others'."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else math.inf, foreach=True)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    by_mesh: dict[Any, list[nn.Parameter]] = {}
+    for param in params:
+        by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+    max_norm = max_norm if max_norm else math.inf
+    if len(by_mesh) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for mesh, group in by_mesh.items():
+        # The same total for every group, as a replicated DTensor of the group's mesh where it has one.
+        on_mesh = total if mesh is None else DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim)
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, on_mesh, foreach=True)
+    return total
