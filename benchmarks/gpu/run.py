@@ -65,7 +65,7 @@ def steps(out_dir: Path, work_dir: Path = WORK_DIR, python: str = "python3") -> 
     pytest = f"{python} -m pytest -q -p no:cacheprovider --rootdir {repo}"
     return [
         Step(
-            "install", 20,
+            "install", 45,
             f"test -n \"$(ls {wheels}/*.whl 2>/dev/null)\" || {{ echo 'no wheels in {wheels}: run "
             f"benchmarks/gpu/prepare_wheels.py and carry .whl'; exit 1; }}; "
             # setuptools, wheel and packaging only build litsft's wheel (in pip's isolated build environment):
@@ -106,7 +106,7 @@ def steps(out_dir: Path, work_dir: Path = WORK_DIR, python: str = "python3") -> 
             "finetune_full, the compiled transformers loop, finetune_lora, finetune_full float8; plan vs peak",
         ),
         Step(
-            "context_parallel", 60,
+            "context_parallel", 35,
             f"{python} {repo}/benchmarks/bench_gpu.py --context_sizes 1 2 --max_seq_length 32768 --steps 10 "
             f"--warmup 3 --records 1000 --results_json {out}/context_parallel.json --work_dir {work}/context",
             "finetune_full at 32k tokens with --parallel.context 1 and 2 on two GPUs (context 2 skipped on one): "
