@@ -27,11 +27,11 @@ def tiny_of(config: Config) -> Config:
     )
 
 
-def graph_saved_bytes(output: torch.Tensor, not_owned: set[int]) -> int:
-    """Bytes of the tensors the autograd graph behind `output` holds (each node's saved tensors, a custom
+def graph_saved_bytes(outputs: list[torch.Tensor], not_owned: set[int]) -> int:
+    """Bytes of the tensors the autograd graph behind `outputs` holds (each node's saved tensors, a custom
     Function's included), each storage once, without the storages in `not_owned` and scalars."""
     sizes: dict[int, int] = {}
-    stack, visited = [output.grad_fn], set()
+    stack, visited = [output.grad_fn for output in outputs], set()
     while stack:
         node = stack.pop()
         if node is None or node in visited:
@@ -72,7 +72,10 @@ def test_saved_activations_equal_what_a_real_forward_pass_keeps(architecture, dt
     cos, sin = rope_cos_sin(config, torch.arange(tokens)[None], dtype)
     output = block(x, cos, sin, prepare("segmented", (1, tokens), x.device))
     not_owned = {tensor.untyped_storage().data_ptr() for tensor in (*block.parameters(), cos, sin)}
-    measured = graph_saved_bytes(output, not_owned)
+    # A mixture of experts' router probabilities feed the load-balancing loss too: with gpt-oss's softmax over the
+    # top k logits, they reach no output.
+    routing = getattr(block.mlp, "routing", None)
+    measured = graph_saved_bytes([output, *([routing.probability_sums] if routing else [])], not_owned)
     assert block_saved_bytes_per_token(config, dtype, lora) * tokens == measured
     # The count follows the block: a frozen block keeps less than a trained one.
     if lora is None:

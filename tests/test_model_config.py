@@ -95,6 +95,9 @@ PUBLISHED = {
     "Qwen1.5-MoE-A2.7B": (24, 16, 16, 2048, 5632, 151936, 1e6, False),
     "Qwen2-57B-A14B": (28, 28, 4, 3584, 18944, 151936, 1e6, False),
     "tiny-qwen2-moe": (2, 4, 2, 64, 176, 512, 1e6, False),
+    "gpt-oss-20b": (24, 64, 8, 2880, 2880, 201088, 150000.0, False),
+    "gpt-oss-120b": (36, 64, 8, 2880, 2880, 201088, 150000.0, False),
+    "tiny-gpt-oss": (2, 4, 2, 64, 64, 512, 150000.0, False),
 }
 
 # The mixtures of experts' own numbers, from the same config.json files: experts, experts per token, an
@@ -109,6 +112,8 @@ MOE_PUBLISHED = {
     "Mixtral-8x22B-v0.1": (8, 2, 16384, True, 0.001),
     "Qwen1.5-MoE-A2.7B": (60, 4, 1408, False, 0.001),
     "Qwen2-57B-A14B": (64, 8, 2560, False, 0.001),
+    "gpt-oss-20b": (32, 4, 2880, False, 0.9),
+    "gpt-oss-120b": (128, 4, 2880, False, 0.9),
 }
 
 # Gemma's own numbers, from the same config.json files (Gemma 3 4B-27B: their text_config, the keys it leaves
@@ -139,6 +144,9 @@ KNOWN_PARAMETER_COUNTS = {
     "Qwen3-30B-A3B": 30_532_122_624,
     "Mixtral-8x7B-v0.1": 46_702_792_704,
     "Qwen1.5-MoE-A2.7B": 14_315_784_192,
+    # OpenAI's model card gives 20.91B and 116.83B, https://arxiv.org/abs/2508.10925
+    "gpt-oss-20b": 20_914_757_184,
+    "gpt-oss-120b": 116_829_156_672,
 }
 
 
@@ -444,10 +452,10 @@ def test_unknown_name_without_close_matches_points_to_list_models():
 
 def test_unsupported_rope_type():
     with pytest.raises(LitsftError) as error:
-        Config.from_name("tiny-llama", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+        Config.from_name("tiny-llama", rope_scaling={"rope_type": "dynamic", "factor": 4.0})
     assert str(error.value) == (
-        "tiny-llama: rope_scaling type 'yarn' is not supported; supported types are default, llama3, linear, "
-        "longrope, su"
+        "tiny-llama: rope_scaling type 'dynamic' is not supported; supported types are default, llama3, linear, "
+        "yarn, longrope, su"
     )
 
 

@@ -187,6 +187,82 @@ def test_chunked_attention_equals_the_whole_matrix(monkeypatch, case, kv_heads, 
         assert first + keys == start + size  # keys [first, end of the chunk)
 
 
+def _transformers_sink_attention(q, k, v, mask, sinks):
+    """transformers' gpt-oss attention (eager_attention_forward, its only path with sinks on a CPU) over the
+    whole (B, H, T, S) scores, mask (B or 1, 1, T, S) True where a query may attend -> (B, T, H, D)."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    module = SimpleNamespace(num_key_value_groups=q.shape[1] // k.shape[1], sinks=sinks, training=False)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    return eager_attention_forward(module, q, k, v, additive, scaling=q.shape[-1] ** -0.5)[0]
+
+
+@pytest.mark.parametrize("kernel", ["mask", "segmented"])
+@pytest.mark.parametrize("case", list(CHUNKED_CASES))
+def test_attention_sinks_in_chunks_equal_transformers(monkeypatch, kernel, case):
+    """gpt-oss's sinks (a logit per head in every softmax's denominator) on the written-out path, 64 queries at
+    a time, for packed documents (on the mask kernel and on the CPU's segmented one, which gives way to it) and
+    plain causal rows, windows, grouped kv heads: transformers' output, and q, k, v and the sinks' gradients,
+    within 1e-6 (the gradients within 2e-6, 5e-6 relative: summed over chunks in another order, and transformers
+    subtracts each row's maximum first)."""
+    lengths, window = CHUNKED_CASES[case]
+    B, H, T, D = (1, 4, sum(lengths), 8) if lengths else (2, 4, 200, 8)
+    monkeypatch.setattr(attention, "SCORES_PER_CHUNK", B * H * T * 64)  # 64 queries a chunk
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, T, D, generator=generator, requires_grad=True)
+    k, v = (torch.randn(B, 2, T, D, generator=generator, requires_grad=True) for _ in range(2))
+    sinks = (2 * torch.randn(H, generator=generator)).requires_grad_()
+    grad = torch.randn(B, T, H, D, generator=generator)
+    if lengths:
+        documents = Documents(cumulative_lengths(lengths), max(lengths))
+        prepared = prepare(kernel, (1, T), CPU, documents, window)
+        document_ids = token_document_ids(documents, T)[None]
+    else:
+        prepared = prepare(kernel, (B, T), CPU, window=window)
+        document_ids = torch.zeros(1, T, dtype=torch.long)
+    got = attention.attend(q, k, v, prepared, sinks=sinks)
+    got_grads = torch.autograd.grad(got, (q, k, v, sinks), grad)
+    mask = _whole_matrix_mask(document_ids, window)
+    expected = _transformers_sink_attention(q, k, v, mask, sinks)
+    expected_grads = torch.autograd.grad(expected, (q, k, v, sinks), grad)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    for name, mine, reference in zip(("q", "k", "v", "sinks"), got_grads, expected_grads):
+        torch.testing.assert_close(
+            mine, reference, atol=2e-6, rtol=5e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
+    without = attention.attend(q, k, v, prepared)
+    assert (without - got).abs().max() > 1e-2  # the sinks take a share of every softmax
+
+
+def test_attention_sinks_in_decoding_equal_transformers():
+    """One new query against a KV cache of 6 slots (4 written): transformers' output for that query."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(1, heads, length, 8, generator=generator) for heads, length in ((4, 1), (2, 6), (2, 6))
+    )
+    sinks = 2 * torch.randn(4, generator=generator)
+    prepared = prepare("mask", (1, 1), CPU, cache_positions=torch.tensor([3]), cache_length=6)
+    got = attention.attend(q, k, v, prepared, sinks=sinks)
+    expected = _transformers_sink_attention(
+        q, k[:, :, :4], v[:, :, :4], torch.ones(1, 1, 1, 4, dtype=torch.bool), sinks
+    )
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("chosen", ["varlen", "flex", "mask", "segmented"])
+def test_a_model_with_attention_sinks_runs_the_written_out_path_on_every_kernel(chosen):
+    """No fused kernel takes a sink: whichever kernel is set, gpt-oss runs the mask kernel's written-out path,
+    and the start-up line says so."""
+    assert attention.kernel_for_sinks(chosen) == "mask"
+    model = Transformer(Config.from_name("tiny-gpt-oss"))
+    model.attention_kernel = chosen
+    assert model.attention_kernel == "mask"
+    described = attention.describe_kernel(model.attention_kernel, sinks=True)
+    assert "sink" in described and described != attention.KERNEL_DESCRIPTIONS["mask"]
+
+
 def test_a_chunk_holds_a_bounded_number_of_scores():
     """As many queries as keep a chunk's scores within SCORES_PER_CHUNK, in steps of MIN_QUERY_CHUNK, and
     never fewer than that."""

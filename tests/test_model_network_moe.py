@@ -11,6 +11,7 @@ from tiny_hf import MOE_KINDS, save_tiny_hf, tiny_hf_model
 from litsft.checkpoint.model_folder import load_model_state_dict
 from litsft.huggingface.convert import convert_from_hf
 from litsft.model.config import Config
+from litsft.model.families import family_of
 from litsft.model.network.moe import GroupedExperts, load_balancing_loss, route, slice_sizes
 from litsft.model.network.transformer import Transformer
 
@@ -65,6 +66,43 @@ def test_the_grouped_mm_path_equals_the_per_expert_path():
     assert torch.allclose(
         experts._grouped(sorted_x, counts), experts._per_expert(sorted_x, counts), atol=1e-5
     )
+
+
+def test_the_grouped_mm_path_equals_the_per_expert_path_with_gpt_oss_biases_and_clamped_swiglu():
+    """gpt-oss's experts (biases on both projections, the clamped SwiGLU, a clamp random rows reach) give the
+    same rows on both paths: each sorted assignment takes its own expert's biases."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, C, 8, bias=True, activation="clamped_swiglu", alpha=1.5, limit=0.5)
+    with torch.no_grad():
+        for bias in (experts.gate_up_proj_bias, experts.down_proj_bias):
+            bias.normal_()
+    sorted_x = torch.randn(11, C)
+    counts = torch.tensor([3, 0, 6, 2])
+    per_expert = experts._per_expert(sorted_x, counts)
+    assert torch.allclose(experts._grouped(sorted_x, counts), per_expert, atol=1e-5)
+    experts.limit = 100.0
+    assert not torch.allclose(experts._per_expert(sorted_x, counts), per_expert, atol=1e-3)
+
+
+def test_clamped_swiglu_and_the_top_k_router_equal_transformers():
+    """gpt-oss's activation (transformers' GptOssExperts._apply_gate on interleaved gate/up) and its router's
+    weights (GptOssTopKRouter: the top k logits, a softmax over them) with values past the clamp."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from litsft.model.network.moe import clamped_swiglu
+
+    gate, up = 6 * torch.randn(5, 8), 6 * torch.randn(5, 8)
+    interleaved = torch.stack((gate, up), dim=-1).flatten(-2)  # gate_up[..., ::2] is the gate
+    hf = SimpleNamespace(alpha=1.702, limit=7.0)
+    assert torch.equal(clamped_swiglu(gate, up, 1.702, 7.0), GptOssExperts._apply_gate(hf, interleaved))
+    logits = torch.randn(7, 4)
+    weights, chosen, probabilities = route(logits, 2, normalize=False, over_top_k=True)
+    top, expected_chosen = torch.topk(logits, 2, dim=-1)
+    assert torch.equal(chosen, expected_chosen)
+    assert torch.allclose(weights, torch.softmax(top, dim=1), atol=1e-7, rtol=0)
+    assert torch.equal(probabilities, torch.softmax(logits, dim=-1))
 
 
 @pytest.mark.gpu
@@ -151,21 +189,20 @@ def test_training_loss_has_transformers_gradients_with_the_balancing_loss_on(tmp
     assert abs(load_balancing_loss(routings, model.config.num_experts).item() - out.aux_loss.item()) < 1e-6
     assert abs(loss.item() / 39 - (out.loss - coef * out.aux_loss).item()) < 1e-5  # the cross-entropy alone
     hf_grads = {name: p.grad for name, p in hf_model.named_parameters()}
+    weights = family_of(model.config.hf_architecture).weights
     for name, param in model.named_parameters():
-        hf_name = (
-            name.replace("blocks.", "model.layers.")
-            .replace("attn.", "self_attn.")
-            .replace(".router.", ".gate.")
-        )
+        hf_name = name.replace("blocks.", "model.layers.").replace("attn.", "self_attn.")
+        if hf_name not in hf_grads:  # gpt-oss keeps the name `router`
+            hf_name = hf_name.replace(".router.", ".gate.")
         hf_name = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}.get(
             name, hf_name
         )
         hf_name = hf_name.replace("attn_norm", "input_layernorm").replace(
             "mlp_norm", "post_attention_layernorm"
         )
-        assert (param.grad - hf_grads[hf_name]).abs().max() < 1e-5 * max(
-            1.0, hf_grads[hf_name].abs().max()
-        ), name
+        layout = weights.layout(name)  # gpt-oss's experts: transformers' layout, turned into litsft's
+        hf_grad = layout.to_litsft(hf_grads[hf_name]) if layout is not None else hf_grads[hf_name]
+        assert (param.grad - hf_grad).abs().max() < 1e-5 * max(1.0, hf_grad.abs().max()), name
 
 
 def test_each_packed_document_is_balanced_on_its_own_whatever_it_is_packed_with(tmp_path):

@@ -15,6 +15,7 @@ from tiny_hf import (
 )
 
 from litsft.checkpoint.model_folder import load_model_state_dict
+from litsft.errors import LitsftError
 from litsft.huggingface.convert import convert_from_hf
 from litsft.inference.generate import generate_batch, generate_tokens
 from litsft.model.config import Config
@@ -202,3 +203,46 @@ def test_phi_greedy_generation_across_the_long_rope_switch_equals_transformers(t
         assert max((a - b[0]).abs().max().item() for a, b in zip(steps, hf.logits)) < 1e-4
     batched = generate_batch(model, [p.tolist() for p in prompts], max_new_tokens=PHI_LENGTH - 9)
     assert batched == [tokens[: PHI_LENGTH - 9] for tokens in expected]
+
+
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        # gpt-oss's own (not truncated), at its published shape
+        {
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        # transformers' defaults: truncated ramp ends, beta 32 and 1
+        {"factor": 4.0, "original_max_position_embeddings": 2048},
+        # DeepSeek's mscale ratio, and an explicit attention factor
+        {"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.5, "original_max_position_embeddings": 4096},
+        {"factor": 8.0, "attention_factor": 1.3, "beta_fast": 16.0, "original_max_position_embeddings": 1024},
+    ],
+)
+def test_yarn_frequencies_and_scaling_equal_transformers(rope_scaling):
+    """YaRN's per-pair frequencies and the factor it scales cos and sin by, bit for bit those of transformers'
+    _compute_yarn_parameters, for gpt-oss's settings and transformers' other branches."""
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from litsft.model.network.transformer import rope_attention_scaling, rope_inverse_frequencies
+
+    scaling = {"rope_type": "yarn", **rope_scaling}
+    hf_config = GptOssConfig(
+        head_dim=64, max_position_embeddings=131072, rope_parameters={**scaling, "rope_theta": 150000.0}
+    )
+    expected, expected_scaling = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+    config = Config.from_name("gpt-oss-20b", rope_scaling=scaling)
+    assert torch.equal(rope_inverse_frequencies(config), expected)
+    assert rope_attention_scaling(config) == expected_scaling
+    plain = rope_inverse_frequencies(Config.from_name("gpt-oss-20b", rope_scaling=None))
+    assert not torch.equal(plain, expected)
+
+
+def test_yarn_without_its_original_context_is_refused():
+    with pytest.raises(LitsftError, match="YaRN needs original_max_position_embeddings"):
+        Config.from_name("tiny-gpt-oss", rope_scaling={"rope_type": "yarn", "factor": 4.0})

@@ -13,6 +13,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
     LlamaConfig,
@@ -206,8 +208,33 @@ TINY_HF_MODELS: dict[str, tuple[PretrainedConfig, type[PreTrainedModel]]] = {
         ),
         MixtralForCausalLM,
     ),
+    # gpt-oss: biases everywhere, attention sinks, a window on even layers, YaRN over an original context the
+    # tests pass (32 positions, factor 4), experts with a clamped SwiGLU whose clamp (2) random weights reach
+    # and an alpha other than the default, the router's softmax over its top 2 logits.
+    "gpt-oss": (
+        GptOssConfig(
+            **_SHAPES,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=SLIDING_WINDOW,
+            swiglu_alpha=1.5,
+            swiglu_limit=2.0,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 32,
+            },
+            tie_word_embeddings=False,
+        ),
+        GptOssForCausalLM,
+    ),
 }
-MOE_KINDS = ("olmoe", "qwen3-moe", "qwen2-moe", "mixtral")
+MOE_KINDS = ("olmoe", "qwen3-moe", "qwen2-moe", "mixtral", "gpt-oss")
 
 
 def tiny_hf_model(kind: str, seed: int = 0) -> PreTrainedModel:
@@ -222,7 +249,13 @@ def tiny_hf_model(kind: str, seed: int = 0) -> PreTrainedModel:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             elif name.endswith(".bias"):  # zero-initialized by transformers
                 param.normal_(std=0.1)
-            elif ".experts." in name or ".shared_expert" in name or name.endswith("mlp.gate.weight"):
+            elif name.endswith("self_attn.sinks"):  # sinks that take a share of every softmax
+                param.normal_(std=1.0)
+            elif (
+                ".experts." in name
+                or ".shared_expert" in name
+                or name.endswith(("mlp.gate.weight", "mlp.router.weight"))
+            ):
                 # Experts (Qwen2-MoE's shared one and its gate too) and routers large enough that a wrong route or
                 # weight changes the logits by far more
                 # than the tests' tolerance (transformers starts the routers of some families at zero).

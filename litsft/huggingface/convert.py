@@ -42,6 +42,7 @@ from litsft.checkpoint.weight_files import (
 )
 from litsft.data.tokenizer import check_tokenizer_fits, read_tokenizer_file
 from litsft.errors import LitsftError
+from litsft.huggingface.mxfp4 import dequantized, dequantized_shape, packed_tensors
 from litsft.model.config import CONFIG_FILENAME, Config, DType
 from litsft.model.families import FAMILIES, WeightMap, family_of
 from litsft.model.lora.config import LoRAConfig
@@ -117,7 +118,8 @@ def convert_hf_directory(
     if dtype != "auto":
         config.torch_dtype = dtype
     with publish_atomically(out_dir, "the converted checkpoint") as tmp_dir:
-        tensors = weight_map(config).from_hf(iter_tensors(hf_dir, names), expected_shapes(config))
+        hf_tensors = dequantized(iter_tensors(hf_dir, names))  # MXFP4 experts (gpt-oss) as bf16
+        tensors = weight_map(config).from_hf(hf_tensors, expected_shapes(config))
         source = hf_model_id or name or _hub_id_of_cache_path(hf_dir) or str(hf_dir.resolve())
         save_model_folder(_cast(tensors, dtype), config, tmp_dir, hf_dir, max_shard_size, hf_source=source)
         for file_name, text in (extra_files or {}).items():
@@ -483,9 +485,14 @@ def _check_hf_tokenizer(hf_dir: Path, config: Config) -> bool:
 
 def _check_hf_tensors(hf_dir: Path, config: Config) -> dict[str, tuple[str, ...]]:
     """Check the HF checkpoint's tensors against `config`; returns HF name -> the litsft names it holds (one,
-    or the parts of a fused tensor), for the tensors to convert."""
+    or the parts of a fused tensor), for the tensors to convert (both halves of an MXFP4 tensor)."""
     infos = tensor_infos(hf_dir)
     files = weight_file_map(hf_dir)
+    packed = packed_tensors(infos, files)
+    for stem, (blocks, scales) in packed.items():  # checked as the dense tensor they dequantize to
+        infos[stem] = (dequantized_shape(infos.pop(blocks)[0]), torch.bfloat16)
+        files[stem] = files[scales]
+        del infos[scales]
     weights = weight_map(config)
     expected = expected_shapes(config)
     names: dict[str, tuple[str, ...]] = {}
@@ -509,6 +516,9 @@ def _check_hf_tensors(hf_dir: Path, config: Config) -> dict[str, tuple[str, ...]
             )
         names[name] = targets
         shape = infos[name][0]
+        layout = weights.layout(targets[0])
+        if layout is not None:  # the litsft shape of a tensor the hub lays out otherwise
+            shape = tuple(layout.to_litsft(torch.empty(shape, device="meta")).shape)
         rows = [expected[target][0] if target in expected else 0 for target in targets]
         if len(targets) > 1 and sum(rows) != shape[0]:
             raise LitsftError(
@@ -536,6 +546,8 @@ def _check_hf_tensors(hf_dir: Path, config: Config) -> dict[str, tuple[str, ...]
     for target, parts in expert_parts.items():
         found[target] = _stacked_shape(target, parts, experts, weights)
     _check_shapes(found, config, str(hf_dir), weights.hf_name)
+    for stem, halves in packed.items():
+        names.update(dict.fromkeys(halves, names.pop(stem)))
     return names
 
 

@@ -19,7 +19,7 @@ from litsft.runtime.files import read_json
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 """The dtype a conversion stores the weights in; "auto" keeps theirs."""
 LayerType = Literal["full_attention", "sliding_attention"]
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", *LONG_ROPE_TYPES)
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", *LONG_ROPE_TYPES)
 POSITIVE_FIELDS = (
     "query_pre_attn_scalar",
     "softcap_attention",
@@ -96,6 +96,9 @@ class Config:
     """Attention logits are capped to c * tanh(score / c) before the softmax (Gemma 2)."""
     softcap_final: float | None = None
     """Output logits are capped to c * tanh(logit / c) (Gemma 2)."""
+    attention_sinks: bool = False
+    """A learned logit per query head (`attn.sinks`) joins every attention softmax's denominator and adds no
+    value, so a query can attend to nothing (gpt-oss)."""
     # ---- Granite's multipliers (each off by default) ----
     embedding_multiplier: float = 1.0
     """The embeddings are multiplied by this (Granite)."""
@@ -126,6 +129,20 @@ class Config:
     (Qwen2-MoE's decoder_sparse_step); the others have a dense MLP of `intermediate_size`."""
     dense_layers: list[int] = field(default_factory=list)
     """Layers whose MLP is dense whatever `sparse_step` says (Qwen2-MoE's mlp_only_layers)."""
+    router_bias: bool = False
+    """A bias on the router's logits (gpt-oss)."""
+    router_softmax: Literal["all_experts", "top_k"] = "all_experts"
+    """The router's weights: a softmax over all E logits, then the top k (OLMoE, Qwen3-MoE, Mixtral), or a
+    softmax over the top k logits alone (gpt-oss)."""
+    expert_bias: bool = False
+    """Biases on each expert's gate/up and down projections (gpt-oss)."""
+    expert_activation: Literal["silu", "clamped_swiglu"] = "silu"
+    """The experts' gated activation: SwiGLU, or gpt-oss's clamped SwiGLU, (up + 1) * gate *
+    sigmoid(swiglu_alpha * gate) with the gate clamped to at most `swiglu_limit` and up to [-limit, limit]."""
+    swiglu_alpha: float = 1.702
+    """The clamped SwiGLU's sigmoid gain (read with expert_activation="clamped_swiglu" only)."""
+    swiglu_limit: float = 7.0
+    """The clamped SwiGLU's clamp (read with expert_activation="clamped_swiglu" only)."""
     # ----
     hf_architecture: str = "LlamaForCausalLM"
     """The config.json architecture, which names the family (litsft.model.families) that builds and converts it."""
@@ -179,9 +196,13 @@ class Config:
                 f"{self.name}: rotary_fraction={self.rotary_fraction} must rotate an even number of each head's "
                 f"{self.head_dim} dimensions (0 < fraction <= 1)"
             )
+        scaling = self.rope_scaling or {}
+        if self.rope_type == "yarn" and "original_max_position_embeddings" not in scaling:
+            raise LitsftError(
+                f"{self.name}: YaRN needs original_max_position_embeddings, the context length it stretches"
+            )
         if self.rope_type not in LONG_ROPE_TYPES:
             return
-        scaling = self.rope_scaling or {}
         for key in ("short_factor", "long_factor"):
             if len(scaling.get(key) or ()) != self.rotary_dim // 2:
                 raise LitsftError(

@@ -287,9 +287,8 @@ def setup_model(fabric: Fabric, recipe: Recipe, run: RunConfig) -> nn.Module:
         dropout=config.attention_dropout,
     )
     softcapped = config.softcap_attention is not None
-    fabric.print(
-        f"Attention: {model.attention_kernel}, {describe_kernel(model.attention_kernel, softcapped)}"
-    )
+    described = describe_kernel(model.attention_kernel, softcapped, config.attention_sinks)
+    fabric.print(f"Attention: {model.attention_kernel}, {described}")
     compile_blocks = on_cuda_by_default(run.train.compile, fabric.device.type)
     if fabric.world_size == 1:  # with more processes, Fabric's setup_module calls parallelize
         parallelize(model, None, run.fsdp, run.precision, compile_blocks, run.train.float8)

@@ -42,7 +42,9 @@ class LayerSizes:
     expert_weights: int = 0
     """Weights of all routed experts (E x 3 x C x I); 0 for a dense MLP."""
     active_expert_weights: int = 0
-    """Expert weights each token multiplies by: its k experts' (k x 3 x C x I)."""
+    """Expert parameters each token uses: its k experts' (k x 3 x C x I, and their biases where they have them)."""
+    active_expert_matmul_weights: int = 0
+    """Expert weights each token multiplies by: its k experts' (k x 3 x C x I), without their biases (gpt-oss)."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class ModelSizes:
     def matmul_weights(self) -> int:
         """Weights every token multiplies by: each block's linear layers and the output head."""
         weights = sum(fan_in * fan_out for layer in self.layers for fan_in, fan_out in layer.linear.values())
-        experts = sum(layer.active_expert_weights for layer in self.layers)
+        experts = sum(layer.active_expert_matmul_weights for layer in self.layers)
         return weights + experts + self.lm_head[0] * self.lm_head[1]
 
     @property
@@ -87,6 +89,10 @@ def _sizes_of(config_json: str) -> ModelSizes:
     for index, block in enumerate(model.blocks):
         experts = getattr(block.mlp, "experts", None)  # litsft.model.network.moe.GroupedExperts
         expert_weights = sum(p.numel() for p in experts.parameters()) if experts is not None else 0
+        expert_matmuls = (
+            experts.gate_up_proj.numel() + experts.down_proj.numel() if experts is not None else 0
+        )
+        routed = config.experts_per_token / max(config.num_experts, 1)
         linear = {
             name.rpartition(".")[2].removesuffix("_proj"): (module.in_features, module.out_features)
             for name, module in block.named_modules()
@@ -106,7 +112,8 @@ def _sizes_of(config_json: str) -> ModelSizes:
                     for name in ("attn_post_norm", "mlp_post_norm")
                 ),
                 expert_weights=expert_weights,
-                active_expert_weights=expert_weights * config.experts_per_token // max(config.num_experts, 1),
+                active_expert_weights=int(expert_weights * routed),
+                active_expert_matmul_weights=int(expert_matmuls * routed),
             )
         )
     head = model.lm_head

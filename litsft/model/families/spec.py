@@ -20,6 +20,16 @@ from litsft.errors import LitsftError
 
 
 @dataclass(frozen=True)
+class Layout:
+    """How a hub tensor lays out a litsft parameter's values differently (gpt-oss's experts: transposed, gate
+    and up interleaved): two inverse rearrangements (reshapes, transposes, slices) of the same elements, so the
+    round trip is bit-exact. Shapes are checked by applying `to_litsft` to a tensor without data."""
+
+    to_litsft: Callable[[Any], Any]
+    to_hf: Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
 class WeightMap:
     """litsft parameter names <-> Hugging Face tensor names; "{i}" stands for the layer index.
 
@@ -30,12 +40,18 @@ class WeightMap:
     stacks every expert of a mixture-of-experts layer (E, rows, cols) -> the hub's per-expert tensors it holds,
     "{e}" standing for the expert index; expert e's slice is its parts concatenated along dim 0 (gate rows,
     then up rows). `ignored` are HF names litsft recomputes and drops (RoPE's inverse frequencies that old
-    transformers versions saved)."""
+    transformers versions saved). `layouts`: litsft names (of `names`) whose hub tensor is laid out otherwise,
+    with the `Layout` that converts it."""
 
     names: Mapping[str, str]
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     experts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     ignored: tuple[str, ...] = ()
+    layouts: Mapping[str, Layout] = field(default_factory=dict)
+
+    def layout(self, litsft_name: str) -> Layout | None:
+        """The `Layout` of a litsft parameter whose hub tensor is laid out otherwise; None for the others."""
+        return self.layouts.get(_template_of(litsft_name))
 
     def hf_name(self, litsft_name: str) -> str:
         """The Hugging Face name of a litsft parameter name (for a fused part: the fused tensor's name; for
@@ -105,7 +121,8 @@ class WeightMap:
             if names is None:
                 raise KeyError(f"no litsft name for Hugging Face tensor {hf_name!r}")
             if len(names) == 1:
-                yield names[0], tensor
+                layout = self.layout(names[0])
+                yield names[0], layout.to_litsft(tensor) if layout is not None else tensor
                 continue
             yield from zip(names, tensor.split([shapes[name][0] for name in names], dim=0))
         if pending:
@@ -120,7 +137,8 @@ class WeightMap:
         for name, tensor in named_tensors:
             single = _rename(name, self.names)
             if single is not None:
-                yield single, tensor
+                layout = self.layout(name)
+                yield single, layout.to_hf(tensor) if layout is not None else tensor
                 continue
             expert_parts = _rename_all(name, self.experts)
             if expert_parts:

@@ -59,11 +59,16 @@ SOFTCAPPED_KERNEL_DESCRIPTIONS: dict[str, str] = {
 """What runs for a model whose attention logits are soft-capped (Gemma 2): SDPA cannot cap them, so the mask
 kernel writes the scores out, a chunk of queries at a time (`chunked_attention`); `kernel_for_softcap` never
 leaves another kernel set."""
+SINK_KERNEL_DESCRIPTION = "attention with sinks written out, a chunk of queries at a time (scores, mask, softmax with each head's sink)"
+"""What runs for a model with attention sinks (gpt-oss) on every device: `kernel_for_sinks`."""
 
 
-def describe_kernel(kernel: Kernel, softcapped: bool = False) -> str:
+def describe_kernel(kernel: Kernel, softcapped: bool = False, sinks: bool = False) -> str:
     """The attention that runs for `kernel`, in words, for the start-up line: for a soft-capped model (Gemma 2)
-    the capped path it takes, not the SDPA call it replaces."""
+    the capped path it takes, for a model with attention sinks (gpt-oss) the written-out one, not the SDPA call
+    they replace."""
+    if sinks:
+        return SINK_KERNEL_DESCRIPTION
     return SOFTCAPPED_KERNEL_DESCRIPTIONS[kernel] if softcapped else KERNEL_DESCRIPTIONS[kernel]
 
 
@@ -202,7 +207,7 @@ def choose_kernel(
 
 def kernel_for_softcap(kernel: Kernel, support: KernelSupport | None = None) -> Kernel:
     """The kernel that runs in place of `kernel` when attention logits are soft-capped (Gemma 2): flex applies
-    the cap in its score_mod, the mask kernel writes the scores out (`softcapped_attention`); varlen's flash
+    the cap in its score_mod, the mask kernel writes the scores out (`written_out_attention`); varlen's flash
     kernel and the CPU's per-document SDPA cannot apply it, so they give way to flex where torch has it, else to
     the mask kernel."""
     if kernel in ("flex", "mask"):
@@ -211,6 +216,16 @@ def kernel_for_softcap(kernel: Kernel, support: KernelSupport | None = None) -> 
         support = support or KernelSupport.installed()
         if support.flex and support.capability >= TRITON_CAPABILITY:
             return "flex"
+    return "mask"
+
+
+def kernel_for_sinks(kernel: Kernel) -> Kernel:
+    """The kernel that runs when each head has an attention sink (gpt-oss: a learned logit that joins the
+    softmax's denominator and adds no value): the mask kernel, on every device, whose written-out scores take
+    the sink as one more column (`written_out_attention`), exactly and with memory linear in the row. The fused
+    kernels cannot take it: SDPA has no such argument, flex's score_mod rewrites scores but adds no term to
+    the denominator, and the sink's exact form from a kernel's log-sum-exp (out * sigmoid(lse - sink)) needs
+    a log-sum-exp that carries a gradient, which SDPA's and varlen's do not."""
     return "mask"
 
 
@@ -370,6 +385,7 @@ def attend(
     dropout: float = 0.0,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q (B, H, T, D) over k, v (B, K, S, D) as `prepared` says -> (B, T, H, D).
 
@@ -377,16 +393,22 @@ def attend(
     `scale` multiplies the scores (None: 1/sqrt(D)); `softcap` c, when set, caps them smoothly to
     c * tanh(score / c) before the softmax (Gemma 2). Soft-capping runs in flex's score_mod on the flex
     kernel and as explicit masked attention everywhere else (varlen and SDPA's fused kernels cannot apply it).
+    `sinks` (H,), when set, are each head's sink logit: one more term exp(sink) in every softmax's denominator,
+    with no value (gpt-oss); they run as explicit masked attention only (`kernel_for_sinks`).
 
     With `prepared.context`, q, k, v hold this rank's t = T/N tokens: an all-to-all gives it every token of H/N
     query heads (and their kv heads), the kernel attends over whole sequences, another gives the tokens back.
     """
     context = prepared.context
     if context is None:
-        return _attend(q, k, v, prepared, dropout, scale, softcap)
+        return _attend(q, k, v, prepared, dropout, scale, softcap, sinks)
     q = heads_from_tokens(q, context)  # (B, H/N, T, D)
     k, v = (heads_from_tokens(kv_heads_for_context(x, context), context) for x in (k, v))
-    return tokens_from_heads(_attend(q, k, v, prepared, dropout, scale, softcap), context)  # (B, t, H, D)
+    if sinks is not None:  # this rank's heads' sinks
+        sinks = sinks.chunk(context.size)[context.rank]
+    return tokens_from_heads(
+        _attend(q, k, v, prepared, dropout, scale, softcap, sinks), context
+    )  # (B, t, H, D)
 
 
 def _attend(
@@ -397,22 +419,24 @@ def _attend(
     dropout: float,
     scale: float | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if prepared.rows_as_documents:
         B, H, T, D = q.shape
         joined = (x.transpose(1, 2).reshape(1, B * T, x.shape[1], D).transpose(1, 2) for x in (q, k, v))
-        return _attend_documents(*joined, prepared, dropout, scale, softcap).reshape(B, T, H, D)
+        return _attend_documents(*joined, prepared, dropout, scale, softcap, sinks).reshape(B, T, H, D)
+    written_out = softcap is not None or sinks is not None  # what the fused kernels cannot apply
     if prepared.pattern == "decode":  # a few queries: their (T, S) mask is small
-        if softcap is not None:
-            return softcapped_attention(q, k, v, prepared.mask, dropout, scale, softcap)
+        if written_out:
+            return written_out_attention(q, k, v, prepared.mask, dropout, scale, softcap, sinks)
         return _sdpa(q, k, v, prepared.mask, dropout, scale)
     if prepared.pattern == "causal":
-        if softcap is None and q.device.type == "cpu":
+        if not written_out and q.device.type == "cpu":
             return chunked_causal_attention(q, k, v, dropout, prepared.window, scale).transpose(1, 2)
-        if softcap is None and prepared.window is None:
+        if not written_out and prepared.window is None:
             return _sdpa(q, k, v, None, dropout, scale)
-        return chunked_attention(q, k, v, prepared, dropout, scale, softcap)
-    return _attend_documents(q, k, v, prepared, dropout, scale, softcap)
+        return chunked_attention(q, k, v, prepared, dropout, scale, softcap, sinks)
+    return _attend_documents(q, k, v, prepared, dropout, scale, softcap, sinks)
 
 
 def _attend_documents(
@@ -423,37 +447,47 @@ def _attend_documents(
     dropout: float,
     scale: float | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if prepared.kernel == "flex":
+    if prepared.kernel == "flex" and sinks is None:
         return _flex(q, k, v, prepared, scale, softcap)
-    if softcap is not None or prepared.kernel == "mask":
-        return chunked_attention(q, k, v, prepared, dropout, scale, softcap)
+    if softcap is not None or sinks is not None or prepared.kernel == "mask":
+        return chunked_attention(q, k, v, prepared, dropout, scale, softcap, sinks)
     if prepared.kernel == "segmented":
         return segmented_attention(q, k, v, prepared.segments, dropout, prepared.window, scale)
     return _varlen(q, k, v, prepared, scale)
 
 
-def softcapped_attention(
+def written_out_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor,
     dropout: float,
     scale: float | None,
-    softcap: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention with soft-capped scores, written out: q (B, H, T, D), k, v (B, K, S, D), mask (B or 1, 1,
-    T, S) True where a query may attend -> (B, T, H, D). Materializes the (B, H, T, S) scores: for a few
-    queries (decoding) or one chunk of them (`chunked_attention`)."""
+    """Attention written out, for what the fused kernels cannot apply: q (B, H, T, D), k, v (B, K, S, D), mask
+    (B or 1, 1, T, S) True where a query may attend -> (B, T, H, D). The scores are soft-capped when `softcap`
+    is set (Gemma 2); each head's sink logit (H,) joins the softmax as one more column, dropped after it, when
+    `sinks` are set (gpt-oss, transformers' eager_attention_forward). Materializes the (B, H, T, S) scores: for
+    a few queries (decoding) or one chunk of them (`chunked_attention`)."""
     B, H, T, D = q.shape
     K = k.shape[1]
     # Grouped-query attention without repeating the kv heads: the H // K query heads of a kv head are
     # stacked along the queries, (B, K, H // K * T, D), and the mask broadcast over them.
     grouped = q.reshape(B, K, H // K * T, D)
     scores = (grouped @ k.transpose(-2, -1)).float() * (scale if scale is not None else D**-0.5)
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.view(B, K, H // K, T, -1).masked_fill(~mask[:, :, None], float("-inf"))  # (B, K, G, T, S)
-    weights = F.dropout(torch.softmax(scores, dim=-1), dropout).to(v.dtype)
+    if sinks is None:
+        probabilities = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float().view(1, K, H // K, 1, 1).expand(B, K, H // K, T, 1)
+        probabilities = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]  # (B, K, G, T, S)
+    weights = F.dropout(probabilities, dropout).to(v.dtype)
     return (weights.view(B, K, H // K * T, -1) @ v).view(B, H, T, D).transpose(1, 2)
 
 
@@ -483,9 +517,10 @@ def chunked_attention(
     dropout: float,
     scale: float | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q (B, H, T, D) over k, v (B, K, T, D) a chunk of queries at a time -> (B, T, H, D):
-    soft-capped (`softcapped_attention`) when softcap is set, else SDPA with the chunk's mask rows.
+    written out (`written_out_attention`) when softcap or sinks are set, else SDPA with the chunk's mask rows.
 
     Plain causal rows or one row (B = 1) of documents, as `prepared` says, with its window. Queries [a, b)
     only need keys [f, b), f the first token of a's document where the boundaries are known on the host
@@ -519,7 +554,7 @@ def chunked_attention(
         if window is not None:
             first = max(first, start - window + 1)
         pieces = (q[:, :, start:end], k[:, :, first:end], v[:, :, first:end])
-        options = (start, first, document_ids, window, dropout, scale, softcap)
+        options = (start, first, document_ids, window, dropout, scale, softcap, sinks)
         if recompute:
             outputs.append(
                 checkpoint(
@@ -542,12 +577,13 @@ def _attend_chunk(
     dropout: float,
     scale: float | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Queries [start, start + q's length) of `chunked_attention` over keys [first, ...) -> (B, T, H, D)."""
     end = start + q.shape[2]
     mask = visible_keys(start, end, first, window, document_ids, q.device)[None, None]
-    if softcap is not None:
-        return softcapped_attention(q, k, v, mask, dropout, scale, softcap)
+    if softcap is not None or sinks is not None:
+        return written_out_attention(q, k, v, mask, dropout, scale, softcap, sinks)
     return _sdpa(q, k, v, mask, dropout, scale)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -54,13 +54,18 @@ class Routing:
 
 
 def route(
-    logits: torch.Tensor, experts_per_token: int, normalize: bool
+    logits: torch.Tensor, experts_per_token: int, normalize: bool, over_top_k: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The router of OLMoE, Qwen3-MoE and Mixtral (transformers' *TopKRouter): softmax over all E experts in
     fp32, then the top k; with `normalize` (Mixtral always, the others when `norm_topk_prob`) the k
     probabilities are rescaled to sum to 1. Mixtral's original "top-k logits, then softmax over them" is the
-    same thing. logits (N, E) -> (weights (N, k) fp32, experts (N, k), probabilities (N, E) fp32)."""
+    same thing. `over_top_k` (gpt-oss): the top k logits, then a softmax over them alone, in fp32, picked by
+    logit as transformers' GptOssTopKRouter picks (the probabilities, for the balancing loss, stay over all E).
+    logits (N, E) -> (weights (N, k) fp32, experts (N, k), probabilities (N, E) fp32)."""
     probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (N, E)
+    if over_top_k:
+        top, experts = torch.topk(logits, experts_per_token, dim=-1)  # (N, k)
+        return torch.softmax(top, dim=-1, dtype=torch.float32), experts, probabilities
     weights, experts = torch.topk(probabilities, experts_per_token, dim=-1)  # (N, k)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -96,13 +101,37 @@ def load_balancing_loss(
     return num_experts * ((assigned / rows) * (probability / rows)).sum(-1)
 
 
-class GroupedExperts(nn.Module):
-    """E SwiGLU experts as two fused weights: gate and up (E, 2I, C), down (E, C, I)."""
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation, (..., I) each -> (..., I): the gate clamped to at most `limit`, up to
+    [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate) (transformers' GptOssExperts._apply_gate)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as two fused weights: gate and up (E, 2I, C), down (E, C, I); with `bias`, a bias for
+    each (E, 2I) and (E, C); `activation` "clamped_swiglu" is gpt-oss's (`clamped_swiglu`, its `alpha` and
+    `limit`)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        activation: Literal["silu", "clamped_swiglu"] = "silu",
+        alpha: float = 1.702,
+        limit: float = 7.0,
+    ) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up_proj_bias = (
+            nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if bias else None
+        )
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
+        self.activation, self.alpha, self.limit = activation, alpha, limit
         # Per-expert low-rank adapters on each projection (litsft.model.lora.layers.ExpertLoRA): modules with
         # `lora_A.weight` (E, r, in), `lora_B.weight` (E, out, r) and `scaling`, or None.
         self.gate_up_lora: nn.Module | None = None
@@ -117,6 +146,16 @@ class GroupedExperts(nn.Module):
         for weight in (self.gate_up_proj, self.down_proj):
             bound = weight.shape[-1] ** -0.5
             nn.init.uniform_(weight, -bound, bound)
+        for bias in (self.gate_up_proj_bias, self.down_proj_bias):
+            if bias is not None:
+                nn.init.zeros_(bias)
+
+    def activate(self, hidden: torch.Tensor) -> torch.Tensor:
+        """An expert's gate and up halves (..., 2I) -> its activation (..., I)."""
+        gate, up = hidden.chunk(2, dim=-1)
+        if self.activation == "clamped_swiglu":
+            return clamped_swiglu(gate, up, self.alpha, self.limit)
+        return gated_activation(gate, up)
 
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
@@ -149,11 +188,17 @@ class GroupedExperts(nn.Module):
         down = local_experts(self.down_proj).to(dtype).transpose(-2, -1)  # (E, I, C)
         sorted_x = sorted_x.to(dtype)
         hidden = torch._grouped_mm(sorted_x, gate_up, offs=offsets)  # (A, 2I)
+        if self.gate_up_proj_bias is not None:  # then down_proj_bias too (`bias`)
+            # Each sorted assignment's expert; output_size keeps the host from waiting for the counts.
+            experts = torch.arange(counts.shape[0], device=counts.device)
+            sorted_experts = experts.repeat_interleave(counts, output_size=sorted_x.shape[0])  # (A,)
+            hidden = hidden + local_experts(self.gate_up_proj_bias).to(dtype)[sorted_experts]
         if self.gate_up_lora is not None:
             hidden = hidden + _grouped_low_rank(self.gate_up_lora, sorted_x, offsets, dtype)
-        gate, up = hidden.chunk(2, dim=-1)
-        activated = gated_activation(gate, up)  # (A, I)
+        activated = self.activate(hidden)  # (A, I)
         out = torch._grouped_mm(activated, down, offs=offsets)  # (A, C)
+        if self.down_proj_bias is not None:
+            out = out + local_experts(self.down_proj_bias).to(dtype)[sorted_experts]
         if self.down_lora is not None:
             out = out + _grouped_low_rank(self.down_lora, activated, offsets, dtype)
         return out
@@ -164,8 +209,12 @@ class GroupedExperts(nn.Module):
         # unbind, not gate_up_proj[e]: the backward of one unbind stacks the experts' gradients into one
         # (E, 2I, C) tensor, where each indexing adds a zero-filled full-size gradient of its own (64 per
         # projection for OLMoE: 36x slower at 128 tokens, forward and backward; benchmarks/bench_moe_cpu.py).
-        gate_ups = local_experts(self.gate_up_proj).unbind(0)
-        downs = local_experts(self.down_proj).unbind(0)
+        gate_ups, downs = local_experts(self.gate_up_proj).unbind(0), local_experts(self.down_proj).unbind(0)
+        no_bias = (None,) * len(gate_ups)
+        gate_up_biases, down_biases = (
+            local_experts(bias).unbind(0) if bias is not None else no_bias
+            for bias in (self.gate_up_proj_bias, self.down_proj_bias)
+        )
         gate_up_lora, down_lora = (
             _per_expert_adapters(self.gate_up_lora),
             _per_expert_adapters(self.down_lora),
@@ -177,12 +226,11 @@ class GroupedExperts(nn.Module):
         computed = [expert for expert, rows in enumerate(slices) if rows.shape[0]] or [0]
         for expert in computed:
             rows = slices[expert]
-            hidden = F.linear(rows, gate_ups[expert])  # (n_e, 2I)
+            hidden = F.linear(rows, gate_ups[expert], gate_up_biases[expert])  # (n_e, 2I)
             if gate_up_lora is not None:
                 hidden = hidden + _low_rank(gate_up_lora, expert, rows)
-            gate, up = hidden.chunk(2, dim=-1)  # (n_e, I) each
-            activated = gated_activation(gate, up)
-            out = F.linear(activated, downs[expert])  # (n_e, C)
+            activated = self.activate(hidden)  # (n_e, I)
+            out = F.linear(activated, downs[expert], down_biases[expert])  # (n_e, C)
             if down_lora is not None:
                 out = out + _low_rank(down_lora, expert, activated)
             outputs.append(out)
@@ -274,8 +322,17 @@ class MoE(nn.Module):
         super().__init__()
         self.experts_per_token = config.experts_per_token
         self.normalize = config.normalize_expert_weights
-        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.expert_intermediate)
+        self.over_top_k = config.router_softmax == "top_k"
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=config.router_bias)
+        self.experts = GroupedExperts(
+            config.num_experts,
+            config.hidden_size,
+            config.expert_intermediate,
+            bias=config.expert_bias,
+            activation=config.expert_activation,
+            alpha=config.swiglu_alpha,
+            limit=config.swiglu_limit,
+        )
         # Qwen2-MoE's shared expert: a dense MLP every token runs, scaled by its own sigmoid gate (Linear(C, 1)).
         shared = config.shared_expert_intermediate_size
         self.shared_expert = MLP(config, shared) if shared else None
@@ -287,7 +344,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         flat = x.reshape(B * T, C)  # (N, C)
-        weights, experts, probabilities = route(self.router(flat), self.experts_per_token, self.normalize)
+        weights, experts, probabilities = route(
+            self.router(flat), self.experts_per_token, self.normalize, self.over_top_k
+        )
         E = probabilities.shape[-1]
         flat_experts = experts.flatten()  # (A,)
         # A bincount of fixed length, so that its shape never depends on the data (meta and fake tensors).

@@ -30,6 +30,7 @@ from litsft.model.network.attention import (
     attend,
     choose_kernel,
     documents_of_ids,
+    kernel_for_sinks,
     kernel_for_softcap,
     prepare,
     token_document_ids,
@@ -82,6 +83,8 @@ def rope_inverse_frequencies(
         # LongRoPE: a factor per pair stretches its wavelength, in transformers' order of operations.
         factors = scaling["long_factor" if long_context else "short_factor"]
         return 1.0 / (torch.tensor(factors, dtype=torch.float32, device=device) * base**exponents)
+    if rope_type == "yarn":
+        return yarn_inverse_frequencies(base**exponents, scaling, dim, base, config.max_position_embeddings)
     inv_freq = 1.0 / (base**exponents)
     if rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]
@@ -101,6 +104,33 @@ def rope_inverse_frequencies(
     return inv_freq
 
 
+def yarn_inverse_frequencies(
+    wavelengths: torch.Tensor, scaling: dict, dim: int, base: float, max_position_embeddings: int
+) -> torch.Tensor:
+    """YaRN's frequencies from each pair's base ** (2i / R) (`wavelengths`, over 2 pi) (https://arxiv.org/abs/2309.00071): the pairs that turn fewer than `beta_slow` times over the
+    original context are interpolated (divided by `factor`), those that turn more than `beta_fast` times kept,
+    a linear ramp between, as transformers' _compute_yarn_parameters computes it (its `truncate`, true by
+    default, rounds the ramp's ends outwards; gpt-oss sets it false)."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position_embeddings / original
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        """The dimension whose pair turns `rotations` times over the original context."""
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp.to(wavelengths.device)  # (R/2,) the share of each pair's frequency kept
+    # In transformers' order of operations, for the same bits.
+    return 1.0 / (factor * wavelengths) * (1 - extrapolation) + 1.0 / wavelengths * extrapolation
+
+
 def long_rope_length(config: Config) -> int | None:
     """LongRoPE's original_max_position_embeddings: a sequence longer than this is rotated with the long factors
     (all of it, as in transformers), so keys cached while it was shorter must be computed again. None: RoPE does
@@ -113,14 +143,31 @@ def long_rope_length(config: Config) -> int | None:
 def rope_attention_scaling(config: Config) -> float:
     """LongRoPE scales cos and sin, so the attention logits, by sqrt(1 + ln(s) / ln(n)) for a context stretched
     s times past its original n (or by its `attention_factor`), as transformers' _compute_longrope_parameters."""
+    scaling = config.rope_scaling or {}
+    if config.rope_type == "yarn":
+        return yarn_attention_scaling(scaling, config.max_position_embeddings)
     if config.rope_type not in LONG_ROPE_TYPES:
         return 1.0
-    scaling = config.rope_scaling or {}
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or config.max_position_embeddings / original
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def yarn_attention_scaling(scaling: dict, max_position_embeddings: int) -> float:
+    """YaRN scales cos and sin by its `attention_factor`, else by 0.1 ln(factor) + 1 (DeepSeek's `mscale` and
+    `mscale_all_dim` as a ratio of two such terms), as transformers' _compute_yarn_parameters."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling.get("factor") or max_position_embeddings / scaling["original_max_position_embeddings"]
+
+    def mscale(scale: float, multiplier: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * multiplier * math.log(scale) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]))
+    return mscale(factor)
 
 
 def sequence_lengths(position_ids: torch.Tensor, documents: Documents | None) -> torch.Tensor:
@@ -206,6 +253,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(C, K * D, bias=config.qkv_bias)
         self.v_proj = nn.Linear(C, K * D, bias=config.qkv_bias)
         self.o_proj = nn.Linear(H * D, C, bias=config.out_bias)
+        # gpt-oss: each head's sink logit, which joins its softmax's denominator (litsft.model.network.attention).
+        self.sinks = nn.Parameter(torch.zeros(H)) if config.attention_sinks else None
         if config.qk_norm:
             over_all_heads = config.qk_norm_over == "all_heads"
             self.q_norm = rms_norm(config, H * D if over_all_heads else D)
@@ -234,7 +283,14 @@ class Attention(nn.Module):
             k, v = kv_cache.update(attention.cache_positions, k, v)  # (B, K, S, D)
         dropout = self.config.attention_dropout if self.training else 0.0
         y = attend(
-            q, k, v, attention, dropout, self.config.attention_scale(), self.config.softcap_attention
+            q,
+            k,
+            v,
+            attention,
+            dropout,
+            self.config.attention_scale(),
+            self.config.softcap_attention,
+            self.sinks,
         )  # (B, T, H, D)
         return self.o_proj(y.reshape(B, T, H * D))
 
@@ -307,14 +363,16 @@ class Transformer(nn.Module):
     @property
     def attention_kernel(self) -> Kernel | None:
         """litsft.model.network.attention's kernel for packed documents; None: chosen for the device at the first forward.
-        A kernel that cannot soft-cap attention logits is replaced, when set, by one that can
-        (litsft.model.network.attention.kernel_for_softcap), so the kernel the engine logs is the one that runs."""
+        A kernel that cannot soft-cap attention logits or take attention sinks is replaced, when set, by one that
+        can (litsft.model.network.attention.kernel_for_softcap, kernel_for_sinks), so the kernel the engine logs is the one that runs."""
         return self._attention_kernel
 
     @attention_kernel.setter
     def attention_kernel(self, kernel: Kernel | None) -> None:
         if kernel is not None and self.config.softcap_attention is not None:
             kernel = kernel_for_softcap(kernel)
+        if kernel is not None and self.config.attention_sinks:
+            kernel = kernel_for_sinks(kernel)
         self._attention_kernel = kernel
 
     def forward(
@@ -541,7 +599,7 @@ class Transformer(nn.Module):
         it is sharded."""
         if name.endswith("norm.weight"):  # a unit scale: Gemma's norms scale by (1 + weight)
             return torch.zeros(shape) if self.config.norm_unit_offset else torch.ones(shape)
-        if name.endswith(".bias"):
+        if name.endswith((".bias", "_bias")):  # experts' biases too (gate_up_proj_bias)
             return torch.zeros(shape)
         if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
             std = std / math.sqrt(2 * self.config.num_layers)
