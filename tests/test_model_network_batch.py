@@ -88,6 +88,23 @@ def test_model_inputs_of_an_unpacked_or_all_padding_batch_keep_its_shape() -> No
     assert inputs["loss_positions"].tolist() == []
 
 
+def test_right_padded_rows_bring_their_real_lengths_and_keep_them_per_document_under_context() -> None:
+    """Unpacked rows padded to the longest pass the collate's row_lengths as `real_lengths` (the model leaves
+    the rest out of its routing statistics); rows without padding pass none. Split for 3 context ranks, the
+    rows become documents with those real lengths, and the padding document up to a multiple of 3 has none;
+    packed documents hold no padding but that document."""
+    from litsft.model.network.batch import split_for_context
+    from litsft.model.network.context_parallel import ContextShard
+
+    padded = {"input_ids": INPUT_IDS, "labels": LABELS, "row_lengths": torch.tensor([5, 3])}
+    assert model_inputs(padded)["real_lengths"].tolist() == [5, 3]
+    assert "real_lengths" not in model_inputs(padded | {"row_lengths": torch.tensor([5, 5])})
+    shard = ContextShard(None, 0, 3)
+    assert split_for_context(model_inputs(padded), shard)["real_lengths"].tolist() == [5, 3, 0]
+    assert split_for_context(model_inputs(packed_batch()), shard)["real_lengths"].tolist() == [2, 2, 3, 0]
+    assert "real_lengths" not in split_for_context(model_inputs(packed_batch()), ContextShard(None, 0, 7))
+
+
 def test_attention_runs_over_each_packed_document_or_each_whole_unpacked_row() -> None:
     assert attended_lengths(packed_batch()).tolist() == [2, 2, 3]
     assert attended_lengths({"input_ids": INPUT_IDS, "labels": LABELS}).tolist() == [5, 5]

@@ -324,3 +324,95 @@ def test_expert_lora_model_merges_into_the_unmerged_models_logits(kind, tmp_path
     merged.load_state_dict(dict(iter_merged_tensors(base_state.items(), lora_state_dict(model), lora)))
     with torch.no_grad():
         assert (model(tokens) - merged(tokens)).abs().max() < 1e-5
+
+
+def _unpacked(rows: list[torch.Tensor], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Rows as the collate makes them unpacked: right-padded to the longest, positions continued, labels
+    shifted and -100 on the padding, their `row_lengths`."""
+    width = max(row.numel() for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id)
+    labels = torch.full((len(rows), width), -100)
+    for b, row in enumerate(rows):
+        input_ids[b, : row.numel()] = row
+        labels[b, : row.numel() - 1] = row[1:]
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "position_ids": torch.arange(width).expand(len(rows), width),
+        "row_lengths": torch.tensor([row.numel() for row in rows]),
+    }
+
+
+def _routers(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [module.weight for name, module in model.named_modules() if name.endswith((".router", ".gate"))]
+
+
+def test_padding_is_left_out_of_the_balancing_loss_as_transformers_attention_mask_does(tmp_path):
+    """Unpacked rows right-padded to the longest: each row's balancing loss and its gradient on the routers
+    equal transformers' on that padded row with its attention_mask (load_balancing_loss_func weighs by it),
+    and the row's alone without padding; the expert load counts k assignments per real token only."""
+    from litsft.model.network.batch import model_inputs
+    from litsft.model.network.moe import expert_load
+
+    hf_model, model = _converted("qwen3-moe", tmp_path)
+    hf_model.config.output_router_logits = True
+    model.train()
+    generator = torch.Generator().manual_seed(0)
+    rows = [torch.randint(1, 512, (n,), generator=generator) for n in (9, 14)]
+    batch = _unpacked(rows)
+    model(**model_inputs(batch))
+    k, E = model.config.experts_per_token, model.config.num_experts
+    assert torch.equal(expert_load(model).sum(-1), torch.full((model.config.num_layers,), 23.0 * k))
+    balancing = load_balancing_loss([block.mlp.routing for block in model.blocks], E)  # (2,)
+    grads = torch.autograd.grad(balancing.sum(), _routers(model))
+
+    hf_losses = []
+    for b in range(2):  # each padded row with its mask: transformers pools the batch, litsft each row
+        mask = (torch.arange(14) < batch["row_lengths"][b]).long()[None]
+        hf_losses.append(hf_model(batch["input_ids"][b : b + 1], attention_mask=mask).aux_loss)
+    assert (balancing - torch.stack(hf_losses).detach()).abs().max() < 1e-6
+    hf_grads = torch.autograd.grad(sum(hf_losses), _routers(hf_model))
+    assert all((grad - want).abs().max() < 1e-6 for grad, want in zip(grads, hf_grads))
+
+    alone = []
+    for row in rows:
+        model(**model_inputs(_unpacked([row])))
+        alone.append(load_balancing_loss([block.mlp.routing for block in model.blocks], E)[0])
+    assert (balancing - torch.stack(alone).detach()).abs().max() < 1e-6
+    alone_grads = torch.autograd.grad(sum(alone), _routers(model))
+    assert all((grad - want).abs().max() < 1e-6 for grad, want in zip(grads, alone_grads))
+
+
+def test_padding_is_left_out_in_the_layout_of_context_parallelism(tmp_path):
+    """split_for_context turns padded rows into documents of the padded width, plus a padding document up to
+    a multiple of the ranks: run as that one row (every rank's slice, joined), each row's balancing loss and
+    its router gradient are the unpacked batch's, the padding document's is 0, and no padding is counted."""
+    from litsft.model.network.batch import model_inputs, split_for_context
+    from litsft.model.network.context_parallel import ContextShard
+    from litsft.model.network.moe import expert_load
+
+    _, model = _converted("mixtral", tmp_path)
+    model.train()
+    generator = torch.Generator().manual_seed(1)
+    batch = _unpacked([torch.randint(1, 512, (n,), generator=generator) for n in (9, 14, 5)])
+    E = model.config.num_experts
+
+    def balancing_and_grads(inputs: dict) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        model(**inputs)
+        balancing = load_balancing_loss([block.mlp.routing for block in model.blocks], E)
+        return balancing, torch.autograd.grad(balancing.sum(), _routers(model))
+
+    unpacked, unpacked_grads = balancing_and_grads(model_inputs(batch))
+    shards = [split_for_context(model_inputs(batch), ContextShard(None, r, 4)) for r in range(4)]
+    assert shards[0]["real_lengths"].tolist() == [9, 14, 5, 0]  # 42 tokens padded to 44
+    joined = {name: shards[0][name] for name in ("position_ids", "documents", "real_lengths")}
+    joined["input_ids"] = torch.cat([shard["input_ids"] for shard in shards], dim=1)
+    joined["labels"] = torch.cat([shard["labels"] for shard in shards], dim=1)
+    split, split_grads = balancing_and_grads(joined)
+    assert split.shape == (4,) and split[3] == 0
+    assert (split[:3] - unpacked).abs().max() < 1e-6
+    assert all((grad - want).abs().max() < 1e-6 for grad, want in zip(split_grads, unpacked_grads))
+    assert torch.equal(
+        expert_load(model).sum(-1),
+        torch.full((model.config.num_layers,), 28.0 * model.config.experts_per_token),
+    )

@@ -35,7 +35,9 @@ def without_padding(
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The model's keyword arguments for a collated host batch: packed rows joined into one row of their
     real tokens with the loader's `Documents` (so the device never reports boundaries back to the host),
-    and the flat indices of the labels that carry a loss (`loss_positions_of`)."""
+    right-padded rows with their `real_lengths` (the collate's `row_lengths`, B ints, from which the model
+    finds its padding tokens on the device), and the flat indices of the labels that carry a loss
+    (`loss_positions_of`)."""
     names = ("input_ids", "position_ids", "document_ids", "labels")
     inputs: dict[str, Any] = {name: batch[name] for name in names if name in batch}
     if "cu_seqlens" in batch and int(batch["cu_seqlens"][-1]) > 0:
@@ -44,6 +46,12 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         )
         inputs.update(input_ids=input_ids, position_ids=position_ids, labels=labels)
         inputs["documents"] = Documents(batch["cu_seqlens"], int(batch["max_seqlen"]))
+    elif (
+        "cu_seqlens" not in batch
+        and "row_lengths" in batch
+        and bool((batch["row_lengths"] < inputs["input_ids"].shape[1]).any())
+    ):
+        inputs["real_lengths"] = batch["row_lengths"]  # right-padded rows: the padding is left unrouted
     inputs["loss_positions"] = loss_positions_of(inputs["labels"])
     return inputs
 
@@ -75,8 +83,9 @@ def split_for_context(inputs: dict[str, Any], shard: ContextShard) -> dict[str, 
     and a padded row's tail would join its row's routing statistics and LongRoPE length.
 
     Returned: `input_ids`, `labels` (1, W/N) this rank's contiguous slice, `loss_positions` of those labels,
-    `position_ids` (1, W) and `documents` whole (attention and RoPE are prepared for the whole row), and
-    `context`: `shard`. The labels are already next-token targets aligned with their inputs (the collate
+    `position_ids` (1, W) and `documents` whole (attention and RoPE are prepared for the whole row),
+    `real_lengths` of each document when some hold padding (a padded row's tail, the padding document), which
+    a mixture of experts leaves out of its routing statistics, and `context`: `shard`. The labels are already next-token targets aligned with their inputs (the collate
     shifts them, litsft.data.base), so a slice keeps each target with its input: a target whose previous
     token sits on another rank trains all the same, attention having brought that token's keys over."""
     input_ids, labels = inputs["input_ids"], inputs["labels"]
@@ -89,7 +98,11 @@ def split_for_context(inputs: dict[str, Any], shard: ContextShard) -> dict[str, 
         documents = Documents(torch.arange(0, (B + 1) * T, T, dtype=torch.int32), T)
     width = B * T
     padding = -width % shard.size
+    real_lengths = inputs.get("real_lengths")  # each row's, which is now each document's
     if padding:
+        if real_lengths is None:
+            real_lengths = torch.diff(documents.cu_seqlens.long())
+        real_lengths = torch.cat([real_lengths, real_lengths.new_zeros(1)])  # the padding document: none
         cu_seqlens = documents.cu_seqlens
         end = cu_seqlens[-1:] + padding
         documents = Documents(
@@ -111,4 +124,6 @@ def split_for_context(inputs: dict[str, Any], shard: ContextShard) -> dict[str, 
         documents=documents,
         context=shard,
     )
+    if real_lengths is not None:
+        split["real_lengths"] = real_lengths
     return split

@@ -338,7 +338,10 @@ class MoE(nn.Module):
         self.shared_expert = MLP(config, shared) if shared else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared else None
         self.sequences: tuple[torch.Tensor, int] | None = None
-        """(the sequence of each token (N,), the number of sequences S); None: all tokens one sequence."""
+        """(the sequence of each token (N,), the number of sequences S), where the id S marks padding, which
+        `routing` leaves out (it still runs through the experts: its outputs reach no real token, and
+        leaving it out of them would give the experts a batch whose size only the data knows); None: all
+        tokens one sequence."""
         self.routing: Routing | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -361,16 +364,18 @@ class MoE(nn.Module):
 
     def _routing_per_sequence(self, experts: torch.Tensor, probabilities: torch.Tensor) -> Routing:
         N, E = probabilities.shape
-        if self.sequences is None or self.sequences[0].numel() != N:
-            sequence, S = torch.zeros(N, dtype=torch.int64, device=probabilities.device), 1
-        else:
-            sequence, S = self.sequences[0].to(torch.int64), self.sequences[1]
-        ones = torch.ones(experts.numel(), device=probabilities.device)
+        device = probabilities.device
+        ones = torch.ones(experts.numel(), device=device)
+        if self.sequences is None or self.sequences[0].numel() != N:  # one sequence, no padding
+            # A plain sum keeps nothing for its backward; index_add keeps the (N,) sequence ids.
+            expert_tokens = torch.zeros(E, device=device).index_add_(0, experts.flatten(), ones)[None]
+            tokens = torch.full((1,), float(N), device=device)
+            return Routing(expert_tokens, probabilities.sum(0, keepdim=True), tokens)
+        sequence, S = self.sequences[0].to(torch.int64), self.sequences[1]
+        # One more bin, S, for the padding, dropped after: its tokens count nowhere and its probabilities
+        # get no gradient, as transformers' load_balancing_loss_func weighs them by the attention mask.
         slots = (sequence[:, None] * E + experts).flatten()  # (A,) sequence x expert of each assignment
-        expert_tokens = torch.zeros(S * E, device=probabilities.device).index_add_(0, slots, ones).view(S, E)
-        if S == 1:  # a plain sum keeps nothing for its backward; index_add keeps the (N,) sequence ids
-            probability_sums = probabilities.sum(0, keepdim=True)
-        else:
-            probability_sums = probabilities.new_zeros(S, E).index_add(0, sequence, probabilities)
-        tokens = torch.zeros(S, device=probabilities.device).index_add_(0, sequence, ones[:N])
-        return Routing(expert_tokens, probability_sums, tokens)
+        expert_tokens = torch.zeros((S + 1) * E, device=device).index_add_(0, slots, ones).view(S + 1, E)
+        probability_sums = probabilities.new_zeros(S + 1, E).index_add(0, sequence, probabilities)
+        tokens = torch.zeros(S + 1, device=device).index_add_(0, sequence, ones[:N])
+        return Routing(expert_tokens[:S], probability_sums[:S], tokens[:S])

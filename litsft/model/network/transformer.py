@@ -181,6 +181,35 @@ def sequence_lengths(position_ids: torch.Tensor, documents: Documents | None) ->
     return (last[document_of_token] + 1).view_as(position_ids)
 
 
+def routed_sequences(
+    shape: tuple[int, int] | torch.Size,
+    device: torch.device,
+    documents: Documents | None,
+    real_lengths: torch.Tensor | None,
+    local: slice,
+) -> tuple[torch.Tensor, int] | None:
+    """The sequence of each token of whole rows `shape` (B, T) for a mixture of experts' per-sequence routing
+    statistics (litsft.model.network.moe.MoE.sequences): each document of a joined row (`documents`, this
+    rank's `local` slice of it under context parallelism), else each row. A token past the first
+    `real_lengths[s]` tokens of its sequence s is padding and gets the id S, which the statistics leave out.
+    None for one sequence without padding. On the device, without a host sync."""
+    B, T = shape
+    if documents is not None:
+        documents = documents.to(device)
+        sequence = token_document_ids(documents, B * T)
+        cu_seqlens, S = documents.cu_seqlens, documents.cu_seqlens.numel() - 1
+        offset = torch.arange(B * T, device=device) - cu_seqlens[sequence]  # each token's place in it
+    else:
+        sequence = torch.arange(B, device=device).repeat_interleave(T)
+        S = B
+        offset = torch.arange(T, device=device).repeat(B)
+    if real_lengths is not None:
+        sequence = torch.where(offset < real_lengths.to(device, non_blocking=True)[sequence], sequence, S)
+    elif S == 1:
+        return None
+    return sequence[local], S
+
+
 def rope_cos_sin(
     config: Config,
     position_ids: torch.Tensor,
@@ -384,6 +413,7 @@ class Transformer(nn.Module):
         loss_positions: torch.Tensor | None = None,
         documents: Documents | None = None,
         context: ContextShard | None = None,
+        real_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, V) for tokens (B, T); with `labels` (B, T) instead the summed fp32 cross-entropy over
         the positions whose label is not -100. `loss_positions`, the flat indices of those labels
@@ -396,7 +426,12 @@ class Transformer(nn.Module):
 
         `context`: this rank's place in a context group of size > 1 (context parallelism): `input_ids`,
         `labels` and `loss_positions` are this rank's tokens, `position_ids` and `documents` the whole row's,
-        as litsft.model.network.context_parallel.split_for_context gives them; the loss is this rank's tokens'."""
+        as litsft.model.network.context_parallel.split_for_context gives them; the loss is this rank's tokens'.
+
+        `real_lengths` (S,): how many tokens at the start of each sequence (each row, or each document of
+        `documents`) are real, the rest being padding, which a mixture of experts leaves out of its routing
+        statistics (the load-balancing loss and the expert load); None: no padding. Made on the host with
+        the batch (litsft.model.network.batch.model_inputs), so the device never reports it back."""
         if context is not None and context.size == 1:
             context = None
         if documents is None and document_ids is not None:
@@ -406,7 +441,7 @@ class Transformer(nn.Module):
                 )
                 loss_positions = None  # found again in the new layout
             documents = documents_of_ids(document_ids)
-        hidden = self.hidden_states(input_ids, position_ids, documents, context)
+        hidden = self.hidden_states(input_ids, position_ids, documents, context, real_lengths)
         if labels is None:
             return self.logits(hidden)
         hidden, labels = hidden.flatten(0, 1), labels.flatten()
@@ -483,12 +518,14 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         documents: Documents | None = None,
         context: ContextShard | None = None,
+        real_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final normalized hidden states (B, T, C), before the output projection. The training loss uses
         this to compute cross-entropy in chunks without materializing all (B, T, V) logits at once.
         With `documents`, the rows are one sequence of documents joined in order. With a `context` of size
         N > 1, `input_ids` (B, T/N) are this rank's slice of rows whose `position_ids` and `documents` are
-        whole (B, T): attention and RoPE are prepared for the whole rows, and (B, T/N, C) come back."""
+        whole (B, T): attention and RoPE are prepared for the whole rows, and (B, T/N, C) come back.
+        `real_lengths`: as in `forward`."""
         if context is not None and context.size == 1:
             context = None
         B, T = input_ids.shape
@@ -527,12 +564,7 @@ class Transformer(nn.Module):
             for sliding in {self.config.uses_local_rope(i) for i in layers}
         }  # one (cos, sin) per RoPE base the layers use
         if self.config.num_experts:  # each token's sequence, for the routers' per-sequence statistics
-            if documents is not None:
-                N = position_ids.numel()
-                document_of = token_document_ids(documents.to(x.device), N)[local]
-                sequences = (document_of, documents.cu_seqlens.numel() - 1)
-            else:
-                sequences = (torch.arange(B, device=x.device).repeat_interleave(x.shape[1]), B)
+            sequences = routed_sequences(position_ids.shape, x.device, documents, real_lengths, local)
             for mlp in self.routed_mlps:
                 mlp.sequences = sequences
         for i, block in enumerate(self.blocks):
