@@ -249,6 +249,47 @@ def test_resume_keeps_rows_up_to_start_step(tmp_path):
     assert [r["loss"] for r in logger.history] == [1.0, 2.0, 30.0]
 
 
+def test_a_mixture_of_experts_logs_its_least_balanced_layer_and_every_layers_balance(tmp_path):
+    """metrics.csv gets the highest load (busiest expert over the mean) and its layer; expert_load.csv a row
+    per layer per log step, kept up to the step a resumed run starts after."""
+    # 3 layers of 4 experts: even; 10 of 16 assignments on expert 0 and none on expert 3; 6 of 16 on expert 1.
+    expert_tokens = torch.tensor([[4.0, 4.0, 4.0, 4.0], [10.0, 2.0, 4.0, 0.0], [2.0, 6.0, 6.0, 2.0]])
+
+    def log(logger: MetricsLogger, step: int, scale: float) -> None:
+        routing = {"router_aux_loss": torch.tensor(2.25), "expert_tokens": expert_tokens * scale}
+        logger.step_done(
+            step,
+            epoch=0,
+            loss=torch.tensor(1.0),
+            learning_rate=0.1,
+            grad_norm=None,
+            target_tokens=torch.tensor(8),
+            input_tokens=torch.tensor(8),
+            micro_batches=[],
+            log=True,
+            routing=routing,
+        )
+
+    with MetricsLogger(tmp_path, is_global_zero=True) as logger:
+        log(logger, 1, 1.0)
+        log(logger, 2, 2.0)
+    _, rows = read_csv(tmp_path / "metrics.csv")
+    assert [(float(r["expert_load"]), r["expert_load_layer"]) for r in rows] == [(2.5, "1.0")] * 2
+    assert float(rows[0]["router_aux_loss"]) == 2.25
+    header, layers = read_csv(tmp_path / "expert_load.csv")
+    assert tuple(header) == metrics.EXPERT_LOAD_COLUMNS
+    assert [tuple(r.values()) for r in layers[:3]] == [
+        ("1", "0", "1.0", "0.25", "0", "0"),
+        ("1", "1", "2.5", "0.625", "0", "1"),
+        ("1", "2", "1.5", "0.375", "1", "0"),
+    ]
+    assert [r["step"] for r in layers] == ["1"] * 3 + ["2"] * 3
+    with MetricsLogger(tmp_path, is_global_zero=True, start_step=1) as logger:  # resumed after step 1
+        log(logger, 2, 0.5)
+    _, layers = read_csv(tmp_path / "expert_load.csv")
+    assert [r["step"] for r in layers] == ["1"] * 3 + ["2"] * 3
+
+
 def test_other_ranks_write_nothing(tmp_path):
     out_dir = tmp_path / "run"
     with MetricsLogger(out_dir, is_global_zero=False, total_steps=2) as logger:

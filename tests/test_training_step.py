@@ -103,6 +103,34 @@ def test_unpacked_rows_count_their_real_tokens_not_their_padding() -> None:
     assert int(input_tokens) == 8 + 29
 
 
+def test_the_routing_tally_sums_each_layers_expert_load_over_micro_batches_leaving_the_padding_out() -> None:
+    """A mixture of experts over two unpacked micro-batches (samples of 9 and 30 tokens, then 5 and 12, the
+    collate's padding to the longest): every layer's experts received k assignments per real input token of
+    the step, 8 + 29 + 4 + 11, none for the padding (2 x 29 + 2 x 11 tokens in all)."""
+    from launch import TINY_MOE
+    from test_data_loader import random_samples
+
+    from litsft.data.loader import collate
+    from litsft.training.step import RoutingTally
+
+    torch.manual_seed(0)
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    config = Config.from_name("tiny-llama", **TINY_MOE)
+    model = Transformer(config)
+    model, optimizer = fabric.setup(model, build_optimizer(model, OptimizerConfig(lr=1e-9)))
+    batches = [
+        collate(random_samples(lengths), [[0], [1]], seq_length=None, pad_id=0)
+        for lengths in ([9, 30], [5, 12])
+    ]
+    routing = RoutingTally()
+    _, _, target_tokens, _ = train_step(fabric, model, optimizer, batches, max_norm=1.0, routing=routing)
+    logged = routing.metrics(fabric, target_tokens)
+    assert set(logged) == {"router_aux_loss", "expert_tokens"}
+    expected = torch.full((config.num_layers,), float(config.experts_per_token * (8 + 29 + 4 + 11)))
+    assert torch.equal(logged["expert_tokens"].sum(-1), expected)
+    assert logged["expert_tokens"].shape == (config.num_layers, config.num_experts)
+
+
 def test_the_reported_norm_is_the_one_before_clipping() -> None:
     fabric, model, optimizer = setup(lr=1e-3)
     batch = micro_batch(2, 16, targets=16, seed=4)

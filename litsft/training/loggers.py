@@ -47,14 +47,19 @@ def _scalars(row: dict[str, float | None], prefix: str) -> dict[str, float]:
 
 
 class CSVWriter(MetricWriter):
-    """out_dir/metrics.csv, one row per log step or validation. A resumed run keeps the rows up to the step
-    it resumes from (`kept_rows`) and appends."""
+    """out_dir/metrics.csv (or `filename`), one row per log step or validation. A resumed run keeps the rows
+    up to the step it resumes from (`kept_rows`) and appends."""
 
     def __init__(
-        self, out_dir: Path, columns: Sequence[str], start_step: int, run_config: dict[str, Any]
+        self,
+        out_dir: Path,
+        columns: Sequence[str],
+        start_step: int,
+        run_config: dict[str, Any],
+        filename: str = CSV_FILENAME,
     ) -> None:
         super().__init__(out_dir, columns, start_step, run_config)
-        self.path = out_dir / CSV_FILENAME
+        self.path = out_dir / filename
         self.kept_rows: list[dict[str, str]] = []
         if start_step > 0 and self.path.is_file():
             with self.path.open(newline="") as f:

@@ -47,6 +47,7 @@ CSV_COLUMNS: tuple[str, ...] = (
     "grad_norm",
     "router_aux_loss",
     "expert_load",
+    "expert_load_layer",
     "tokens_per_second",
     "tokens_per_second_per_device",
     "loss_tokens_per_second",
@@ -60,6 +61,28 @@ CSV_COLUMNS: tuple[str, ...] = (
 TRAIN_METRICS = frozenset(CSV_COLUMNS) - {"step", "val_loss", "val_perplexity", "val_tokens"}
 PLOT_FILENAME = "loss.png"
 SAMPLES_FILENAME = "samples.txt"
+# A mixture of experts' balance, a row per MoE layer per log step, beside metrics.csv: a column per layer
+# there would be 48 more columns for a 48-layer model, most of them blank for a dense one.
+EXPERT_LOAD_FILENAME = "expert_load.csv"
+EXPERT_LOAD_COLUMNS: tuple[str, ...] = (
+    "step",
+    "layer",
+    "load",
+    "busiest_share",
+    "busiest_expert",
+    "idle_experts",
+)
+
+
+def expert_balance(expert_tokens: Tensor) -> Tensor:
+    """Each MoE layer's balance from the assignments each of its experts received (L, E), as (L, 4) columns
+    EXPERT_LOAD_COLUMNS[2:]: the load (the busiest expert's assignments over the mean: 1 when even, E when one
+    expert takes them all), the busiest expert's share of the layer's assignments (load / E), that expert,
+    and how many experts received none. On the device."""
+    busiest, expert = expert_tokens.max(dim=-1)  # (L,) each
+    share = busiest / expert_tokens.sum(dim=-1).clamp(min=1e-9)
+    idle = (expert_tokens == 0).sum(dim=-1)
+    return torch.stack([share * expert_tokens.shape[-1], share, expert.float(), idle.float()], dim=-1)
 
 
 def loss_figure(history: list[dict[str, float | None]], title: str) -> Any:
@@ -237,7 +260,8 @@ def perplexity(loss: float) -> float:
 # ---- loggers ---------------------------------------------------------------------------------------
 class MetricsLogger:
     """Writes metrics on the global-zero rank through the back-ends of `litsft.training.loggers` (metrics.csv,
-    optional TensorBoard and W&B), a tqdm progress bar with ETA, samples.txt, and loss.png at `close()`.
+    optional TensorBoard and W&B), a tqdm progress bar with ETA, samples.txt, a mixture of experts'
+    expert_load.csv, and loss.png at `close()`.
     Other ranks write and show nothing."""
 
     def __init__(
@@ -269,6 +293,9 @@ class MetricsLogger:
         self._closed = False
         self._close_lock = threading.Lock()
         self._writers: list[MetricWriter] = []
+        self._start_step = start_step
+        self._expert_load_writer: CSVWriter | None = None
+        """expert_load.csv, opened at the first log step of a mixture of experts."""
         self._bar: Any = None
         self._bar_in_terminal = False
         self._throughput: Throughput | None = None
@@ -363,8 +390,9 @@ class MetricsLogger:
             micro_batches: This rank's micro-batches of the step, as the loader made them (on the host):
                 their documents and loss tokens give the FLOPs the step executed, for MFU.
             log: Whether to write a row now.
-            routing: A mixture of experts' router_aux_loss and expert_load of this step (`RoutingTally`), on
-                log steps.
+            routing: A mixture of experts' router_aux_loss and expert_tokens (L, E) of this step
+                (`RoutingTally`), on log steps: metrics.csv gets the load of its least balanced layer and that
+                layer (`expert_balance`), expert_load.csv every layer's balance.
         """
         self.update_progress(step)
         loss = torch.as_tensor(loss)
@@ -375,18 +403,37 @@ class MetricsLogger:
             self._throughput.update(input_tokens, target_tokens, self._executed_flops_of(micro_batches))
         if not log:
             return
+        routing = dict(routing or {})
+        expert_tokens = routing.pop("expert_tokens", None)
+        if expert_tokens is not None:
+            balance = expert_balance(expert_tokens)  # (L, 4)
+            worst = balance[:, 0].argmax()
+            routing.update(expert_load=balance[worst, 0], expert_load_layer=worst)
+            self._log_expert_balance(step, balance)
         metrics: dict[str, float | Tensor | None] = {
             "epoch": epoch,
             "loss": self._train_loss.compute(),
             "learning_rate": learning_rate,
             "grad_norm": grad_norm,
-            **(routing or {}),
+            **routing,
         }
         self._train_loss.reset()
         if self._throughput is not None:
             metrics.update(self._throughput.compute())
         metrics.update(peak_memory(self._device))
         self.log_step(step, metrics)
+
+    def _log_expert_balance(self, step: int, balance: Tensor) -> None:
+        """A row per MoE layer in expert_load.csv (`expert_balance`'s columns), on the global-zero rank."""
+        if not self.is_global_zero:
+            return
+        if self._expert_load_writer is None:
+            self._expert_load_writer = CSVWriter(
+                self.out_dir, EXPERT_LOAD_COLUMNS, self._start_step, {}, filename=EXPERT_LOAD_FILENAME
+            )
+        for layer, (load, share, expert, idle) in enumerate(balance.tolist()):
+            row = {"step": step, "layer": layer, "load": load, "busiest_share": share}
+            self._expert_load_writer.log(row | {"busiest_expert": int(expert), "idle_experts": int(idle)}, "")
 
     def _executed_flops_of(self, micro_batches: Sequence[dict[str, Tensor]]) -> Tensor:
         """The FLOPs this rank executed on these host micro-batches, counted with host tensor arithmetic
@@ -430,6 +477,10 @@ class MetricsLogger:
         postfix = [f"loss {values['loss']:.4f}"] if "loss" in values else []
         if "tokens_per_second" in values:
             postfix.append(f"{values['tokens_per_second']:,.0f} tokens/s")
+        if "expert_load_layer" in values:
+            postfix.append(
+                f"expert load {values['expert_load']:.2f} (layer {values['expert_load_layer']:.0f})"
+            )
         self._bar.set_postfix_str(", ".join(postfix), refresh=False)
 
     def validation_done(

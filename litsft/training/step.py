@@ -48,9 +48,9 @@ def next_micro_batches(
 
 class RoutingTally:
     """A mixture of experts' routing over one optimizer step, for the logs: the load-balancing loss as the
-    objective weighs it (each sequence's by its loss tokens, over the global count) and the largest expert
-    load (assignments of the busiest expert over the mean, in the layer where that is highest), over every
-    micro-batch of every rank. On the device until a log step reads it."""
+    objective weighs it (each sequence's by its loss tokens, over the global count) and the assignments each
+    expert of each layer received (litsft.training.metrics.expert_balance reads the balance from them), over
+    every micro-batch of every rank. On the device until a log step reads it."""
 
     def __init__(self) -> None:
         self.weighted_loss: torch.Tensor | None = None
@@ -70,13 +70,12 @@ class RoutingTally:
             self.expert_tokens = self.expert_tokens + expert_tokens
 
     def metrics(self, fabric: Fabric, target_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-        """router_aux_loss and expert_load over every rank (a collective: every rank calls it)."""
+        """router_aux_loss and expert_tokens (L, E) over every rank (a collective: every rank calls it)."""
         if self.weighted_loss is None or self.expert_tokens is None:
             return {}
         totals = sum_over_ranks(fabric, torch.cat([self.weighted_loss[None], self.expert_tokens.flatten()]))
         expert_tokens = totals[1:].view_as(self.expert_tokens)  # (L, E)
-        load = (expert_tokens.amax(dim=-1) / expert_tokens.mean(dim=-1).clamp(min=1e-9)).amax()
-        return {"router_aux_loss": totals[0] / target_tokens, "expert_load": load}
+        return {"router_aux_loss": totals[0] / target_tokens, "expert_tokens": expert_tokens}
 
 
 def train_step(
