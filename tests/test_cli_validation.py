@@ -69,6 +69,15 @@ def test_arguments_refused(run: RunConfig, change: dict, message: str) -> None:
         check_run(replace(run, **change), "finetune_full")
 
 
+def test_balancing_biases_are_refused_for_lora_whose_checkpoints_would_lose_them(run: RunConfig) -> None:
+    biased = replace(run, train=TrainConfig(router_bias_update_rate=0.01))
+    check_run(biased, "finetune_full")
+    with pytest.raises(
+        LitsftError, match="^--train.router_bias_update_rate is for finetune_full and pretrain"
+    ):
+        check_run(biased, "finetune_lora")
+
+
 def test_a_tokenizer_larger_than_the_embedding_table_is_refused(run: RunConfig) -> None:
     small = replace(run, config=replace(run.config, vocab_size=100))
     with pytest.raises(LitsftError, match=r"has \d+ tokens but the model's vocab_size is 100"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from launch import TINY_MOE
 from tiny_hf import MOE_KINDS, save_tiny_hf, tiny_hf_model
 
 from litsft.checkpoint.model_folder import load_model_state_dict
@@ -155,6 +156,33 @@ def test_router_equals_transformers(normalize):
     assert torch.equal(chosen, expected_experts)
     assert torch.allclose(weights, expected_weights.float(), atol=1e-7)
     assert torch.allclose(probabilities, logits.softmax(-1), atol=1e-7)
+
+
+def test_a_balancing_bias_changes_which_experts_are_chosen_not_their_weights():
+    """DeepSeek-V3's bias is added to the probabilities for the top-k choice only: expert 2 (probability
+    0.09, bias 1) is chosen before expert 1 (0.24), and the weights stay the probabilities."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    bias = torch.tensor([0.0, 0.0, 1.0, 0.0])
+    weights, chosen, probabilities = route(logits, 2, False, bias)
+    assert chosen.tolist() == [[2, 0]]
+    assert torch.equal(weights, probabilities[:, [2, 0]])
+    normalized, _, _ = route(logits, 2, True, bias)
+    assert torch.allclose(normalized, weights / weights.sum(), atol=1e-7)
+
+
+def test_the_balancing_bias_moves_each_layers_experts_towards_the_mean_load():
+    from litsft.model.network.moe import update_expert_bias
+
+    model = Transformer(Config.from_name("tiny-llama", **TINY_MOE, router_bias_update_rate=0.1))
+    update_expert_bias(model, torch.tensor([[5.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]]), 0.1)
+    biases = [block.mlp.expert_bias for block in model.blocks]
+    assert torch.allclose(biases[0], torch.tensor([-0.1, 0.1, 0.1, 0.1])) and torch.equal(
+        biases[1], torch.zeros(4)
+    )
+    assert "blocks.0.mlp.expert_bias" in model.state_dict()  # saved with the weights
+    assert (
+        "blocks.0.mlp.expert_bias" not in Transformer(Config.from_name("tiny-llama", **TINY_MOE)).state_dict()
+    )
 
 
 def _converted(kind: str, tmp_path) -> tuple[torch.nn.Module, Transformer]:

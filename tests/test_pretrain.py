@@ -13,6 +13,7 @@ from tiny_tokenizer import write_tiny_tokenizer
 
 from litsft.checkpoint.model_folder import load_model_state_dict
 from litsft.data import write_demo_corpus
+from litsft.errors import LitsftError
 from litsft.model.config import Config
 from litsft.model.network.transformer import Transformer
 
@@ -105,6 +106,39 @@ def test_a_mixture_of_experts_pretrained_with_its_own_load_balancing_weight_resu
         )
         == 0.0
     )
+
+
+def test_a_mixture_of_experts_pretrained_with_balancing_biases_resumes_exactly_on_two_processes(
+    workspace: Path,
+) -> None:
+    """pretrain --train.router_bias_update_rate on 2 processes, stopped after step 2 of 4 and relaunched: the
+    routers' biases, moved after every step by the load summed over both ranks, are saved in the step
+    checkpoints and final/, and the resumed run ends on the uninterrupted run's weights and biases; the export
+    to Hugging Face, whose Qwen3-MoE has no such bias, is refused in one line."""
+    from litsft.huggingface.convert import convert_to_hf
+
+    model = workspace / "tiny-moe"
+    model.mkdir(exist_ok=True)
+    Config.from_name("tiny-llama", **TINY_MOE).save(model)
+
+    def args(out: str) -> list[str]:
+        command = pretrain_args(workspace, out, 4, 1e-3, "--train.save_interval", "2", "--devices", "2")
+        return [command[0], str(model), *command[2:], "--train.router_bias_update_rate", "0.01"]
+
+    litsft(args("moe-bias-uninterrupted"), workspace)
+    stopped_copy(workspace / "moe-bias-uninterrupted", workspace / "moe-bias-resumed", last_step=4)
+    result = litsft(args("moe-bias-resumed"), workspace)
+    assert "Resumed from" in result.stdout + result.stderr
+    final = workspace / "moe-bias-uninterrupted" / "final"
+    assert max_difference(final, workspace / "moe-bias-resumed" / "final") == 0.0
+    biases = {name: t for name, t in load_model_state_dict(final).items() if name.endswith("expert_bias")}
+    assert len(biases) == 2 and all(bias.abs().max() > 0 for bias in biases.values())
+    # Each step moves every expert by 0.01 one way or the other (or not at all, at exactly the mean load).
+    assert all(((bias / 0.01).round() - bias / 0.01).abs().max() < 1e-3 for bias in biases.values())
+    with pytest.raises(
+        LitsftError, match="trained with --train.router_bias_update_rate: .* has no such bias"
+    ):
+        convert_to_hf(final, workspace / "moe-bias-hf")
 
 
 def test_pretraining_on_text_files_lowers_the_loss(workspace: Path) -> None:

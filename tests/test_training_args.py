@@ -109,6 +109,21 @@ def test_the_load_balancing_coefficient_is_the_models_unless_given_and_refused_f
         TrainConfig(router_aux_loss_coef=-0.1)
 
 
+def test_the_balancing_bias_rate_goes_into_the_model_and_is_refused_for_a_dense_model() -> None:
+    """Off unless given (transformers' families have no bias); a rate makes it the model's, which a resume
+    compares; refused for a dense model and below 0."""
+    moe = replace(run_config(), config=Config.from_name("Qwen3-30B-A3B"))
+    assert with_defaults(moe, "bf16-mixed").config.router_bias_update_rate == 0.0
+    given = replace(moe, train=TrainConfig(router_bias_update_rate=0.001))
+    assert with_defaults(given, "bf16-mixed").config.router_bias_update_rate == 0.001
+    with pytest.raises(
+        LitsftError, match="^--train.router_bias_update_rate: tiny-llama is not a mixture of experts"
+    ):
+        with_defaults(run_config(router_bias_update_rate=0.01), "bf16-mixed")
+    with pytest.raises(LitsftError, match="--train.router_bias_update_rate"):
+        TrainConfig(router_bias_update_rate=-0.1)
+
+
 @pytest.mark.parametrize(
     ("setting", "device", "expected"),
     [(None, "cuda", True), (None, "cpu", False), (True, "cpu", True), (False, "cuda", False)],

@@ -131,6 +131,41 @@ def test_the_routing_tally_sums_each_layers_expert_load_over_micro_batches_leavi
     assert logged["expert_tokens"].shape == (config.num_layers, config.num_experts)
 
 
+def test_balancing_biases_even_out_a_skewed_routing_over_steps() -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, the optimizer kept from moving anything (lr 1e-9): routers
+    drawn wide, towards a direction every token shares, route unevenly; without biases the worst layer's load
+    (busiest expert over the mean) stays where it starts, with --train.router_bias_update_rate 0.02 it falls."""
+    from launch import TINY_MOE
+
+    from litsft.training.metrics import expert_balance
+    from litsft.training.step import RoutingTally
+
+    def worst_loads(rate: float) -> list[float]:
+        torch.manual_seed(0)
+        fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+        model = Transformer(Config.from_name("tiny-llama", **TINY_MOE, router_bias_update_rate=rate))
+        model.init_weights(0)
+        with torch.no_grad():
+            shared = F.normalize(torch.randn(model.config.hidden_size), dim=0)
+            model.embed.weight += 0.1 * shared
+            for block in model.blocks:
+                block.mlp.router.weight.normal_(std=0.3)
+                block.mlp.router.weight[0] += 0.5 * shared
+        model, optimizer = fabric.setup(model, build_optimizer(model, OptimizerConfig(lr=1e-9)))
+        loads = []
+        for step in range(20):
+            routing = RoutingTally()
+            batch = micro_batch(2, 32, targets=32, seed=step)
+            train_step(fabric, model, optimizer, [batch], max_norm=1.0, routing=routing)
+            expert_tokens = routing.metrics(fabric, torch.tensor(1))["expert_tokens"]
+            loads.append(expert_balance(expert_tokens)[:, 0].max().item())
+        return loads
+
+    off, on = worst_loads(0.0), worst_loads(0.02)
+    assert off[0] == on[0] > 1.5  # the same routing before the first update
+    assert sum(off[-5:]) / 5 > 1.55 and sum(on[-5:]) / 5 < 1.45, (off, on)
+
+
 def test_the_reported_norm_is_the_one_before_clipping() -> None:
     fabric, model, optimizer = setup(lr=1e-3)
     batch = micro_batch(2, 16, targets=16, seed=4)

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from litsft.checkpoint.sharded_tensors import ShardedReader, barrier, global_rank, plain, save_consolidated
+from litsft.checkpoint.sharded_tensors import (
+    ShardedReader,
+    barrier,
+    global_rank,
+    persistent_buffers,
+    plain,
+    save_consolidated,
+)
 from litsft.checkpoint.weight_files import (
     DEFAULT_MAX_SHARD_SIZE,
     SAFETENSORS_INDEX_NAME,
@@ -139,8 +146,13 @@ def save_model_folder_from_ranks(
     tensor to rank 0). Collective."""
     out_dir = Path(out_dir)
     dtype = getattr(torch, config.torch_dtype)
+    buffers = persistent_buffers(
+        model
+    )  # kept in their own dtype: a balancing bias moves in steps bf16 rounds
     tensors = {
-        name: plain(tensor).detach().to(dtype) if tensor.is_floating_point() else tensor.detach()
+        name: plain(tensor).detach().to(dtype)
+        if tensor.is_floating_point() and name not in buffers
+        else tensor.detach()
         for name, tensor in model.state_dict().items()
         if not (config.tie_word_embeddings and name == "lm_head.weight")
     }
@@ -245,6 +257,9 @@ def load_model_weights(
             f"{model_dir} lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}; "
             "it was converted from a different model"
         )
+    # Buffers the folder holds (a mixture of experts' balancing biases, trained with them); one it lacks keeps
+    # the initial value the model gave it (a folder written without them: converted from Hugging Face).
+    targets.update({name: buffer for name, buffer in persistent_buffers(model).items() if name in stored})
     reader.load(targets, collective=False)
     for name, name_on_disk in nf4_weights.items():
         # Quantized whole, then split into this rank's part (litsft.model.precision.quantization): read one at a time.

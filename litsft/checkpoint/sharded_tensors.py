@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
+from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
@@ -77,6 +78,17 @@ def dcp_failure(error: CheckpointException) -> BaseException:
         return error
     wrapped = failures[min(failures)]
     return wrapped[0] if isinstance(wrapped, tuple) else wrapped
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers `model.state_dict()` holds (a mixture of experts' balancing biases), by name: model state
+    that is not a parameter, saved and loaded beside the parameters."""
+    return {
+        name: buffer
+        for name, buffer in model.named_buffers()
+        if name.rpartition(".")[2]
+        not in model.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set
+    }
 
 
 def plain(tensor: torch.Tensor) -> torch.Tensor:

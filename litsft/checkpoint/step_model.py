@@ -30,7 +30,7 @@ from litsft.checkpoint.checkpoint_dirs import (
 )
 from litsft.checkpoint.lora_folder import save_lora_folder
 from litsft.checkpoint.model_folder import save_model_folder, weights_fingerprint
-from litsft.checkpoint.sharded_tensors import ShardedReader
+from litsft.checkpoint.sharded_tensors import ShardedReader, persistent_buffers
 from litsft.checkpoint.training_checkpoint import SHARDS_DIR
 from litsft.errors import LitsftError
 from litsft.model.config import Config
@@ -72,18 +72,20 @@ def _write_model_folder(
 ) -> None:
     # The model's own order of tensors, as final/ is written in: it decides which tensors share a file.
     with torch.device("meta"):
+        model = Transformer(config)
         names = [
             name
-            for name in Transformer(config).state_dict()
+            for name in model.state_dict()
             if not (config.tie_word_embeddings and name == "lm_head.weight")
         ]
+        buffers = persistent_buffers(model)  # kept in their own dtype, as final/ keeps them
     _check_holds(step_dir, stored, names)
     dtype = getattr(torch, config.torch_dtype)
 
     def tensors() -> Any:
         for name in names:  # one whole tensor in memory at a time
             tensor = _read(reader, name, stored[name])
-            yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+            yield name, tensor.to(dtype) if tensor.is_floating_point() and name not in buffers else tensor
 
     tokenizer_dir = _recorded_dir(
         step_dir,

@@ -65,6 +65,7 @@ from litsft.checkpoint.sharded_tensors import (
     ShardedReader,
     first_message,
     global_rank,
+    persistent_buffers,
     save_sharded,
     save_sharded_in_background,
     world_size,
@@ -86,9 +87,11 @@ def checkpoint_tensors(
     model: nn.Module, optimizer: torch.optim.Optimizer, with_frozen: bool = True
 ) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint stores, by their names in it: `model/<name>` for every parameter (the
-    trainable ones only without `with_frozen`), `optimizer/<name>/<key>` for every optimizer state tensor."""
+    trainable ones only without `with_frozen`) and persistent buffer, `optimizer/<name>/<key>` for every
+    optimizer state tensor."""
     parameters = dict(model.named_parameters()) if with_frozen else _trainable_named_parameters(model)
     tensors = {f"model/{name}": param.detach() for name, param in parameters.items()}
+    tensors.update({f"model/{name}": buffer for name, buffer in persistent_buffers(model).items()})
     names_of = {id(p): n for n, p in model.named_parameters()}
     for param, state in optimizer.state.items():
         for key, value in state.items():
@@ -368,12 +371,13 @@ def load_training_checkpoint(
     reader = stored_tensors(checkpoint_dir)
     stored = reader.stored()
     parameters = dict(model.named_parameters()) if load_frozen else _trainable_named_parameters(model)
-    missing = sorted(name for name in parameters if f"model/{name}" not in stored)
+    targets = {f"model/{name}": param.data for name, param in parameters.items()}
+    targets.update({f"model/{name}": buffer for name, buffer in persistent_buffers(model).items()})
+    missing = sorted(name.removeprefix("model/") for name in targets if name not in stored)
     if missing:
         raise LitsftError(
             f"{checkpoint_dir} has no weights for {missing[:3]}; it was written for a different model"
         )
-    targets = {f"model/{name}": param.data for name, param in parameters.items()}
     optimizer_state = _empty_optimizer_state(checkpoint_dir, state["param_groups"], model, optimizer, stored)
     for name, param_state in optimizer_state.items():
         targets.update({f"optimizer/{name}/{key}": value for key, value in param_state.items()})

@@ -42,6 +42,13 @@ def check_run(run: RunConfig, recipe_name: str) -> None:
     run.layout.check_heads(run.config.num_heads, run.config.name)  # the layout refuses what cannot split
     run.layout.check_experts(run.config.num_experts, run.config.name)
     check_float8_recipe(run.train.float8, recipe_name)
+    if recipe_name == "finetune_lora" and (
+        run.train.router_bias_update_rate or run.config.router_bias_update_rate
+    ):
+        raise LitsftError(
+            "--train.router_bias_update_rate is for finetune_full and pretrain: finetune_lora saves only "
+            "its adapters, and the routers' moving biases would be lost; drop the flag, or use finetune_full"
+        )
     max_length = run.config.max_position_embeddings
     if run.train.max_seq_length is not None and run.train.max_seq_length > max_length:
         raise LitsftError(

@@ -167,6 +167,13 @@ def convert_to_hf(
     if run_out_dir is not None and not (checkpoint_dir / CONFIG_FILENAME).is_file():
         raise LitsftError(run_out_dir)
     config = Config.from_checkpoint(checkpoint_dir)
+    if config.router_bias_update_rate:
+        raise LitsftError(
+            f"{checkpoint_dir} was trained with --train.router_bias_update_rate: its routers' balancing biases "
+            f"decide which experts each token goes to, and transformers' {config.hf_architecture} has no such "
+            "bias, so the export would route differently; use the litsft checkpoint (litsft generate), or "
+            "train with --train.router_bias_update_rate 0"
+        )
     _check_checkpoint_tensors(checkpoint_dir, config)
     if dtype != "auto":
         config.torch_dtype = dtype

@@ -143,6 +143,12 @@ class Config:
     """The clamped SwiGLU's sigmoid gain (read with expert_activation="clamped_swiglu" only)."""
     swiglu_limit: float = 7.0
     """The clamped SwiGLU's clamp (read with expert_activation="clamped_swiglu" only)."""
+    router_bias_update_rate: float = 0.0
+    """DeepSeek-V3's auxiliary-loss-free balancing (https://arxiv.org/abs/2412.19437, section 2.1.2): each
+    router carries a per-expert bias (`expert_bias`, a buffer saved with the weights) added to its
+    probabilities for the top-k choice only, not to the weights, and moved by this much after each optimizer
+    step, up for an expert below the mean load, down above it. 0: off, no bias (what transformers' families
+    have)."""
     # ----
     hf_architecture: str = "LlamaForCausalLM"
     """The config.json architecture, which names the family (litsft.model.families) that builds and converts it."""
@@ -237,10 +243,9 @@ class Config:
                 f"{self.name}: experts_per_token={self.experts_per_token} must be between 1 and "
                 f"num_experts={self.num_experts}"
             )
-        if self.router_aux_loss_coef < 0:
-            raise LitsftError(
-                f"{self.name}: router_aux_loss_coef={self.router_aux_loss_coef} must be 0 (off) or positive"
-            )
+        for name in ("router_aux_loss_coef", "router_bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise LitsftError(f"{self.name}: {name}={getattr(self, name)} must be 0 (off) or positive")
 
     def _normalize_layer_types(self) -> None:
         """One spelling per layout, so that equal models compare equal: uniform layers as None."""

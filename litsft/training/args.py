@@ -91,6 +91,12 @@ class TrainConfig:
     router_aux_loss_coef: float | None = None
     """Weight of a mixture of experts' load-balancing loss in the training loss. Default: the model's own
     (its config.json's router_aux_loss_coef: OLMoE 0.01, Qwen3-MoE 0.001, Mixtral-8x7B 0.02); 0 turns it off."""
+    router_bias_update_rate: float | None = None
+    """A mixture of experts' auxiliary-loss-free balancing (DeepSeek-V3, https://arxiv.org/abs/2412.19437
+    section 2.1.2; it used 0.001): each router gets a per-expert bias added to its scores for choosing the
+    top k experts only, moved by this much after each optimizer step towards the mean load of the step.
+    The bias is saved with the model; transformers' OLMoE, Qwen3-MoE and Mixtral have none, so such a model is
+    not exported to Hugging Face. finetune_full and pretrain. Default: the model's own (0, off)."""
     float8: Float8Recipe | None = None
     """Run the blocks' large projections in float8 on GPUs with float8 tensor cores (compute capability 8.9+:
     L4, RTX 4090, H100, B200), through torchao: tensorwise (one scale per tensor; with several GPUs the weights
@@ -108,6 +114,7 @@ class TrainConfig:
             check_number(f"--train.{name}", getattr(self, name), at_least=1)
         check_number("--train.max_norm", self.max_norm, above=0, fix="pass null to disable clipping")
         check_number("--train.router_aux_loss_coef", self.router_aux_loss_coef, at_least=0)
+        check_number("--train.router_bias_update_rate", self.router_bias_update_rate, at_least=0)
 
 
 @dataclass
@@ -266,23 +273,28 @@ class RunConfig:
         )
 
 
-CONFIG_OPTIONS = {"router_aux_loss_coef": "--train.router_aux_loss_coef"}
+CONFIG_OPTIONS = {
+    "router_aux_loss_coef": "--train.router_aux_loss_coef",
+    "router_bias_update_rate": "--train.router_bias_update_rate",
+}
 """The model config's fields that a command-line option sets (`run_model_config`), by the option."""
 
 
 def run_model_config(run: RunConfig) -> Config:
     """The model `run` trains: its checkpoint's config with what the command line changes in it (each of
-    CONFIG_OPTIONS; --train.router_aux_loss_coef is refused for a dense model). `with_defaults` puts it into the
+    CONFIG_OPTIONS, each a mixture of experts' and refused for a dense model). `with_defaults` puts it into the
     run, which builds the model and records it in each checkpoint, and a resume compares the checkpoint's record
     with it: one function, so that a run resumed with the command that started it is always the same model."""
     config = run.config
-    if run.train.router_aux_loss_coef is not None:
+    for field_name, option in CONFIG_OPTIONS.items():
+        value = getattr(run.train, field_name)
+        if value is None:
+            continue
         if not config.num_experts:
             raise LitsftError(
-                f"--train.router_aux_loss_coef: {config.name} is not a mixture of experts, it has no router; "
-                "drop the flag"
+                f"{option}: {config.name} is not a mixture of experts, it has no router; drop the flag"
             )
-        config = dataclasses.replace(config, router_aux_loss_coef=run.train.router_aux_loss_coef)
+        config = dataclasses.replace(config, **{field_name: value})
     return config
 
 

@@ -18,7 +18,7 @@ from litsft.errors import LitsftError
 from litsft.model.network.attention import Documents
 from litsft.model.network.batch import model_inputs, split_for_context
 from litsft.model.network.context_parallel import ContextShard
-from litsft.model.network.moe import expert_load
+from litsft.model.network.moe import expert_load, update_expert_bias
 from litsft.model.network.sample_dropout import (
     DropoutSamples,
     context_samples,
@@ -69,6 +69,15 @@ class RoutingTally:
             self.weighted_loss = self.weighted_loss + weighted
             self.expert_tokens = self.expert_tokens + expert_tokens
 
+    def balance(self, fabric: Fabric, model: nn.Module) -> None:
+        """With the model's router_bias_update_rate, move its routers' balancing biases by the step's expert
+        load over every rank (litsft.model.network.moe.update_expert_bias; a collective: every rank calls it).
+        Nothing is read on the host."""
+        transformer = next(module for module in model.modules() if isinstance(module, Transformer))
+        rate = transformer.config.router_bias_update_rate
+        if rate and self.expert_tokens is not None:
+            update_expert_bias(model, sum_over_ranks(fabric, self.expert_tokens.clone()), rate)
+
     def metrics(self, fabric: Fabric, target_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         """router_aux_loss and expert_tokens (L, E) over every rank (a collective: every rank calls it)."""
         if self.weighted_loss is None or self.expert_tokens is None:
@@ -99,7 +108,7 @@ def train_step(
     its context group shares (`split_for_context`), and each token is counted once. LoRA's dropout masks come from (`seed`, `step`, each
     sample's position in the global batch): `dropout_samples_of`. A mixture of experts adds its load-balancing
     loss's gradient in its forward pass (litsft.model.network.transformer.Transformer.router_loss_gradient); `routing` counts
-    what its routers did, for the logs. `after_update` runs after the optimizer step (float8's scales)."""
+    what its routers did, for the logs, and moves their balancing biases after the update (`RoutingTally.balance`). `after_update` runs after the optimizer step (float8's scales)."""
     device = fabric.device
     layout = layout or ParallelLayout(fabric.world_size)
     whole = [model_inputs(mb) for mb in micro_batches]
@@ -148,6 +157,8 @@ def train_step(
         # reports it at its next synchronization (`raise_if_diverged`).
         inner_optimizer.found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
     optimizer.step()
+    if routing is not None:
+        routing.balance(fabric, model)
     if after_update is not None:
         after_update()
     optimizer.zero_grad(set_to_none=True)

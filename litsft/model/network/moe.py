@@ -54,19 +54,31 @@ class Routing:
 
 
 def route(
-    logits: torch.Tensor, experts_per_token: int, normalize: bool, over_top_k: bool = False
+    logits: torch.Tensor,
+    experts_per_token: int,
+    normalize: bool,
+    over_top_k: bool = False,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The router of OLMoE, Qwen3-MoE and Mixtral (transformers' *TopKRouter): softmax over all E experts in
     fp32, then the top k; with `normalize` (Mixtral always, the others when `norm_topk_prob`) the k
     probabilities are rescaled to sum to 1. Mixtral's original "top-k logits, then softmax over them" is the
     same thing. `over_top_k` (gpt-oss): the top k logits, then a softmax over them alone, in fp32, picked by
     logit as transformers' GptOssTopKRouter picks (the probabilities, for the balancing loss, stay over all E).
-    logits (N, E) -> (weights (N, k) fp32, experts (N, k), probabilities (N, E) fp32)."""
+    logits (N, E) -> (weights (N, k) fp32, experts (N, k), probabilities (N, E) fp32).
+
+    `bias` (E,): DeepSeek-V3's balancing bias (arXiv:2412.19437 eq. 16), added to the probabilities for the
+    choice of the k experts only; their weights stay what the router gives them."""
     probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (N, E)
     if over_top_k:
-        top, experts = torch.topk(logits, experts_per_token, dim=-1)  # (N, k)
-        return torch.softmax(top, dim=-1, dtype=torch.float32), experts, probabilities
-    weights, experts = torch.topk(probabilities, experts_per_token, dim=-1)  # (N, k)
+        choice = logits if bias is None else probabilities + bias
+        experts = torch.topk(choice, experts_per_token, dim=-1).indices  # (N, k)
+        return torch.softmax(logits.gather(-1, experts), dim=-1, dtype=torch.float32), experts, probabilities
+    if bias is None:
+        weights, experts = torch.topk(probabilities, experts_per_token, dim=-1)  # (N, k)
+    else:
+        experts = torch.topk(probabilities + bias, experts_per_token, dim=-1).indices  # (N, k)
+        weights = probabilities.gather(-1, experts)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts, probabilities
@@ -313,6 +325,27 @@ def expert_load(model: nn.Module) -> torch.Tensor | None:
     return torch.stack([routing.expert_tokens.sum(0) for routing in routings]).detach()  # type: ignore[union-attr]
 
 
+@torch.no_grad()
+def reset_expert_biases(model: nn.Module) -> None:
+    """Zero every MoE layer's `expert_bias`: its value before any balancing, for a model materialized from the
+    meta device (whose buffers hold whatever memory they got) before a checkpoint that has them is loaded."""
+    for module in model.modules():
+        if isinstance(module, MoE) and module.expert_bias is not None:
+            module.expert_bias.zero_()
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, expert_tokens: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing update (arXiv:2412.19437 section 2.1.2), after an optimizer
+    step: each MoE layer's `expert_bias` += rate x sign(mean load - load), from the assignments each expert
+    received over the whole step (L, E), summed over every rank, so every rank moves its copy the same."""
+    layers = [
+        module for module in model.modules() if isinstance(module, MoE) and module.expert_bias is not None
+    ]
+    for layer, load in zip(layers, expert_tokens.to(torch.float32)):
+        layer.expert_bias += rate * torch.sign(load.mean() - load)
+
+
 class MoE(nn.Module):
     """The MLP of an MoE block: route each token (N, C) to k of E experts and sum their weighted outputs.
     After each forward pass `routing` holds what the router did for each sequence (`Routing`); the model
@@ -343,12 +376,16 @@ class MoE(nn.Module):
         leaving it out of them would give the experts a batch whose size only the data knows); None: all
         tokens one sequence."""
         self.routing: Routing | None = None
+        # (E,) DeepSeek-V3's balancing bias (`route`, `update_expert_bias`): a buffer, saved with the weights
+        # and moved after each optimizer step, not by it; None without router_bias_update_rate.
+        bias = torch.zeros(config.num_experts) if config.router_bias_update_rate else None
+        self.register_buffer("expert_bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         flat = x.reshape(B * T, C)  # (N, C)
         weights, experts, probabilities = route(
-            self.router(flat), self.experts_per_token, self.normalize, self.over_top_k
+            self.router(flat), self.experts_per_token, self.normalize, self.over_top_k, self.expert_bias
         )
         E = probabilities.shape[-1]
         flat_experts = experts.flatten()  # (A,)
