@@ -35,6 +35,7 @@ from litsft.training.plan import (
     block_parameters,
     context_attention_bytes,
     estimate_memory,
+    expert_dispatch_bytes,
     fits,
     parse_memory_size,
     plan,
@@ -627,3 +628,51 @@ def test_plan_prints_the_context_layout_and_accumulates_over_data_replicas(capsy
         "checkpointing" in lines
     )
     assert any(line.startswith("gradient accumulation over 4 micro-batches") for line in lines)
+
+
+def test_expert_parallelism_gathers_an_eighth_of_the_experts_and_keeps_the_shards(capsys):
+    """Qwen3-30B-A3B at --parallel.expert 8 on 8 devices: the experts rest in the same 1/8 shards (efsdp 1 x
+    expert 8), but a block's all-gather brings a rank its own 16 experts, not all 128: the gathered experts
+    (two blocks held, bf16) and one block's expert gradient buffers (bf16 and fp32) drop 8-fold, and each MoE
+    layer's dispatch buffers come on top (tokens x k rows received and as many sent back, bf16)."""
+    config = Config.from_name("Qwen3-30B-A3B")
+    one = estimate_memory(config, devices=8)
+    eight = estimate_memory(config, devices=8, expert=8)
+    assert (eight.parameters, eight.gradients, eight.optimizer_states, eight.activations) == (
+        one.parameters, one.gradients, one.optimizer_states, one.activations
+    )  # fmt: skip
+    experts = max(layer.expert_weights for layer in model_sizes(config).layers)  # one block's 128 experts
+    gathered_one, gathered_eight = 2 * experts * 2, 2 * (experts // 8) * 2
+    assert gathered_one / gathered_eight == 8
+    dispatch = expert_dispatch_bytes(config, 2048, 2, 8)
+    assert dispatch == 2 * 2048 * 8 * 2048 * 2
+    buffers = experts * 7 // 8 * (2 + 4)
+    assert one.transients - eight.transients == gathered_one - gathered_eight + buffers - dispatch
+    assert eight.transients < one.transients / 2
+    main(["plan", "Qwen3-30B-A3B", "--devices", "8", "--parallel.expert", "8", "--device_memory", "80GB"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "8 device(s) x 1 node(s): FULL_SHARD, shard group 8, expert 8 x expert-fsdp 1" in lines
+    assert any(
+        line.startswith("expert parallelism: each rank computes 16 of every MoE layer's 128 experts")
+        for line in lines
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "devices", "expert", "message"),
+    [
+        ("Qwen3-30B-A3B", 8, 3, "--parallel.expert=3 does not divide the shard group of 8 ranks (--devices=8 x "
+         "--num_nodes=1): an expert group splits the ranks that shard the weights; pick one of 1, 2, 4, 8"),
+        ("Qwen3-30B-A3B", 12, 3, "--parallel.expert=3 does not divide Qwen3-30B-A3B's 128 experts: each expert rank "
+         "owns an equal share of them; pick one of 1, 2, 4"),
+        ("Llama-3.1-8B", 8, 2, "--parallel.expert=2: Llama-3.1-8B has no experts (not a mixture of experts); drop it"),
+    ],
+)  # fmt: skip
+def test_plan_refuses_an_expert_size_training_refuses(model, devices, expert, message, capsys):
+    with pytest.raises(LitsftError) as error:
+        estimate_memory(Config.from_name(model), devices=devices, expert=expert)
+    assert str(error.value) == message
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", model, "--devices", str(devices), "--parallel.expert", str(expert)])
+    assert exit_info.value.code != 0
+    assert capsys.readouterr().err == f"error: {message}\n"

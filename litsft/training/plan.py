@@ -30,7 +30,9 @@ every rank for FULL_SHARD and SHARD_GRAD_OP, the devices of one node for HYBRID_
 NO_SHARD; context ranks count as data ranks there. With `--parallel.context N` a rank holds 1/N of every row's
 tokens (a micro-batch's rows joined into one, padded to a multiple of N), so its activations shrink about
 N-fold, and each attention layer adds its all-to-all's tensors (`context_attention_bytes`); gradient
-accumulation follows the data replicas. On top come activations and transients (all-gathered compute-dtype
+accumulation follows the data replicas. With `--parallel.expert N` the experts' resting shards are the
+same (efsdp x N ranks = the shard group), but a block's experts are all-gathered over efsdp only, E/N experts
+instead of E, and each MoE layer adds its dispatch buffers (`expert_dispatch_bytes`). On top come activations and transients (all-gathered compute-dtype
 parameters, a chunk of logits, gradient-reduction buffers). Everything the model rests on is a named constant
 below, so that a calibration test can compare `estimate_memory` with measured peaks and adjust them.
 
@@ -224,6 +226,21 @@ def context_attention_bytes(config: Config, tokens: int, compute_bytes: int, con
     return saved, transient
 
 
+def expert_dispatch_bytes(config: Config, tokens: int, compute_bytes: int, expert: int) -> int:
+    """Transient bytes that expert parallelism adds on a rank holding `tokens` tokens around one MoE layer
+    (litsft.model.network.expert_parallel): the rows it receives for its experts and the rows it sends back,
+    each `hidden_size` wide in the compute dtype.
+
+    Counted for balanced routing: each of the expert group's ranks sends this rank 1/expert of its tokens x k
+    assignments, so it receives tokens x k rows, as many as it sends. The worst case, every token of the group
+    routed to this rank's experts, is `expert` times that (the dispatch is dropless: no capacity factor caps
+    it). The expert matmuls' own tensors are the activations a block saves without expert parallelism."""
+    if expert == 1:
+        return 0
+    rows = tokens * config.experts_per_token
+    return 2 * rows * config.hidden_size * compute_bytes
+
+
 def root_parameters(config: Config) -> int:
     """Parameters outside the blocks: embeddings (and the untied output head) plus the final norm."""
     return model_sizes(config).root_parameters
@@ -288,18 +305,22 @@ def estimate_memory(
     accumulation_steps: int = 1,
     quantize: Quantization | None = None,
     context: int = 1,
+    expert: int = 1,
 ) -> MemoryEstimate:
     """Per-device bytes of one training step with AdamW; see the module docstring for the model. `lora`:
     train adapters on its targets (`adapter_parameters` counts them) instead of every weight;
     `quantize`: store the adapted block projections in NF4 (QLoRA; LoRA only); `context`: split every row
-    over this many ranks (`--parallel.context`, refused as training refuses it: litsft.training.layout)."""
+    over this many ranks (`--parallel.context`, refused as training refuses it: litsft.training.layout);
+    `expert`: split every MoE layer's experts over this many ranks (`--parallel.expert`, refused as training
+    refuses it: `ParallelLayout.check_experts`), see `expert_dispatch_bytes`."""
     if precision not in PARAMETER_BYTES:
         raise LitsftError(
             f"precision {precision!r} is not supported; choose one of {', '.join(PARAMETER_BYTES)}"
         )
     stored, compute = PARAMETER_BYTES[precision]
-    layout = ParallelLayout.of(devices, num_nodes, sharding_strategy, context)
+    layout = ParallelLayout.of(devices, num_nodes, sharding_strategy, context, expert)
     layout.check_heads(config.num_heads, config.name)
+    layout.check_experts(config.num_experts, config.name)
     shard = layout.shard_group_size
 
     targets = lora.target_list if lora is not None else []
@@ -349,7 +370,10 @@ def estimate_memory(
     head = tokens * config.hidden_size * (4 + compute) + whole_tokens * 2 * config.head_dim * compute
     activations = math.ceil((blocks + head) * ACTIVATION_SCALE)
 
+    # Expert parallelism keeps the resting shards (efsdp x expert = the shard group), but a block's experts are
+    # all-gathered over efsdp only: a rank gathers its expert group share, E/expert experts, not all E.
     block_size = block_parameters(config) + adapters_per_block
+    block_size -= max(layer.expert_weights for layer in layers) * (expert - 1) // expert
     if not layout.sharded:
         # No FSDP: Fabric's autocast casts every fp32 weight for its matmul and the cast copies are kept for
         # the backward pass; with one dtype the parameters are used as they are (LoRA's frozen base too).
@@ -377,7 +401,7 @@ def estimate_memory(
     logits = min(loss_chunk, tokens) * config.vocab_size * (compute + FP32_BYTES_PER_LOGIT)
     dequantized = max(quantized_linears, default=0) * NF4_DEQUANTIZE_BYTES
     transients = math.ceil(gathered - gathered_nf4_savings) + reduce_buffers + logits + dequantized
-    transients += context_transient
+    transients += context_transient + expert_dispatch_bytes(config, tokens, compute, expert)
     # Each rank quantizes every NF4 weight whole, one at a time (litsft.model.precision.quantization.load_nf4_weight).
     loading = nf4_loading_bytes(max(quantized_linears)) if quantized_linears else 0
     return MemoryEstimate(
@@ -466,8 +490,9 @@ def plan(
             stored in the compute dtype. Without it, finetune_full (every parameter trained).
         quantize: nf4 plans finetune_lora --quantize nf4 (QLoRA): the adapted block projections in 4 bits.
         fsdp: Sharding strategy and activation checkpointing, as in training (cpu_offload is not modelled).
-        parallel: Context parallelism, as in training: --parallel.context N splits every row over N ranks of
-            a node, which read the same micro-batches.
+        parallel: Context and expert parallelism, as in training: --parallel.context N splits every row
+            over N ranks of a node, which read the same micro-batches; --parallel.expert N splits every MoE
+            layer's experts over N ranks of a shard group (the dispatch buffers counted for balanced routing).
         train: Micro batch size, global batch size and sequence length, as in training. Default: one row of
             the model's context length (at most 2048 tokens) per device and step, no gradient accumulation.
         device_memory: Memory of one device, e.g. 80GB or 80GiB, for a fits / does not fit verdict.
@@ -485,8 +510,9 @@ def plan(
             raise LitsftError(f"--{name} must be at least 1, got {value}")
     memory = parse_memory_size(device_memory) if device_memory is not None else None
     config = load_model_config(checkpoint_dir)
-    layout = ParallelLayout.of(devices, num_nodes, fsdp.sharding_strategy, parallel.context)
+    layout = ParallelLayout.of(devices, num_nodes, fsdp.sharding_strategy, parallel.context, parallel.expert)
     layout.check_heads(config.num_heads, config.name)
+    layout.check_experts(config.num_experts, config.name)
     micro_batch_size = train.micro_batch_size if train is not None else 1
     max_seq_length = (train.max_seq_length if train is not None else None) or min(
         config.max_position_embeddings, MAX_DEFAULT_SEQ_LENGTH
@@ -495,7 +521,7 @@ def plan(
     accumulation = step_geometry(train, layout.data_replicas).accumulation_steps if train is not None else 1
     estimate = estimate_memory(
         config, devices, num_nodes, fsdp.sharding_strategy, precision, micro_batch_size, max_seq_length,
-        fsdp.activation_checkpointing, lora, accumulation, quantize, parallel.context,
+        fsdp.activation_checkpointing, lora, accumulation, quantize, parallel.context, parallel.expert,
     )  # fmt: skip
     sizes = model_sizes(config)
     # An MoE block has no gate, up or down projection: all-linear adapts what it has, and naming the
@@ -520,6 +546,12 @@ def plan(
     if layout.context > 1:
         row += f" ({-(-micro_batch_size * max_seq_length // layout.context)} a micro-batch on each rank of a context group)"
     print(f"micro batch {micro_batch_size} x {row}, {checkpointing} activation checkpointing")
+    if layout.expert > 1:
+        print(
+            f"expert parallelism: each rank computes {config.num_experts // layout.expert} of every MoE layer's "
+            f"{config.num_experts} experts; the dispatch buffers are counted for balanced routing (skewed routing "
+            f"can send one rank up to {layout.expert}x the rows)"
+        )
     if accumulation > 1 and layout.sharded:
         print(accumulation_summary(estimate, fsdp.sharding_strategy, accumulation))
     print(checkpoint_summary(estimate, devices))
