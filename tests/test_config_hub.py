@@ -130,6 +130,17 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "train.router_aux_loss_coef": None,
         "data": JSON,
     },
+    # Expert parallelism: 16 of the 128 experts a GPU, room for micro-batches of 2 (litsft plan).
+    "finetune_full/qwen3-30b-a3b-expert-parallel.yaml": {
+        "checkpoint_dir": "checkpoints/Qwen/Qwen3-30B-A3B",
+        "devices": 8,
+        "parallel.expert": 8,
+        "fsdp.sharding_strategy": "FULL_SHARD",
+        "fsdp.activation_checkpointing": True,
+        "train.micro_batch_size": 2,
+        "train.router_aux_loss_coef": None,
+        "data": JSON,
+    },
     "finetune_lora/qwen3-30b-a3b.yaml": {
         "checkpoint_dir": "checkpoints/Qwen/Qwen3-30B-A3B",
         "devices": 8,
@@ -228,7 +239,10 @@ def test_config_parses_with_its_values(name: str) -> None:
     # The layout and the batch arithmetic hold (the engine refuses the run otherwise: the ranks of a context
     # group read the same micro-batch) and the model is a known one.
     context = config.parallel.context if "parallel" in config else 1
-    layout = ParallelLayout.of(config.devices, config.num_nodes, config.fsdp.sharding_strategy, context)
+    expert = config.parallel.expert if "parallel" in config else 1
+    layout = ParallelLayout.of(
+        config.devices, config.num_nodes, config.fsdp.sharding_strategy, context, expert
+    )
     accumulation = step_geometry(config.train, layout.data_replicas).accumulation_steps
     assert (
         accumulation * config.train.micro_batch_size * layout.data_replicas == config.train.global_batch_size
@@ -236,6 +250,7 @@ def test_config_parses_with_its_values(name: str) -> None:
     model = config.model_name if name.startswith("pretrain/") else Path(config.checkpoint_dir).name
     assert model in NAMED_CONFIGS
     layout.check_heads(NAMED_CONFIGS[model].num_heads, model)
+    layout.check_experts(NAMED_CONFIGS[model].num_experts, model)
     if config.train.max_seq_length is not None:
         assert config.train.max_seq_length <= NAMED_CONFIGS[model].max_position_embeddings
     if name.startswith("finetune"):
