@@ -57,8 +57,8 @@ def route(
     logits: torch.Tensor,
     experts_per_token: int,
     normalize: bool,
-    over_top_k: bool = False,
     bias: torch.Tensor | None = None,
+    over_top_k: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The router of OLMoE, Qwen3-MoE and Mixtral (transformers' *TopKRouter): softmax over all E experts in
     fp32, then the top k; with `normalize` (Mixtral always, the others when `norm_topk_prob`) the k
@@ -385,7 +385,11 @@ class MoE(nn.Module):
         B, T, C = x.shape
         flat = x.reshape(B * T, C)  # (N, C)
         weights, experts, probabilities = route(
-            self.router(flat), self.experts_per_token, self.normalize, self.over_top_k, self.expert_bias
+            self.router(flat),
+            self.experts_per_token,
+            self.normalize,
+            self.expert_bias,
+            over_top_k=self.over_top_k,
         )
         E = probabilities.shape[-1]
         flat_experts = experts.flatten()  # (A,)
