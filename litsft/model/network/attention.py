@@ -29,7 +29,6 @@ queries at a time (`chunked_attention`), so that rows of 32k-128k tokens cost me
 
 from __future__ import annotations
 
-import bisect
 import inspect
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -243,7 +242,7 @@ class PreparedAttention:
     mask: torch.Tensor | None = None
     """Decoding: boolean (1, 1, T, S), True where a query may attend."""
     segments: list[int] | None = None
-    """The segmented and mask kernels: the lengths of the row's documents, on the host."""
+    """The segmented kernel (the CPU's): the lengths of the row's documents, on the host."""
     block_mask: Any = None
     cache_positions: torch.Tensor | None = None
     """Decoding: the cache slots (T,) the new keys and values go to."""
@@ -523,10 +522,11 @@ def chunked_attention(
     written out (`written_out_attention`) when softcap or sinks are set, else SDPA with the chunk's mask rows.
 
     Plain causal rows or one row (B = 1) of documents, as `prepared` says, with its window. Queries [a, b)
-    only need keys [f, b), f the first token of a's document where the boundaries are known on the host
-    (`prepared.segments`, the CPU's kernel; else 0, as for plain rows), or a - window + 1 if that is later;
-    their mask rows are built for those keys alone (`visible_keys`), from each token's document
-    (`token_document_ids`). Each chunk's scores stay under SCORES_PER_CHUNK (`query_chunk`), and while
+    only need keys [f, b), f = 0, or a - window + 1 with a window; their mask rows are built for those keys
+    alone (`visible_keys`), from each token's document (`token_document_ids`), which keeps documents apart.
+    The keys are not bounded by a's document: that would read the boundaries on the host, a wait for a GPU
+    every forward pass (the kernels that reach here, the mask kernel and the written-out soft-capped and
+    sink paths, plan nothing on the host). Each chunk's scores stay under SCORES_PER_CHUNK (`query_chunk`), and while
     training every chunk is recomputed in the backward pass (`torch.utils.checkpoint`, which replays its
     dropout), so that only q, k, v and the output are kept: memory linear in T, not T x T. A lone chunk (a
     short row) is not: its scores are within the bound already, and it saves the recomputation.
@@ -534,25 +534,19 @@ def chunked_attention(
     Run eagerly under torch.compile (`torch.compiler.disable`: a graph break). Traced with dynamic shapes,
     the loop unrolls into a checkpointed region per chunk, compiled anew for each number of chunks (five
     row lengths of 4 to 16 chunks took over 10 minutes to compile on a 2-core CPU, against seconds behind
-    the break), and the document boundaries read on the host would be guarded on, a recompilation for every
-    new layout: `prepared` is passed whole for that reason (traced code that reads its list guards on its
-    length).
+    the break).
     """
     B, H, T, D = q.shape
     chunk = min(T, query_chunk(B * H, T))
-    window, documents, document_ids, starts = prepared.window, prepared.documents, None, [0]
+    window, documents, document_ids = prepared.window, prepared.documents, None
     if prepared.pattern == "documents":
         assert documents is not None
         document_ids = token_document_ids(documents, T)
-        for length in prepared.segments or ():  # known on the host for the CPU's kernel only
-            starts.append(starts[-1] + length)
     recompute = T > chunk and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     outputs = []
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
-        first = starts[bisect.bisect_right(starts, start) - 1]  # the chunk's first document's first token
-        if window is not None:
-            first = max(first, start - window + 1)
+        first = 0 if window is None else max(0, start - window + 1)
         pieces = (q[:, :, start:end], k[:, :, first:end], v[:, :, first:end])
         options = (start, first, document_ids, window, dropout, scale, softcap, sinks)
         if recompute:
