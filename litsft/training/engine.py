@@ -156,7 +156,8 @@ def train_loop(
     """Train from `state` to the last step: what happens each step, in order. `evaluate(step)` validates;
     `context` is this rank's place in its context group (`parallel.context_shard`)."""
     preemption = PreemptionFlag.install()
-    geometry = step_geometry(run.train, run.layout.data_replicas)
+    layout = run.layout
+    geometry = step_geometry(run.train, layout.data_replicas)
     accumulation = geometry.accumulation_steps
     total_steps = total_optimizer_steps(run.train, state.train_loader, geometry)
     profiler = StepProfiler(
@@ -189,7 +190,7 @@ def train_loop(
                 state.optimizer,
                 micro_batches,
                 run.train.max_norm,
-                run.layout,
+                layout,
                 seed=run.seed,
                 step=state.step + 1,
                 routing=routing,

@@ -105,17 +105,19 @@ def train_step(
     `layout` (default: this world's processes, FULL_SHARD) says which share of the global batch this rank's
     micro-batches are and how their gradients are reduced (`synchronize_gradients`); without FSDP (one process)
     the latter changes nothing. With `context`, this rank trains its slice of every row of the micro-batches
-    its context group shares (`split_for_context`), and each token is counted once. LoRA's dropout masks come from (`seed`, `step`, each
-    sample's position in the global batch): `dropout_samples_of`. A mixture of experts adds its load-balancing
-    loss's gradient in its forward pass (litsft.model.network.transformer.Transformer.router_loss_gradient); `routing` counts
-    what its routers did, for the logs, and moves their balancing biases after the update (`RoutingTally.balance`). `after_update` runs after the optimizer step (float8's scales)."""
+    its context group shares (`split_for_context`), and each token is counted once. LoRA's dropout masks come
+    from (`seed`, `step`, each sample's position in the global batch): `dropout_samples_of`. A mixture of
+    experts adds its load-balancing loss's gradient in its forward pass
+    (litsft.model.network.transformer.Transformer.router_loss_gradient); `routing` counts what its routers
+    did, for the logs, and moves their balancing biases after the update (`RoutingTally.balance`).
+    `after_update` runs after the optimizer step (float8's scales)."""
     device = fabric.device
     layout = layout or ParallelLayout(fabric.world_size)
     whole = [model_inputs(mb) for mb in micro_batches]
     samples = dropout_samples_of(
         micro_batches, whole, layout.data_rank(fabric.global_rank), seed, step, context
     )
-    inputs = [move_to_device(split_for_context(w, context) if context else w, device) for w in whole]
+    inputs = [move_to_device(w, device, context) for w in whole]
     # Counted on the host, where the batches are, and copied like them: a tensor made from host values
     # directly on a GPU (torch.tensor(..., device=...)) is a copy the host waits for. Loss tokens are each
     # rank's own (a context rank's slice); a context group's ranks share their micro-batches' input tokens,
@@ -209,13 +211,16 @@ def to_device(
     """The model's inputs of a CPU micro-batch (`model_inputs`: packed rows joined, their documents, the flat
     indices of the labels that carry a loss, all found here on the host; with `context`, this rank's slice of
     every row, `split_for_context`), on `device`, copied without making the host wait."""
-    inputs = model_inputs(batch)
-    return move_to_device(split_for_context(inputs, context) if context else inputs, device)
+    return move_to_device(model_inputs(batch), device, context)
 
 
-def move_to_device(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """Model inputs made on the host (tensors, `Documents`, a `ContextShard`) on `device`, copied without
-    making the host wait."""
+def move_to_device(
+    inputs: dict[str, Any], device: torch.device, context: ContextShard | None = None
+) -> dict[str, Any]:
+    """Model inputs made on the host (`model_inputs`), or this context rank's slice of them
+    (`split_for_context`), on `device`, copied without making the host wait."""
+    if context is not None:
+        inputs = split_for_context(inputs, context)
     moved: dict[str, Any] = {}
     for name, value in inputs.items():
         if isinstance(value, ContextShard):
