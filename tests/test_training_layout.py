@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from launch import (
     TINY_MOE,
     litsft,
@@ -132,6 +133,17 @@ def reference(workspace: Path, capsys, name: str, recipe: str = "finetune_full",
     return out / "final"
 
 
+def saved_adapters(*finals: Path) -> list[dict[str, torch.Tensor]]:
+    """The adapters finetune_lora saved in each final folder, which must name the same tensors."""
+    adapters = [load_file(final / "adapter.safetensors") for final in finals]
+    assert all(adapter.keys() == adapters[0].keys() for adapter in adapters)
+    return adapters
+
+
+def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_context_2_trains_as_one_process_for_every_family(workspace: Path, name: str, capsys) -> None:
     """Packed rows over 2 context ranks, micro-batches of 2 accumulated twice, against one process."""
@@ -173,9 +185,8 @@ def test_lora_with_dropout_over_context_2_trains_as_one_process(workspace: Path,
     out = workspace / "lora-context2"
     args = finetune_args("finetune_lora", workspace / "tiny-llama", workspace / "data.json", out, 2, 3, *lora)
     litsft([*args, "--devices", "2", "--parallel.context", "2"], workspace)
-    a, b = (load_file(final / "adapter.safetensors") for final in (expected, out / "final"))
-    assert a.keys() == b.keys()
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    a, b = saved_adapters(expected, out / "final")
+    assert largest_difference(a, b) < 1e-5
     assert any(k.endswith("lora_B.weight") and a[k].abs().sum() > 0 for k in a), "adapters were trained"
 
 
@@ -256,11 +267,10 @@ def test_lora_on_experts_split_over_an_expert_group_saves_every_expert_complete(
     out = workspace / "lora-expert2"
     args = finetune_args("finetune_lora", workspace / "tiny-moe", workspace / "data.json", out, 1, 3, *lora)
     litsft([*args, "--devices", "2", "--parallel.expert", "2"], workspace)
-    a, b = (load_file(final / "adapter.safetensors") for final in (expected, out / "final"))
-    assert a.keys() == b.keys()
+    a, b = saved_adapters(expected, out / "final")
     experts = [k for k in a if "experts" in k]
     assert experts and all(b[k].shape[0] == 4 for k in experts)
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert largest_difference(a, b) < 1e-5
     assert any(k.endswith("lora_B.weight") and "experts" in k and a[k].abs().sum() > 0 for k in a)
 
 

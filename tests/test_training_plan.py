@@ -597,21 +597,29 @@ def test_context_parallelism_counts_repeated_kv_heads_when_the_context_does_not_
 
 
 @pytest.mark.parametrize(
-    ("model", "devices", "context", "message"),
+    ("model", "devices", "option", "size", "message"),
     [
-        ("Llama-3.1-8B", 8, 3, "--parallel.context=3 does not divide --devices=8: a context group is made of "
-         "ranks of one node; pick one of 1, 2, 4, 8"),
-        ("Qwen2.5-7B", 8, 8, "--parallel.context=8 does not divide Qwen2.5-7B's 28 attention heads: each context "
-         "rank attends with an equal share of them; pick one of 1, 2, 4"),
-        ("Llama-3.1-8B", 8, 0, "--parallel.context=0: it is a number of ranks, at least 1"),
+        ("Llama-3.1-8B", 8, "context", 3, "--parallel.context=3 does not divide --devices=8: a context group is "
+         "made of ranks of one node; pick one of 1, 2, 4, 8"),
+        ("Qwen2.5-7B", 8, "context", 8, "--parallel.context=8 does not divide Qwen2.5-7B's 28 attention heads: "
+         "each context rank attends with an equal share of them; pick one of 1, 2, 4"),
+        ("Llama-3.1-8B", 8, "context", 0, "--parallel.context=0: it is a number of ranks, at least 1"),
+        ("Qwen3-30B-A3B", 8, "expert", 3, "--parallel.expert=3 does not divide the shard group of 8 ranks "
+         "(--devices=8 x --num_nodes=1): an expert group splits the ranks that shard the weights; pick one of 1, "
+         "2, 4, 8"),
+        ("Qwen3-30B-A3B", 12, "expert", 3, "--parallel.expert=3 does not divide Qwen3-30B-A3B's 128 experts: "
+         "each expert rank owns an equal share of them; pick one of 1, 2, 4"),
+        ("Llama-3.1-8B", 8, "expert", 2, "--parallel.expert=2: Llama-3.1-8B has no experts (not a mixture of "
+         "experts); drop it"),
     ],
 )  # fmt: skip
-def test_plan_refuses_a_context_size_training_refuses(model, devices, context, message, capsys):
+def test_plan_refuses_a_parallel_size_training_refuses(model, devices, option, size, message, capsys):
+    """The planner refuses in the words of training's own refusal, called and from the command line."""
     with pytest.raises(LitsftError) as error:
-        estimate_memory(Config.from_name(model), devices=devices, context=context)
+        estimate_memory(Config.from_name(model), devices=devices, **{option: size})
     assert str(error.value) == message
     with pytest.raises(SystemExit) as exit_info:
-        main(["plan", model, "--devices", str(devices), "--parallel.context", str(context)])
+        main(["plan", model, "--devices", str(devices), f"--parallel.{option}", str(size)])
     assert exit_info.value.code != 0
     assert capsys.readouterr().err == f"error: {message}\n"
 
@@ -656,23 +664,3 @@ def test_expert_parallelism_gathers_an_eighth_of_the_experts_and_keeps_the_shard
         line.startswith("expert parallelism: each rank computes 16 of every MoE layer's 128 experts")
         for line in lines
     )
-
-
-@pytest.mark.parametrize(
-    ("model", "devices", "expert", "message"),
-    [
-        ("Qwen3-30B-A3B", 8, 3, "--parallel.expert=3 does not divide the shard group of 8 ranks (--devices=8 x "
-         "--num_nodes=1): an expert group splits the ranks that shard the weights; pick one of 1, 2, 4, 8"),
-        ("Qwen3-30B-A3B", 12, 3, "--parallel.expert=3 does not divide Qwen3-30B-A3B's 128 experts: each expert rank "
-         "owns an equal share of them; pick one of 1, 2, 4"),
-        ("Llama-3.1-8B", 8, 2, "--parallel.expert=2: Llama-3.1-8B has no experts (not a mixture of experts); drop it"),
-    ],
-)  # fmt: skip
-def test_plan_refuses_an_expert_size_training_refuses(model, devices, expert, message, capsys):
-    with pytest.raises(LitsftError) as error:
-        estimate_memory(Config.from_name(model), devices=devices, expert=expert)
-    assert str(error.value) == message
-    with pytest.raises(SystemExit) as exit_info:
-        main(["plan", model, "--devices", str(devices), "--parallel.expert", str(expert)])
-    assert exit_info.value.code != 0
-    assert capsys.readouterr().err == f"error: {message}\n"
