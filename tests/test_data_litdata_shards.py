@@ -5,6 +5,7 @@ in tests/test_data_text.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -63,19 +64,34 @@ def test_each_file_is_one_document_bos_once_and_eos_once(corpus: list[Path], tok
     assert tokens.tolist().count(tokenizer.bos_id) == 1 and tokens.tolist().count(tokenizer.eos_id) == 1
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 def test_shards_stream_back_the_files_tokens_in_order(
-    corpus: list[Path], tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+    workers: int,
+    corpus: list[Path],
+    tokenizer_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
 ) -> None:
     for name in (
         "DATA_OPTIMIZER_CACHE_FOLDER",
         "DATA_OPTIMIZER_DATA_CACHE_FOLDER",
     ):  # litdata's scratch space
         monkeypatch.setenv(name, str(tmp_path / name.lower()))
-    optimize_text(corpus, tmp_path / "shards", tokenizer_dir, num_workers=1)
-    assert capsys.readouterr().out == f"Tokenizing 3 text files into {tmp_path / 'shards'} with 1 process\n"
+    optimize_text(corpus, tmp_path / "shards", tokenizer_dir, num_workers=workers)
+    processes = "1 process" if workers == 1 else f"{workers} processes"
+    assert capsys.readouterr().out == f"Tokenizing 3 text files into {tmp_path / 'shards'} with {processes}\n"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".shards")]  # staging renamed away
     tokenizer = Tokenizer(tokenizer_dir)
-    expected = [t for text in TEXTS.values() for t in tokenizer.encode(text, add_bos=True, add_eos=True)]
+    documents = [tokenizer.encode(text, add_bos=True, add_eos=True) for text in TEXTS.values()]
+    # Blocks never straddle two chunks (litdata drops a chunk's last partial block), so the stream is each
+    # chunk's whole blocks; a chunk holds the next chunk_size files, in order, whichever worker wrote it.
+    expected = []
+    for chunk in json.loads((tmp_path / "shards" / "index.json").read_text())["chunks"]:
+        tokens = [t for document in documents[: chunk["chunk_size"]] for t in document]
+        documents = documents[chunk["chunk_size"] :]
+        expected += tokens[: len(tokens) // 8 * 8]
+    assert not documents
     loader = streaming_loader(str(tmp_path / "shards"), 7, 0, 1, 2, seed=0, num_workers=0, shuffle=False)
     streamed = []
     for batch in loader:

@@ -146,7 +146,11 @@ def optimize_text(
             num_workers=num_workers,
             chunk_bytes=chunk_bytes,
             item_loader=TokensLoader(),
-            reorder_files=False,  # keep the pieces of a file in order, so its document stays whole
+            # Each worker tokenizes a fixed, consecutive slice of the pieces, and the chunks are indexed in
+            # worker order: the stream is the files in order, every file one whole document, the same on
+            # every run. (litdata's default shares a queue: pieces land in whichever worker is free.)
+            reorder_files=False,
+            keep_data_ordered=True,
             start_method="fork" if "fork" in _start_methods() else None,
             verbose=False,
         )
