@@ -31,6 +31,12 @@ datasheet bf16 peak: litsft's blocks on the real tokens, its output head on the 
 attention within each document; the plain loop's blocks and head on every position of the row and causal
 attention over the whole row. Each run's line is printed as soon as it finishes, then the ratios.
 
+--moe_layers N: instead, a mixture of experts: Qwen3-30B-A3B's layer shape (128 experts, 8 per token, GQA 32/4,
+151k vocabulary) cut to N of its 48 layers, bf16-mixed, packed rows of `--max_seq_length`, micro batch 1, on one
+GPU: litsft finetune_full (experts through torch._grouped_mm) and the plain loop of item 3 on transformers'
+Qwen3MoeForCausalLM (its own expert implementation), on the same rows; MFU counts the 8 chosen experts a token
+runs, on both sides. One GPU holds every expert, so there is no expert parallelism in this row.
+
 --context_sizes: instead, finetune_full once per context size (`--parallel.context`) on the same model, with
 full activation checkpointing, on two GPUs of this machine (one when it has one: a context size larger than
 the GPUs is skipped and its reason recorded), one row per data replica and step; tokens/s per GPU and MFU as
@@ -69,6 +75,12 @@ from litsft.model.lora.layers import LoRAConfig
 from litsft.training.plan import estimate_memory
 
 LLAMA_3_2_1B = "Llama-3.2-1B"
+QWEN3_MOE = "Qwen3-30B-A3B"
+MOE_FIELDS = (
+    "qk_norm", "num_experts", "experts_per_token", "expert_intermediate_size", "normalize_expert_weights",
+    "router_aux_loss_coef", "hf_architecture", "rms_norm_eps",
+)  # fmt: skip
+"""Beyond SHAPE_FIELDS, what makes the --moe_layers model Qwen3-30B-A3B's."""
 CONTEXT_ANCHOR = {
     "source": "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md (Table 2)",
     "setup": "Llama 3.1 8B, 8x H100 (96 GB HBM2e, 500 W), FSDP + CP (ring attention) + torch.compile + Float8, "
@@ -103,7 +115,7 @@ def litsft_rows(
             "--train.log_interval", str(args.warmup),
             "--eval.max_batches", "1", "--eval.max_new_tokens", "0", "--resume", "false", *extra,
         ],
-        args.work_dir, threads=8,
+        args.work_dir, threads=8, capture=False,  # into the step's log as it runs: a timed-out run shows how far it got
     )  # fmt: skip
     return training_rows(out_dir)
 
@@ -213,18 +225,16 @@ def packed_batches(checkpoint: Path, data: Path, args: argparse.Namespace) -> li
 def transformers_run(
     config: Config, batches: list[dict[str, torch.Tensor]], args: argparse.Namespace, work: list[StepWork]
 ) -> dict:
-    """The plain loop: LlamaForCausalLM, sdpa, compiled layers, bf16 autocast, fused AdamW, no KV cache."""
+    """The plain loop: the config's transformers class (LlamaForCausalLM, Qwen3MoeForCausalLM), sdpa, compiled
+    layers, bf16 autocast, fused AdamW, no KV cache."""
     import transformers
 
-    hf_config = transformers.LlamaConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
-        tie_word_embeddings=config.tie_word_embeddings, max_position_embeddings=config.max_position_embeddings,
-        rope_theta=config.rope_theta, rope_scaling=config.rope_scaling, attn_implementation="sdpa",
-    )  # fmt: skip
+    hf_fields = config.to_hf_config()
+    hf_config = transformers.AutoConfig.for_model(hf_fields.pop("model_type"), **hf_fields)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(hf_config).cuda().train()
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+    # fp32 weights under bf16 autocast, as litsft's bf16-mixed (the config's torch_dtype may say bfloat16).
+    model = model.to(device="cuda", dtype=torch.float32).train()
     for layer in model.model.layers:
         layer.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
@@ -305,6 +315,39 @@ def context_runs(config: Config, checkpoint: Path, data: Path, args: argparse.Na
     return results
 
 
+def moe_runs(
+    config: Config,
+    checkpoint: Path,
+    data: Path,
+    batches: list[dict[str, torch.Tensor]],
+    args: argparse.Namespace,
+) -> None:
+    """--moe_layers: finetune_full and the transformers loop on the cut-down Qwen3-30B-A3B, each row written to
+    --results_json as soon as it finishes."""
+    results: dict = {
+        "device": torch.cuda.get_device_name(),
+        "machine": machine_description(),
+        "model": f"{QWEN3_MOE}'s layers, {config.num_layers} of 48",
+        "parameters": num_parameters(config),
+        "settings": {name: value for name, value in vars(args).items() if name != "work_dir"},
+        "runs": {},
+    }
+    full = litsft_run("finetune_full", checkpoint, data, args, step_work(config, batches, "litsft"))
+    results["runs"]["finetune_full"] = {**full, "planned_peak_mib": planned_peak_mib(config, args)}
+    print_result("finetune_full (MoE)", full)
+    if args.results_json:
+        Path(args.results_json).write_text(json.dumps(results, indent=1))
+    plain = transformers_run(config, batches, args, step_work(config, batches, "plain"))
+    results["runs"]["transformers_loop"] = plain
+    results["full_over_transformers_loop"] = full["tokens_per_second"] / plain["tokens_per_second"]
+    print_result("transformers_loop (MoE)", plain)
+    print(
+        f"litsft finetune_full / transformers loop (MoE): {results['full_over_transformers_loop']:.2f}x tokens/s"
+    )
+    if args.results_json:
+        Path(args.results_json).write_text(json.dumps(results, indent=1))
+
+
 def main(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         sys.exit(
@@ -318,11 +361,12 @@ def main(args: argparse.Namespace) -> None:
         )
     args.work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="litsft-gpu-"))
     os.environ["LITSFT_CACHE_DIR"] = str(args.work_dir / "cache")
-    shape = Config.from_name(LLAMA_3_2_1B)
-    # The demo tokenizer (449 tokens) with the real 128k-row embedding: the vocabulary's cost is Llama's.
-    checkpoint = make_checkpoint(
-        args.work_dir / "checkpoint", **{name: getattr(shape, name) for name in SHAPE_FIELDS}
-    )
+    shape = Config.from_name(QWEN3_MOE if args.moe_layers else LLAMA_3_2_1B)
+    fields = {name: getattr(shape, name) for name in SHAPE_FIELDS + (MOE_FIELDS if args.moe_layers else ())}
+    if args.moe_layers:
+        fields["num_layers"] = args.moe_layers
+    # The demo tokenizer (449 tokens) with the real vocabulary's embedding rows: the vocabulary's cost is the model's.
+    checkpoint = make_checkpoint(args.work_dir / "checkpoint", **fields)
     config = Config.from_checkpoint(checkpoint)
     data = write_mixed_length_data(args.work_dir / "train.json", args.records, max_words=4000)
     print(machine_description(), "|", torch.cuda.get_device_name())
@@ -344,6 +388,9 @@ def main(args: argparse.Namespace) -> None:
         flush=True,
     )
     batches = packed_batches(checkpoint, data, args)
+    if args.moe_layers:
+        moe_runs(config, checkpoint, data, batches, args)
+        return
     rank = args.lora_rank
     lora_config = LoRAConfig(rank=rank, alpha=2 * rank)
     adapters = lora_parameters(config, lora_config.target_list, rank)
@@ -425,6 +472,10 @@ if __name__ == "__main__":
     parser.add_argument(
         "--context_sizes", type=int, nargs="+", default=None,
         help="instead: finetune_full at each --parallel.context size on two GPUs, tokens/s per GPU",
+    )  # fmt: skip
+    parser.add_argument(
+        "--moe_layers", type=int, default=0,
+        help="instead: finetune_full and the transformers loop on Qwen3-30B-A3B's shape cut to this many layers",
     )  # fmt: skip
     parser.add_argument("--work_dir", default=None, help="default: a new temporary directory")
     main(parser.parse_args())

@@ -99,20 +99,23 @@ def run_litsft(
     threads: int,
     extra_env: dict[str, str] | None = None,
     python: str | Path = sys.executable,
+    capture: bool = True,
 ) -> tuple[float, str]:
     """Run `python -m litsft ...` (with this interpreter by default); returns its wall time and its stdout.
-    Raises with the output's tail if it fails."""
+    Raises with the output's tail if it fails. `capture=False` lets its output through to this process's, as
+    it comes (a run killed at a time limit then leaves its progress in the log), and returns "" for it."""
     started = time.perf_counter()
     result = subprocess.run(
         [str(python), "-m", "litsft", *args],
         env=bench_env(work_dir, threads, extra_env),
-        capture_output=True,
+        capture_output=capture,
         text=True,
         cwd=work_dir,
     )
     if result.returncode != 0:
-        raise RuntimeError(f"litsft {' '.join(args)} exited {result.returncode}:\n{result.stderr[-4000:]}")
-    return time.perf_counter() - started, result.stdout
+        tail = result.stderr[-4000:] if capture else "(its output is above)"
+        raise RuntimeError(f"litsft {' '.join(args)} exited {result.returncode}:\n{tail}")
+    return time.perf_counter() - started, result.stdout or ""
 
 
 def training_rows(out_dir: Path) -> list[dict[str, float]]:

@@ -67,6 +67,31 @@ def test_the_dry_run_prints_every_step_and_budget_and_writes_nothing(tmp_path: P
     assert not out_dir.exists()
 
 
+def test_only_runs_install_and_the_steps_it_names_optional_ones_included(tmp_path: Path) -> None:
+    def planned(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", str(REPO / "benchmarks/gpu/run.sh"), "--dry-run", *args, str(tmp_path / "out")],
+            capture_output=True,
+            text=True,
+        )
+
+    def names(result: subprocess.CompletedProcess) -> list[str]:
+        return [line.split()[0] for line in result.stdout.splitlines() if line[:1].isalpha()][1:]
+
+    assert "moe" not in names(planned())  # optional: not in the eight minutes of the default run
+    only = planned("--only", "moe,environment")
+    assert names(only) == ["install", "environment", "moe", "total"]
+    assert (
+        f"--moe_layers 2 --steps 16 --warmup 6 --max_seq_length 4096 --records 1000 --results_json {tmp_path}/out/moe.json"
+        in only.stdout
+    )
+    unknown = planned("--only", "bench")
+    assert unknown.returncode == 1 and unknown.stderr.startswith(
+        "error: --only names no step bench; the steps are install, "
+    )
+    assert len(unknown.stderr.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
 def test_without_an_output_folder_it_says_so_in_one_line(tmp_path: Path) -> None:
     env = {"PATH": "/usr/bin:/bin"}
     result = subprocess.run(
@@ -193,6 +218,15 @@ def test_the_summary_tables_the_figures_and_judges_each_target(tmp_path: Path) -
     assert "131072 tokens, CP 4: 1,071 tokens/s per GPU (https://example.org/table)" in markdown
     assert "| litsft plan / measured peak, context_1 at 32k | 1.05 | 0.90-1.10 | yes |" in markdown
     (tmp_path / "context_parallel.json").unlink()
+    moe = {
+        "model": "Qwen3-30B-A3B's layers, 2 of 48",
+        "runs": {"finetune_full": {"tokens_per_second": 20000.0, "mfu": 0.2, "peak_mib": 30000.0,
+                                   "planned_peak_mib": 31000.0}},
+    }  # fmt: skip
+    (tmp_path / "moe.json").write_text(json.dumps(moe))
+    markdown = gpu_run.summarize(tmp_path, [])
+    assert "| Qwen3-30B-A3B's layers, 2 of 48 | tokens/s | MFU | peak MiB | plan MiB |" in markdown
+    assert "| finetune_full | 20,000 | 20.0% | 30,000 | 31,000 |" in markdown
     # A run cut short: no figures, so nothing is judged met.
     (tmp_path / "bench_gpu.json").unlink()
     assert "| finetune_full MFU (executed FLOPs) | — | >= 40% | — |" in gpu_run.summarize(tmp_path, [])

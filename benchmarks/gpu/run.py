@@ -1,7 +1,7 @@
 """The whole GPU check in one command: install, tests, benchmarks, plan against measured, the demo; each step
 under its own time limit, logs and results under one folder, a summary table printed last.
 
-bash benchmarks/gpu/run.sh [--dry-run] [OUT_DIR]      (OUT_DIR: default $OUT)
+bash benchmarks/gpu/run.sh [--dry-run] [--only STEP,STEP...] [OUT_DIR]      (OUT_DIR: default $OUT)
 
 Made for a lent GPU machine whose image has torch but not every package litsft needs, and no network: the
 missing wheels travel with the checkout in .whl/ (benchmarks/gpu/prepare_wheels.py makes it, on a machine
@@ -17,6 +17,10 @@ OUT_DIR/logs/<n>-<step>.log      each step's output
 OUT_DIR/bench_gpu.json           benchmarks/bench_gpu.py's figures (rewritten after each of its runs)
 OUT_DIR/async_save.json          benchmarks/bench_async_save.py's figures (the time a save blocks a step)
 OUT_DIR/context_parallel.json    bench_gpu.py --context_sizes 1 2: tokens/s per GPU at 32k tokens by context size
+OUT_DIR/moe.json                 bench_gpu.py --moe_layers 2: a cut-down Qwen3-30B-A3B, litsft and transformers
+
+Without --only, every step runs but the optional ones (moe: it does not fit the eight minutes beside the others);
+--only runs the named steps, in the order above (install always first: everything else needs it).
 OUT_DIR/results.json, results.md every step's status and time, test counts, figures and targets
 """
 
@@ -52,6 +56,8 @@ class Step:
     command: str
     """A bash command, run in WORK_DIR/work with the installed packages on PYTHONPATH."""
     what: str
+    optional: bool = False
+    """Run only when --only names it."""
 
 
 WORK_DIR = Path(tempfile.gettempdir()) / "litsft-gpu-run"
@@ -111,6 +117,14 @@ def steps(out_dir: Path, work_dir: Path = WORK_DIR, python: str = "python3") -> 
             f"--warmup 3 --records 1000 --results_json {out}/context_parallel.json --work_dir {work}/context",
             "finetune_full at 32k tokens with --parallel.context 1 and 2 on two GPUs (context 2 skipped on one): "
             "tokens/s per GPU, read against torchtitan's published Llama 3.1 8B table",
+        ),
+        Step(
+            "moe", 180,
+            f"{python} {repo}/benchmarks/bench_gpu.py --moe_layers 2 --steps 16 --warmup 6 --max_seq_length 4096 "
+            f"--records 1000 --results_json {out}/moe.json --work_dir {work}/moe",
+            "a mixture of experts (Qwen3-30B-A3B's layers, 2 of 48) on one GPU: finetune_full and the transformers "
+            "loop, tokens/s, MFU, peak against the plan",
+            optional=True,
         ),
         Step(
             "async_save", 35,
@@ -276,6 +290,19 @@ def summarize(out_dir: Path, results: list[StepResult]) -> str:
             lines.append(
                 f"| {name} | {run['tokens_per_second']:,.0f} | {run['mfu']:.1%} | {run['peak_mib']:,.0f} | {plan} |"
             )
+    moe_file = out_dir / "moe.json"
+    moe = json.loads(moe_file.read_text()) if moe_file.is_file() else {}
+    if moe.get("runs"):
+        lines += [
+            "",
+            f"| {moe['model']} | tokens/s | MFU | peak MiB | plan MiB |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for name, run in moe["runs"].items():
+            plan = f"{run['planned_peak_mib']:,.0f}" if "planned_peak_mib" in run else ""
+            lines.append(
+                f"| {name} | {run['tokens_per_second']:,.0f} | {run['mfu']:.1%} | {run['peak_mib']:,.0f} | {plan} |"
+            )
     context_file = out_dir / "context_parallel.json"
     context = json.loads(context_file.read_text()) if context_file.is_file() else {}
     lines += context_lines(context)
@@ -297,6 +324,7 @@ def summarize(out_dir: Path, results: list[StepResult]) -> str:
         "tests": tests,
         "bench_gpu": bench,
         "context_parallel": context,
+        "moe": moe,
         "async_save": saves,
         "targets": [dict(zip(("target", "measured", "wanted", "met"), row)) for row in rows],
     }
@@ -311,18 +339,43 @@ def dry_run(plan: list[Step]) -> str:
     return "\n".join(lines)
 
 
+USAGE = "usage: bash benchmarks/gpu/run.sh [--dry-run] [--only STEP,STEP...] [OUT_DIR]"
+
+
+def selected(plan: list[Step], only: str | None) -> list[Step]:
+    """The default steps, or install and those `only` names (comma-separated), in the plan's order."""
+    if only is None:
+        return [step for step in plan if not step.optional]
+    names = set(only.split(","))
+    unknown = names - {step.name for step in plan}
+    if unknown:
+        raise SystemExit(
+            f"error: --only names no step {', '.join(sorted(unknown))}; the steps are "
+            + ", ".join(step.name for step in plan)
+        )
+    return [step for step in plan if step.name in names or step.name == "install"]
+
+
 def main(argv: list[str]) -> int:
     dry = "--dry-run" in argv
     rest = [arg for arg in argv if arg != "--dry-run"]
+    only = None
+    if "--only" in rest:
+        at = rest.index("--only")
+        if at + 1 == len(rest):
+            print(USAGE, file=sys.stderr)
+            return 2
+        only = rest[at + 1]
+        del rest[at : at + 2]
     if len(rest) > 1 or any(arg.startswith("-") for arg in rest):
-        print("usage: bash benchmarks/gpu/run.sh [--dry-run] [OUT_DIR]", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
     target = rest[0] if rest else os.environ.get("OUT")
     if not target:
         print("error: no OUT_DIR given and $OUT is not set; pass the folder to write into", file=sys.stderr)
         return 2
     out_dir = Path(target).resolve()
-    plan = steps(out_dir, WORK_DIR, sys.executable)
+    plan = selected(steps(out_dir, WORK_DIR, sys.executable), only)
     if sum(step.budget_s for step in plan) > TOTAL_BUDGET_S:
         raise SystemExit(f"error: the steps' budgets add up to more than {TOTAL_BUDGET_S} s")
     if dry:
