@@ -171,17 +171,18 @@ def test_a_balancing_bias_changes_which_experts_are_chosen_not_their_weights():
 
 
 def test_the_balancing_bias_moves_each_layers_experts_towards_the_mean_load():
-    from litsft.model.network.moe import update_expert_bias
+    from litsft.model.network.moe import update_balancing_bias
 
     model = Transformer(Config.from_name("tiny-llama", **TINY_MOE, router_bias_update_rate=0.1))
-    update_expert_bias(model, torch.tensor([[5.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]]), 0.1)
-    biases = [block.mlp.expert_bias for block in model.blocks]
+    update_balancing_bias(model, torch.tensor([[5.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]]), 0.1)
+    biases = [block.mlp.balancing_bias for block in model.blocks]
     assert torch.allclose(biases[0], torch.tensor([-0.1, 0.1, 0.1, 0.1])) and torch.equal(
         biases[1], torch.zeros(4)
     )
-    assert "blocks.0.mlp.expert_bias" in model.state_dict()  # saved with the weights
+    assert "blocks.0.mlp.balancing_bias" in model.state_dict()  # saved with the weights
     assert (
-        "blocks.0.mlp.expert_bias" not in Transformer(Config.from_name("tiny-llama", **TINY_MOE)).state_dict()
+        "blocks.0.mlp.balancing_bias"
+        not in Transformer(Config.from_name("tiny-llama", **TINY_MOE)).state_dict()
     )
 
 

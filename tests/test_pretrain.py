@@ -131,7 +131,7 @@ def test_a_mixture_of_experts_pretrained_with_balancing_biases_resumes_exactly_o
     assert "Resumed from" in result.stdout + result.stderr
     final = workspace / "moe-bias-uninterrupted" / "final"
     assert max_difference(final, workspace / "moe-bias-resumed" / "final") == 0.0
-    biases = {name: t for name, t in load_model_state_dict(final).items() if name.endswith("expert_bias")}
+    biases = {name: t for name, t in load_model_state_dict(final).items() if name.endswith("balancing_bias")}
     assert len(biases) == 2 and all(bias.abs().max() > 0 for bias in biases.values())
     # Each step moves every expert by 0.01 one way or the other (or not at all, at exactly the mean load).
     assert all(((bias / 0.01).round() - bias / 0.01).abs().max() < 1e-3 for bias in biases.values())

@@ -145,7 +145,7 @@ class Config:
     """The clamped SwiGLU's clamp (read with expert_activation="clamped_swiglu" only)."""
     router_bias_update_rate: float = 0.0
     """DeepSeek-V3's auxiliary-loss-free balancing (https://arxiv.org/abs/2412.19437, section 2.1.2): each
-    router carries a per-expert bias (`expert_bias`, a buffer saved with the weights) added to its
+    router carries a per-expert bias (`balancing_bias`, a buffer saved with the weights) added to its
     probabilities for the top-k choice only, not to the weights, and moved by this much after each optimizer
     step, up for an expert below the mean load, down above it. 0: off, no bias (what transformers' families
     have)."""

@@ -32,7 +32,7 @@ from litsft.model.accounting.sizes import num_parameters
 from litsft.model.config import Config
 from litsft.model.network.attention import choose_kernel, describe_kernel
 from litsft.model.network.context_parallel import ContextShard
-from litsft.model.network.moe import reset_expert_biases
+from litsft.model.network.moe import reset_balancing_biases
 from litsft.model.precision.float8 import precompute_float8_scales
 from litsft.model.precision.quantization import is_nf4, stored_bytes
 from litsft.runtime.faults import fault_point
@@ -298,7 +298,7 @@ def setup_model(fabric: Fabric, recipe: Recipe, run: RunConfig) -> nn.Module:
         model.tie_weights()
     model = fabric.setup_module(model)
     # Recipes, checkpoints and exports see the model itself, with its own parameter names.
-    reset_expert_biases(model.module)  # what a checkpoint without them leaves, and pretraining starts from
+    reset_balancing_biases(model.module)  # what a checkpoint without them leaves, and pretraining starts from
     recipe.initialize(model.module)
     fabric.print(trainable_memory_report(model.module, run.config))
     return model

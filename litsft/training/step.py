@@ -18,7 +18,7 @@ from litsft.errors import LitsftError
 from litsft.model.network.attention import Documents
 from litsft.model.network.batch import model_inputs, split_for_context
 from litsft.model.network.context_parallel import ContextShard
-from litsft.model.network.moe import expert_load, update_expert_bias
+from litsft.model.network.moe import expert_load, update_balancing_bias
 from litsft.model.network.sample_dropout import (
     DropoutSamples,
     context_samples,
@@ -71,12 +71,12 @@ class RoutingTally:
 
     def balance(self, fabric: Fabric, model: nn.Module) -> None:
         """With the model's router_bias_update_rate, move its routers' balancing biases by the step's expert
-        load over every rank (litsft.model.network.moe.update_expert_bias; a collective: every rank calls it).
+        load over every rank (litsft.model.network.moe.update_balancing_bias; a collective: every rank calls it).
         Nothing is read on the host."""
         transformer = next(module for module in model.modules() if isinstance(module, Transformer))
         rate = transformer.config.router_bias_update_rate
         if rate and self.expert_tokens is not None:
-            update_expert_bias(model, sum_over_ranks(fabric, self.expert_tokens.clone()), rate)
+            update_balancing_bias(model, sum_over_ranks(fabric, self.expert_tokens.clone()), rate)
 
     def metrics(self, fabric: Fabric, target_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         """router_aux_loss and expert_tokens (L, E) over every rank (a collective: every rank calls it)."""

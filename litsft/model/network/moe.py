@@ -326,24 +326,24 @@ def expert_load(model: nn.Module) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def reset_expert_biases(model: nn.Module) -> None:
-    """Zero every MoE layer's `expert_bias`: its value before any balancing, for a model materialized from the
+def reset_balancing_biases(model: nn.Module) -> None:
+    """Zero every MoE layer's `balancing_bias`: its value before any balancing, for a model materialized from the
     meta device (whose buffers hold whatever memory they got) before a checkpoint that has them is loaded."""
     for module in model.modules():
-        if isinstance(module, MoE) and module.expert_bias is not None:
-            module.expert_bias.zero_()
+        if isinstance(module, MoE) and module.balancing_bias is not None:
+            module.balancing_bias.zero_()
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, expert_tokens: torch.Tensor, rate: float) -> None:
+def update_balancing_bias(model: nn.Module, expert_tokens: torch.Tensor, rate: float) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing update (arXiv:2412.19437 section 2.1.2), after an optimizer
-    step: each MoE layer's `expert_bias` += rate x sign(mean load - load), from the assignments each expert
+    step: each MoE layer's `balancing_bias` += rate x sign(mean load - load), from the assignments each expert
     received over the whole step (L, E), summed over every rank, so every rank moves its copy the same."""
     layers = [
-        module for module in model.modules() if isinstance(module, MoE) and module.expert_bias is not None
+        module for module in model.modules() if isinstance(module, MoE) and module.balancing_bias is not None
     ]
     for layer, load in zip(layers, expert_tokens.to(torch.float32)):
-        layer.expert_bias += rate * torch.sign(load.mean() - load)
+        layer.balancing_bias += rate * torch.sign(load.mean() - load)
 
 
 class MoE(nn.Module):
@@ -376,10 +376,10 @@ class MoE(nn.Module):
         leaving it out of them would give the experts a batch whose size only the data knows); None: all
         tokens one sequence."""
         self.routing: Routing | None = None
-        # (E,) DeepSeek-V3's balancing bias (`route`, `update_expert_bias`): a buffer, saved with the weights
+        # (E,) DeepSeek-V3's balancing bias (`route`, `update_balancing_bias`): a buffer, saved with the weights
         # and moved after each optimizer step, not by it; None without router_bias_update_rate.
         bias = torch.zeros(config.num_experts) if config.router_bias_update_rate else None
-        self.register_buffer("expert_bias", bias)
+        self.register_buffer("balancing_bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -388,7 +388,7 @@ class MoE(nn.Module):
             self.router(flat),
             self.experts_per_token,
             self.normalize,
-            self.expert_bias,
+            self.balancing_bias,
             over_top_k=self.over_top_k,
         )
         E = probabilities.shape[-1]
