@@ -2,6 +2,7 @@
 --quantize nf4) on this CPU, per sharding strategy.
 
 python benchmarks/bench_plan_vs_measured.py [--steps 3] [--max_seq_length 256] [--qlora | --moe | --small] [--context 2]
+    [--expert 2]
 
 The model is a ~50M-parameter Llama shape (8 layers, hidden 768, GQA 12/4, MLP 2048; the demo tokenizer's
 449-token vocabulary), so weights, gradients and AdamW state (16 bytes a parameter, 800 MB unsharded)
@@ -29,6 +30,10 @@ a fresh process that has imported what a training process imports (`runtime_rss_
 
 --context N: the runs split every row over N ranks (`--parallel.context N`; both processes read the same
 micro-batch, so the global batch is 2 / N rows, one micro-batch a step), planned with `context=N`.
+
+--expert N: with --moe, the model's runs split its experts over N ranks (`--parallel.expert N`: each holds E/N
+whole experts and receives the assignments routed to them), planned with `expert=N`; the baseline (dense) model
+runs as before.
 
 --qlora: LoRA rank 8 on all-linear over an NF4 base (QLORA_SHAPE: 4 layers, hidden 1024, MLP 2816, whose
 projections split into whole NF4 scale blocks over 2 ranks), baseline the same recipe on QLORA_BASELINE_SHAPE
@@ -107,7 +112,7 @@ LOADED_PHASE = "model: built, weights loaded, sharded"
 
 
 def peak_rss_mib(
-    checkpoint: Path, data: Path, strategy: str, args: argparse.Namespace
+    checkpoint: Path, data: Path, strategy: str, args: argparse.Namespace, expert: int = 1
 ) -> tuple[float, float]:
     """Rank 0's peak RSS once the model is loaded, and over the whole run."""
     out_dir = args.work_dir / f"run-{checkpoint.name}-{strategy}"
@@ -125,6 +130,7 @@ def peak_rss_mib(
             "--fsdp.sharding_strategy", strategy, "--precision", "32-true", "--train.max_steps", str(args.steps),
             "--train.max_seq_length", str(args.max_seq_length), "--train.micro_batch_size", "1",
             "--train.global_batch_size", str(2 // args.context), "--parallel.context", str(args.context),
+            "--parallel.expert", str(expert),
             "--eval.max_batches", "1", "--eval.max_new_tokens", "0", "--resume", "false", "--log.timings", "true",
         ],
         args.work_dir, threads=1, extra_env={"MALLOC_MMAP_THRESHOLD_": "131072"},
@@ -187,6 +193,8 @@ def whole_process(args: argparse.Namespace, data: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
+    if args.expert > 1 and not args.moe:
+        raise SystemExit("error: --expert needs --moe: only a mixture of experts has experts to split")
     args.work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="litsft-plan-"))
     args.work_dir.mkdir(parents=True, exist_ok=True)  # --small writes its data before any checkpoint
     os.environ["LITSFT_CACHE_DIR"] = str(args.work_dir / "cache")
@@ -212,7 +220,8 @@ def main(args: argparse.Namespace) -> None:
     print(machine_description())
     method = f"QLoRA rank {QLORA.rank} all-linear, NF4 base, " if args.qlora else ""
     print(
-        f"{num_parameters(config) / 1e6:.1f}M parameters, {method}2 processes, context {args.context}, 32-true, micro batch 1 x "
+        f"{num_parameters(config) / 1e6:.1f}M parameters, {method}2 processes, context {args.context}, "
+        f"expert {args.expert}, 32-true, micro batch 1 x "
         f"{args.max_seq_length} tokens, {args.steps} steps, MALLOC_MMAP_THRESHOLD_=131072"
     )
     print(f"{'':<15}{'baseline':>14}{'peak RSS':>14}{'measured':>14}{'planned':>14}")
@@ -220,14 +229,14 @@ def main(args: argparse.Namespace) -> None:
     print(f"{'strategy':<15}{''.join(f'{a:>7}{b:>7}' for a, b in pairs)}{'plan/measured':>15}")
     for strategy in args.strategies:
         baseline = peak_rss_mib(baseline_model, data, strategy, args)
-        peak = peak_rss_mib(model, data, strategy, args)
+        peak = peak_rss_mib(model, data, strategy, args, args.expert)
         estimate, baseline_estimate = (
             estimate_memory(
                 Config.from_checkpoint(checkpoint), devices=2, sharding_strategy=strategy, precision="32-true",
                 micro_batch_size=1, max_seq_length=args.max_seq_length, lora=QLORA if args.qlora else None,
-                quantize="nf4" if args.qlora else None, context=args.context,
+                quantize="nf4" if args.qlora else None, context=args.context, expert=expert,
             )
-            for checkpoint in (model, baseline_model)
+            for checkpoint, expert in ((model, args.expert), (baseline_model, 1))
         )  # fmt: skip
         # The baseline's own model, as planned: once loaded, and at its peak.
         baseline_model_mib = [
@@ -254,6 +263,13 @@ if __name__ == "__main__":
     parser.add_argument("--moe", action="store_true", help="a mixture of experts (MOE_SHAPE) instead")
     parser.add_argument(
         "--context", type=int, default=1, choices=(1, 2), help="--parallel.context: ranks splitting each row"
+    )
+    parser.add_argument(
+        "--expert",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="--parallel.expert, with --moe: ranks splitting the experts",
     )
     parser.add_argument(
         "--small",
