@@ -327,7 +327,7 @@ def moe_runs(
     results: dict = {
         "device": torch.cuda.get_device_name(),
         "machine": machine_description(),
-        "model": f"{QWEN3_MOE}'s layers, {config.num_layers} of 48",
+        "model": f"{QWEN3_MOE}'s layers, {args.moe_layers} of 48",
         "parameters": num_parameters(config),
         "settings": {name: value for name, value in vars(args).items() if name != "work_dir"},
         "runs": {},

@@ -146,7 +146,7 @@ def test_bench_gpu_records_every_run_its_ratios_and_targets_in_its_results_file(
     )
     args = argparse.Namespace(
         steps=3, warmup=1, max_seq_length=128, lora_rank=4, records=200, float8="tensorwise",
-        results_json=str(results_json), work_dir=str(tmp_path / "work"), context_sizes=None,
+        results_json=str(results_json), work_dir=str(tmp_path / "work"), context_sizes=None, moe_layers=0,
     )  # fmt: skip
     bench_gpu.main(args)
     assert calls == [
@@ -212,7 +212,7 @@ def test_bench_gpu_context_sizes_runs_each_size_on_two_gpus_and_skips_what_one_c
     results_json = tmp_path / "context.json"
     args = argparse.Namespace(
         steps=10, warmup=3, max_seq_length=256, lora_rank=4, records=50, float8="none",
-        results_json=str(results_json), work_dir=str(tmp_path / "work"), context_sizes=[1, 2],
+        results_json=str(results_json), work_dir=str(tmp_path / "work"), context_sizes=[1, 2], moe_layers=0,
     )  # fmt: skip
     bench_gpu.main(args)
     options = ("--fsdp.activation_checkpointing", "true")
@@ -230,3 +230,60 @@ def test_bench_gpu_context_sizes_runs_each_size_on_two_gpus_and_skips_what_one_c
         assert results["skipped"] == {"context_2": "--parallel.context 2 needs 2 GPUs of one node; found 1"}
     else:
         assert results["runs"]["context_2"]["tokens_per_second_per_gpu"] == 510.0 and results["skipped"] == {}
+
+
+def test_bench_gpu_moe_layers_runs_finetune_full_and_the_transformers_loop_on_the_cut_down_moe(
+    tmp_path, monkeypatch
+) -> None:
+    """--moe_layers 2 on a CPU with the GPU runs stood in for: the checkpoint gets Qwen3-30B-A3B's expert fields
+    and 2 layers, finetune_full then the transformers loop run, and the results file (written after the first
+    run already) holds both with their ratio and the plan."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import argparse
+    import json
+
+    import bench_gpu
+    import harness
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    shapes = []
+
+    def tiny_checkpoint(directory, **shape):
+        shapes.append(shape)
+        return harness.make_checkpoint(directory)  # the demo model: the real loader on tiny rows
+
+    monkeypatch.setattr(bench_gpu, "make_checkpoint", tiny_checkpoint)
+    results_json = tmp_path / "moe.json"
+    runs = []
+
+    def fake_litsft_run(recipe, checkpoint, data, args, work, *extra):
+        runs.append(recipe)
+        return {"tokens_per_second": 900.0, "mfu": 0.2, "peak_mib": 3000.0, "losses": {}}
+
+    def fake_transformers_run(config, batches, args, work):
+        runs.append("transformers")
+        assert list(json.loads(results_json.read_text())["runs"]) == ["finetune_full"]  # already written
+        return {"tokens_per_second": 600.0, "mfu": 0.1, "peak_mib": 4000.0}
+
+    monkeypatch.setattr(bench_gpu, "litsft_run", fake_litsft_run)
+    monkeypatch.setattr(bench_gpu, "transformers_run", fake_transformers_run)
+    args = argparse.Namespace(
+        steps=3, warmup=1, max_seq_length=128, lora_rank=4, records=200, float8="none",
+        results_json=str(results_json), work_dir=str(tmp_path / "work"), context_sizes=None, moe_layers=2,
+    )  # fmt: skip
+    bench_gpu.main(args)
+    assert runs == ["finetune_full", "transformers"]
+    assert (
+        shapes[0]["num_layers"] == 2
+        and shapes[0]["num_experts"] == 128
+        and shapes[0]["experts_per_token"] == 8
+    )
+    assert shapes[0]["hf_architecture"] == "Qwen3MoeForCausalLM" and shapes[0]["vocab_size"] == 151936
+    results = json.loads(results_json.read_text())
+    assert results["model"] == "Qwen3-30B-A3B's layers, 2 of 48" and results["device"] == "NVIDIA H200"
+    assert list(results["runs"]) == ["finetune_full", "transformers_loop"]
+    assert (
+        results["full_over_transformers_loop"] == 1.5
+        and results["runs"]["finetune_full"]["planned_peak_mib"] > 0
+    )
