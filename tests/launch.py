@@ -194,6 +194,22 @@ TINY_MOE = dict(
 )
 """tiny-llama made a Qwen3-MoE model: 4 experts of 48, 2 per token, the load-balancing loss on."""
 
+EXPERT_FAMILIES = {
+    "qwen3-moe": TINY_MOE,
+    "olmoe": dict(
+        TINY_MOE,
+        hf_architecture="OlmoeForCausalLM",
+        expert_intermediate_size=0,
+        qk_norm_over="all_heads",
+        normalize_expert_weights=False,
+    ),
+    "mixtral": dict(
+        TINY_MOE, hf_architecture="MixtralForCausalLM", expert_intermediate_size=0, qk_norm=False
+    ),
+}
+"""TINY_MOE as each family whose experts litsft trains: OLMoE's q/k norms over all heads and its k weights not
+renormalized (norm_topk_prob false, as OLMoE-1B-7B), Mixtral without q/k norms."""
+
 
 def write_tiny_checkpoint(directory: Path, seed: int = 0, model: str = "tiny-llama", **overrides) -> Path:
     """A random litsft checkpoint of the tiny named config `model` with the tiny ChatML tokenizer."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 from crash_harness import run_litsft
 from launch import (
+    EXPERT_FAMILIES,
     TINY_MOE,
     TINY_PHI3,
     litsft,
@@ -259,17 +260,6 @@ def test_lora_on_a_mixture_of_experts_resumes_with_its_own_load_balancing_weight
     a = load_file(uninterrupted / "final" / "adapter.safetensors")
     b = load_file(resumed / "final" / "adapter.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
-
-
-EXPERT_FAMILIES = {
-    "qwen3-moe": TINY_MOE,
-    "olmoe": dict(
-        TINY_MOE, hf_architecture="OlmoeForCausalLM", expert_intermediate_size=0, qk_norm_over="all_heads"
-    ),
-    "mixtral": dict(
-        TINY_MOE, hf_architecture="MixtralForCausalLM", expert_intermediate_size=0, qk_norm=False
-    ),
-}
 
 
 @pytest.mark.parametrize("family", EXPERT_FAMILIES)

@@ -4,11 +4,13 @@ layouts. The single-process references run in this process; the distributed runs
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from launch import (
+    EXPERT_FAMILIES,
     TINY_MOE,
     litsft,
     litsft_in_process,
@@ -118,7 +120,11 @@ than most documents (7 to 28 tokens); Gemma 2 alternates windowed and global lay
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("context")
-    for name, overrides in MODELS.items():
+    for name, overrides in {
+        **MODELS,
+        "tiny-olmoe": EXPERT_FAMILIES["olmoe"],
+        "tiny-mixtral": EXPERT_FAMILIES["mixtral"],
+    }.items():
         write_tiny_checkpoint(root / name, seed=1, **overrides)
     write_records(root / "data.json", count=32)
     return root
@@ -236,25 +242,30 @@ def test_a_context_size_that_cannot_split_is_refused_before_anything_starts(
 
 # ---- expert parallelism end to end --------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("devices", "extra"),
+    ("model", "devices", "extra"),
     [
-        ("2", ("--parallel.expert", "2")),
-        ("4", ("--parallel.expert", "4")),
-        ("4", ("--parallel.expert", "2")),  # FSDP 2 x expert 2
-        ("2", ("--parallel.expert", "2", "--parallel.context", "2")),
+        ("tiny-moe", "2", ("--parallel.expert", "2")),
+        ("tiny-moe", "4", ("--parallel.expert", "4")),
+        ("tiny-moe", "4", ("--parallel.expert", "2")),  # FSDP 2 x expert 2
+        ("tiny-moe", "2", ("--parallel.expert", "2", "--parallel.context", "2")),
+        ("tiny-olmoe", "2", ("--parallel.expert", "2")),
+        ("tiny-mixtral", "2", ("--parallel.expert", "2")),
     ],
 )
-def test_expert_parallel_trains_as_one_process(workspace: Path, capsys, devices: str, extra: tuple) -> None:
-    """tiny-moe's 4 experts split over expert groups, micro-batches of 1 (accumulated where the ranks are fewer
-    than the rows), against one process: the same final weights, experts included."""
-    expected = reference(workspace, capsys, "tiny-moe")
-    out = workspace / f"expert-{devices}-{'-'.join(extra)}"
+def test_expert_parallel_trains_as_one_process(
+    workspace: Path, capsys, model: str, devices: str, extra: tuple
+) -> None:
+    """A tiny MoE's 4 experts (Qwen3-MoE, OLMoE, Mixtral) split over expert groups, micro-batches of 1
+    (accumulated where the ranks are fewer than the rows), against one process: the same final weights, experts
+    included."""
+    expected = reference(workspace, capsys, model)
+    out = workspace / f"expert-{model}-{devices}-{'-'.join(extra)}"
     micro = "2" if "--parallel.context" in extra else "1"
-    args = finetune_args("finetune_full", workspace / "tiny-moe", workspace / "data.json", out, micro, 3)
+    args = finetune_args("finetune_full", workspace / model, workspace / "data.json", out, micro, 3)
     result = litsft([*args, "--devices", devices, *extra], workspace)
     assert f"expert {extra[1]} x expert-fsdp {int(devices) // int(extra[1])}" in result.stdout
     assert max_difference(expected, out / "final") < 1e-5
-    assert max_difference(workspace / "tiny-moe", out / "final") > 1e-3  # training moved the weights
+    assert max_difference(workspace / model, out / "final") > 1e-3  # training moved the weights
 
 
 def test_lora_on_experts_split_over_an_expert_group_saves_every_expert_complete(
@@ -274,18 +285,27 @@ def test_lora_on_experts_split_over_an_expert_group_saves_every_expert_complete(
     assert any(k.endswith("lora_B.weight") and "experts" in k and a[k].abs().sum() > 0 for k in a)
 
 
-def test_a_run_stopped_under_expert_2_resumes_under_expert_1_and_expert_4(workspace: Path, capsys) -> None:
-    """Stopped after step 2 of 4 at expert 2 and resumed at expert 1 (plain FSDP on 2 ranks) and at expert 4 on 4
-    ranks: DCP reshards the experts' weights and optimizer state, and both end as the uninterrupted run."""
+def test_a_run_stopped_under_expert_2_then_expert_1_ends_under_expert_4_as_if_never_stopped(
+    workspace: Path, capsys
+) -> None:
+    """Six steps at expert 2 on 2 ranks, saved every 2, against the same run stopped after step 2, resumed at
+    expert 1 (plain FSDP on 2 ranks), stopped again after step 4 (its own checkpoint) and finished at expert 4 on
+    4 ranks: DCP reshards the experts' weights and optimizer state at each change, and it ends where the
+    uninterrupted run does."""
     base, data = workspace / "tiny-moe", workspace / "data.json"
+
+    def run(out: Path, *layout: str) -> str:
+        args = finetune_args("finetune_full", base, data, out, 1, 6, "--train.save_interval", "2")
+        result = litsft([*args, *layout], workspace)
+        return result.stdout + result.stderr
+
     whole = workspace / "expert-resume-whole"
-    args = finetune_args("finetune_full", base, data, whole, 1, 4, "--train.save_interval", "2")
-    litsft([*args, "--devices", "2", "--parallel.expert", "2"], workspace)
-    runs = {}
-    for name, then in (("1", ("--devices", "2")), ("4", ("--devices", "4", "--parallel.expert", "4"))):
-        resumed = stopped_copy(whole, workspace / f"expert-resume-{name}", last_step=4)
-        args = finetune_args("finetune_full", base, data, resumed, 1, 4, "--train.save_interval", "2")
-        result = litsft([*args, *then], workspace)
-        assert "Resumed from" in result.stdout + result.stderr
-        runs[name] = max_difference(whole / "final", resumed / "final")
-    assert all(difference < 1e-5 for difference in runs.values()), runs
+    run(whole, "--devices", "2", "--parallel.expert", "2")
+    first = stopped_copy(whole, workspace / "expert-resume-1", last_step=6)
+    shutil.rmtree(first / "step-00000004")  # stopped after step 2
+    assert "step-00000002 at step 2" in run(first, "--devices", "2")
+    second = stopped_copy(
+        first, workspace / "expert-resume-4", last_step=6
+    )  # stopped after expert 1's step 4
+    assert "step-00000004 at step 4" in run(second, "--devices", "4", "--parallel.expert", "4")
+    assert max_difference(whole / "final", second / "final") < 1e-5
