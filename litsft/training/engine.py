@@ -49,6 +49,7 @@ from litsft.training.args import (
 )
 from litsft.training.checkpointer import Checkpointer, TrainState
 from litsft.training.evaluation import validate
+from litsft.training.objectives import Objective, objective_named
 from litsft.training.optimizer import build_optimizer, learning_rate, set_learning_rate
 from litsft.training.parallel import context_shard, parallelize
 from litsft.training.profiling import PROFILE_DIR, StepProfiler
@@ -124,12 +125,13 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
         trainable=recipe.trainable,
         adapter_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
     )
+    objective = objective_named(recipe.objective)
     evaluate = functools.partial(
-        validate, fabric, model, val_loader, tokenizer, run, metrics, context=context
+        validate, fabric, model, val_loader, tokenizer, run, metrics, context=context, objective=objective
     )
     run_timer.mark("optimizer, resume, metrics")
     with metrics:
-        train_loop(fabric, run, state, metrics, checkpointer, evaluate, context)
+        train_loop(fabric, run, state, metrics, checkpointer, evaluate, context, objective)
         checkpointer.close()
         run_timer.mark("training loop (with its validations and checkpoints)")
         fault_point("before_final", fabric.global_rank)
@@ -152,9 +154,11 @@ def train_loop(
     checkpointer: Checkpointer,
     evaluate: Callable[[int], None],
     context: ContextShard | None = None,
+    objective: Objective | None = None,
 ) -> None:
     """Train from `state` to the last step: what happens each step, in order. `evaluate(step)` validates;
-    `context` is this rank's place in its context group (`parallel.context_shard`)."""
+    `context` is this rank's place in its context group (`parallel.context_shard`); `objective` is what each
+    step minimizes (default: token-weighted cross-entropy)."""
     preemption = PreemptionFlag.install()
     layout = run.layout
     geometry = step_geometry(run.train, layout.data_replicas)
@@ -196,6 +200,7 @@ def train_loop(
                 routing=routing,
                 after_update=after_update,
                 context=context,
+                objective=objective,
             )
         state.step += 1
         step = state.step

@@ -11,6 +11,7 @@ from torch import nn
 
 from litsft.model.network.context_parallel import ContextShard
 from litsft.training.args import RunConfig
+from litsft.training.objectives import Objective, TokenCrossEntropy
 from litsft.training.step import sum_over_ranks, to_device
 
 
@@ -24,11 +25,13 @@ def validate(
     metrics: Any,
     step: int,
     context: ContextShard | None = None,
+    objective: Objective | None = None,
 ) -> None:
-    """The held-out loss over the validation batches (each rank of a context group its slice of the rows its
-    group shares, `context`), and a greedy sample."""
+    """The held-out loss of `objective` (default: token-weighted cross-entropy) over the validation batches
+    (each rank of a context group its slice of the rows its group shares, `context`), and a greedy sample."""
     if val_loader is None:
         return
+    objective = objective or TokenCrossEntropy()
     model.eval()
     # From the first batch on every pass: the loader would otherwise go on where the last pass stopped, and
     # passes would score different batches (or none once it is used up).
@@ -38,8 +41,8 @@ def validate(
         if run.eval.max_batches is not None and i >= run.eval.max_batches:
             break
         batch = to_device(batch, fabric.device, context)
-        totals[0] += model(**batch)
-        totals[1] += batch["loss_positions"].numel()
+        totals[0] += objective.summed_loss(model, batch)
+        totals[1] += objective.units(batch)
     totals = sum_over_ranks(fabric, totals)
     sample = generate_sample(model, tokenizer, run)
     model.train()

@@ -1,5 +1,6 @@
 """One optimizer step: micro-batches gathered for gradient accumulation, moved to the device, forward and
-backward with the loss weighted by the global target-token count (and LoRA's dropout masks keyed to each
+backward with the objective's loss weighted by its global count of units, target tokens for cross-entropy
+(litsft.training.objectives), (and LoRA's dropout masks keyed to each
 sample's place in the global batch), clipping, and an update that a non-finite gradient norm skips on the
 device. Nothing here makes the host wait for the device."""
 
@@ -27,6 +28,7 @@ from litsft.model.network.sample_dropout import (
 )
 from litsft.model.network.transformer import Transformer
 from litsft.training.layout import ParallelLayout
+from litsft.training.objectives import Objective, TokenCrossEntropy
 from litsft.training.parallel import synchronize_gradients
 
 
@@ -99,9 +101,11 @@ def train_step(
     routing: RoutingTally | None = None,
     after_update: Callable[[], None] | None = None,
     context: ContextShard | None = None,
+    objective: Objective | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One optimizer step over the micro-batches of this rank. Returns (mean loss, grad norm, target tokens,
-    non-padding input tokens), all global and still on the device: nothing here makes the host wait for it.
+    """One optimizer step over the micro-batches of this rank, minimizing `objective` (default: token-weighted
+    cross-entropy). Returns (mean loss, grad norm, the objective's units, non-padding input tokens), all global
+    and still on the device: nothing here makes the host wait for it.
     `layout` (default: this world's processes, FULL_SHARD) says which share of the global batch this rank's
     micro-batches are and how their gradients are reduced (`synchronize_gradients`); without FSDP (one process)
     the latter changes nothing. With `context`, this rank trains its slice of every row of the micro-batches
@@ -113,6 +117,7 @@ def train_step(
     `after_update` runs after the optimizer step (float8's scales)."""
     device = fabric.device
     layout = layout or ParallelLayout(fabric.world_size)
+    objective = objective or TokenCrossEntropy()
     whole = [model_inputs(mb) for mb in micro_batches]
     samples = dropout_samples_of(
         micro_batches, whole, layout.data_rank(fabric.global_rank), seed, step, context
@@ -125,21 +130,21 @@ def train_step(
     input_tokens = sum(sum(row_lengths(mb)) for mb in micro_batches)
     counts = torch.tensor(
         [
-            sum(batch["loss_positions"].numel() for batch in inputs),
+            sum(objective.units(batch) for batch in inputs),
             input_tokens if context is None or context.rank == 0 else 0,
         ]
     )
     counts = sum_over_ranks(fabric, copy_to_device(counts, device))
-    target_tokens = counts[0].clamp(min=1)
-    # Each rank's summed loss is divided by the *global* target-token count, so every token weighs the same
-    # whatever the packing, micro-batch size or number of ranks. FSDP averages gradients over ranks, which
-    # the factor world_size undoes.
-    scale = fabric.world_size / target_tokens
+    units = counts[0].clamp(min=1)
+    # Each rank's summed loss is divided by the *global* count of units (target tokens), so every unit weighs
+    # the same whatever the packing, micro-batch size or number of ranks. FSDP averages gradients over ranks,
+    # which the factor world_size undoes.
+    scale = fabric.world_size / units
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(inputs):
         synchronize_gradients(model, layout.sharding_strategy, last_micro_batch=i == len(inputs) - 1)
         with dropout_samples(model, samples[i]):  # the backward pass recomputes checkpointed masks
-            loss = model(**batch)
+            loss = objective.summed_loss(model, batch)
             fabric.backward(loss * scale)
         loss_sum += loss.detach()
         if routing is not None:
@@ -164,7 +169,7 @@ def train_step(
     if after_update is not None:
         after_update()
     optimizer.zero_grad(set_to_none=True)
-    loss = sum_over_ranks(fabric, loss_sum) / target_tokens
+    loss = sum_over_ranks(fabric, loss_sum) / units
     return loss, grad_norm, counts[0], counts[1]
 
 
