@@ -7,7 +7,13 @@ from __future__ import annotations
 import torch
 
 from litsft.model.network.attention import cumulative_lengths
-from litsft.model.network.batch import attended_lengths, loss_positions_of, model_inputs, without_padding
+from litsft.model.network.batch import (
+    attended_lengths,
+    loss_positions_of,
+    model_inputs,
+    sequence_of_positions,
+    without_padding,
+)
 
 # Two packed rows of 5 tokens: row 0 holds documents of 2 and 2 tokens then one padding token, row 1 one
 # document of 3 tokens then two padding tokens. Token values say where they sit: 10 * row + column.
@@ -69,6 +75,14 @@ def test_model_inputs_of_a_packed_batch() -> None:
     assert inputs["documents"].cu_seqlens.tolist() == [0, 2, 4, 7] and inputs["documents"].max_seqlen == 3
     # Indices into the joined row, not into the padded (2, 5) batch.
     assert inputs["loss_positions"].tolist() == [1, 3, 4, 5]
+
+
+def test_each_position_belongs_to_its_document_or_its_row() -> None:
+    packed = model_inputs(packed_batch())  # documents of 2, 2 and 3 tokens in one row
+    segments, count = sequence_of_positions(packed["loss_positions"], packed["documents"], 1, 7)
+    assert segments.tolist() == [0, 1, 2, 2] and count == 3
+    segments, count = sequence_of_positions(torch.tensor([1, 3, 5, 6]), None, rows=2, width=4)
+    assert segments.tolist() == [0, 0, 1, 1] and count == 2
 
 
 def test_model_inputs_of_an_unpacked_or_all_padding_batch_keep_its_shape() -> None:

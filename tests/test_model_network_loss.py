@@ -53,6 +53,38 @@ def test_summed_loss_and_gradients_equal_the_full_logits(chunk_size: int, softca
         torch.testing.assert_close(grad, expected_grad, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("softcap", "scaling"), [(None, 1.0), (2.0, 1.5)])
+@pytest.mark.parametrize("chunk_size", [5, 2048])
+def test_one_sum_per_segment_equals_each_rows_cross_entropy_of_the_full_logits(
+    chunk_size: int, softcap: float | None, scaling: float
+) -> None:
+    """`segments`: each segment's summed cross-entropy (minus its log-probability), against per-row
+    F.cross_entropy on the full logits added up by segment, values and gradients (segment 3 has no row, and
+    segment 2's rows are all unlabelled: both 0)."""
+    head, hidden, labels = head_hidden_and_labels()
+    segments = torch.tensor([0] * 9 + [1] * 11 + [2] * 4 + [4] * 13)
+    labels[20:24] = -100
+    logits = head(hidden) / scaling
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    per_row = F.cross_entropy(logits, labels, ignore_index=-100, reduction="none")
+    expected = torch.zeros(5).index_add(0, segments, per_row)
+    weights = torch.arange(1.0, 6.0)  # a different weight per segment, so that each one's gradient counts
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (hidden, head.weight))
+    sums = chunked_cross_entropy(
+        hidden, head, labels, chunk_size=chunk_size, softcap=softcap, scaling=scaling, segments=segments,
+        num_segments=5,
+    )  # fmt: skip
+    assert sums.shape == (5,) and sums.dtype == torch.float32 and sums[2] == 0 and sums[3] == 0
+    torch.testing.assert_close(sums, expected, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(
+        sums.sum(), reference(head, hidden, labels, softcap, scaling), atol=1e-5, rtol=1e-6
+    )
+    grads = torch.autograd.grad((sums * weights).sum(), (hidden, head.weight))
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("softcap", [None, 2.0])
 def test_scaled_logits_give_the_loss_of_the_scaled_full_logits(softcap: float | None) -> None:
     """Granite's logits_scaling (logits divided by it, before any cap), in chunks, equals the full logits'."""

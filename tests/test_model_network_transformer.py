@@ -97,6 +97,42 @@ def test_packed_loss_without_padding_equals_documents_one_by_one():
     assert nothing.item() == 0.0
 
 
+def test_per_sequence_losses_are_each_documents_or_rows_alone_packed_and_unpacked():
+    """`per_sequence`: one summed cross-entropy per sequence, from packed documents (through model_inputs, as the
+    engine passes them) and from right-padded unpacked rows alike, each equal to that sequence run alone;
+    their gradients are those of the sequences alone too."""
+    from litsft.model.network.batch import model_inputs
+
+    torch.manual_seed(0)
+    model = Transformer(Config.from_name("tiny-llama"))
+    lengths = [7, 12, 5]
+    ids = [torch.randint(0, 512, (n,)) for n in lengths]
+    labels = [torch.randint(0, 512, (n,)) for n in lengths]
+    for label in labels:
+        label[:2] = -100  # a masked prompt
+    alone = torch.stack([model(i[None], labels=y[None]) for i, y in zip(ids, labels)])
+    weights = torch.tensor([1.0, -2.0, 3.0])
+    expected_grads = torch.autograd.grad((alone * weights).sum(), list(model.parameters()))
+    packed = {
+        "input_ids": torch.cat(ids)[None],
+        "labels": torch.cat(labels)[None],
+        "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+        "document_ids": torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])[None],
+    }
+    width = max(lengths)
+    unpacked = {
+        "input_ids": torch.stack([torch.nn.functional.pad(i, (0, width - len(i))) for i in ids]),
+        "labels": torch.stack([torch.nn.functional.pad(y, (0, width - len(y)), value=-100) for y in labels]),
+    }
+    for batch in (model_inputs(packed), model_inputs(unpacked)):
+        sums = model(**batch, per_sequence=True)
+        assert sums.shape == (3,)
+        torch.testing.assert_close(sums, alone.detach(), atol=1e-4, rtol=1e-5)
+        grads = torch.autograd.grad((sums * weights).sum(), list(model.parameters()))
+        for grad, expected_grad in zip(grads, expected_grads):
+            torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-4)
+
+
 # ---- sliding windows ------------------------------------------------------------------------------------
 LENGTH = 2 * SLIDING_WINDOW + 8  # past twice the window
 

@@ -61,6 +61,18 @@ def loss_positions_of(labels: torch.Tensor) -> torch.Tensor:
     return (labels.flatten() != -100).nonzero().flatten()
 
 
+def sequence_of_positions(
+    positions: torch.Tensor, documents: Documents | None, rows: int, width: int
+) -> tuple[torch.Tensor, int]:
+    """The sequence of each flat position (N,) of a batch and the number of sequences: with `documents`, the
+    one row of packed documents they describe, each document a sequence; else `rows` rows of `width`
+    positions, each row one. Found on the device, counted from shapes: nothing waits for it."""
+    if documents is not None:
+        ends = documents.cu_seqlens[1:].to(positions.dtype)
+        return torch.searchsorted(ends, positions, right=True), ends.numel()
+    return positions // width, rows
+
+
 def attended_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The lengths of the sequences attention runs over in a collated host batch, as a 1-D tensor found
     without reading one: each packed document (`cu_seqlens`), or each row whole when rows are not packed

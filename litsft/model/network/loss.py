@@ -1,5 +1,6 @@
-"""The training loss: summed cross-entropy of the output head over the tokens that carry a label, computed a
-chunk of tokens at a time so that the full (N, V) logits never exist, with chunks sized by memory; and
+"""The training loss: summed cross-entropy of the output head over the tokens that carry a label (or one sum per
+sequence: the negative log-probability of each sequence's targets, which preference objectives compare), computed
+a chunk of tokens at a time so that the full (N, V) logits never exist, with chunks sized by memory; and
 `output_logits`, what a family does to the head's raw logits, for the loss and the model's `logits` alike."""
 
 from __future__ import annotations
@@ -58,6 +59,20 @@ def _logits_cross_entropy(
     return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
 
 
+def _logits_cross_entropy_by_segment(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+    segments: torch.Tensor,
+    num_segments: int,
+) -> torch.Tensor:
+    """(num_segments,): the cross-entropy of the rows of each segment, summed (a row labelled -100 adds 0)."""
+    logits = output_logits(logits.float(), scaling, softcap)
+    per_row = F.cross_entropy(logits, labels, ignore_index=-100, reduction="none")  # (N,)
+    return per_row.new_zeros(num_segments).index_add(0, segments, per_row)
+
+
 _COMPILED: list[Callable[..., torch.Tensor]] = []
 
 
@@ -77,9 +92,13 @@ def _chunk_cross_entropy(
     softcap: float | None,
     logits_cross_entropy: Callable[..., torch.Tensor],
     token_index: torch.Tensor | None,
+    segments: torch.Tensor | None = None,
+    num_segments: int = 0,
 ) -> torch.Tensor:
     with head_rows(token_index):  # an adapted head's dropout draws each row's mask from its token's sample
         logits = head(hidden)
+    if segments is not None:
+        return _logits_cross_entropy_by_segment(logits, labels, scaling, softcap, segments, num_segments)
     return logits_cross_entropy(logits, labels, scaling, softcap)
 
 
@@ -92,11 +111,15 @@ def chunked_cross_entropy(
     compiled: bool = False,
     scaling: float = 1.0,
     token_index: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
+    num_segments: int = 0,
 ) -> torch.Tensor:
     """Summed cross-entropy of head(hidden (N, C)) against labels (N,), `chunk_size` tokens at a time (the
     model passes `loss_chunk_tokens`), of the logits `output_logits` makes with `scaling` and `softcap`.
     `token_index` (N,): which of the model's input tokens the rows of `hidden` are (None: all of them, in
-    order), for LoRA's per-sample dropout on the head (`litsft.model.network.sample_dropout`).
+    order), for LoRA's per-sample dropout on the head (`litsft.model.network.sample_dropout`). With `segments`
+    (N,), the segment (sequence) of each row, one sum per segment instead, (`num_segments`,) in fp32: each
+    chunk adds its rows' losses into their segments, so no per-row loss outlives its chunk either.
 
     Each chunk's logits are recomputed in the backward pass instead of kept, so the full (N, V) fp32
     logits (2 GiB for one 4k sequence with a 128k vocabulary) never exist. `compiled` runs each chunk's
@@ -105,10 +128,12 @@ def chunked_cross_entropy(
     """
     logits_cross_entropy = _compiled_logits_cross_entropy() if compiled else _logits_cross_entropy
     if hidden.shape[0] <= chunk_size:
-        return _chunk_cross_entropy(hidden, head, labels, scaling, softcap, logits_cross_entropy, token_index)
+        return _chunk_cross_entropy(
+            hidden, head, labels, scaling, softcap, logits_cross_entropy, token_index, segments, num_segments
+        )
     if token_index is None:
         token_index = torch.arange(hidden.shape[0], device=hidden.device)
-    total = hidden.new_zeros((), dtype=torch.float32)
+    total = hidden.new_zeros(() if segments is None else (num_segments,), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_size):
         end = start + chunk_size
         total = total + checkpoint(
@@ -120,6 +145,8 @@ def chunked_cross_entropy(
             softcap,
             logits_cross_entropy,
             token_index[start:end],
+            None if segments is None else segments[start:end],
+            num_segments,
             use_reentrant=False,
         )
     return total

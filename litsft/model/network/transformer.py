@@ -35,7 +35,7 @@ from litsft.model.network.attention import (
     prepare,
     token_document_ids,
 )
-from litsft.model.network.batch import loss_positions_of, without_padding
+from litsft.model.network.batch import loss_positions_of, sequence_of_positions, without_padding
 from litsft.model.network.context_parallel import ContextShard
 from litsft.model.network.loss import chunked_cross_entropy, logits_dtype, loss_chunk_tokens, output_logits
 from litsft.model.network.mlp import MLP
@@ -414,9 +414,12 @@ class Transformer(nn.Module):
         documents: Documents | None = None,
         context: ContextShard | None = None,
         real_lengths: torch.Tensor | None = None,
+        per_sequence: bool = False,
     ) -> torch.Tensor:
         """Logits (B, T, V) for tokens (B, T); with `labels` (B, T) instead the summed fp32 cross-entropy over
-        the positions whose label is not -100. `loss_positions`, the flat indices of those labels
+        the positions whose label is not -100; with `per_sequence` too, one such sum per sequence (S,) (each
+        document of `documents`, else each row): minus the log-probability of its targets, what preference
+        objectives compare. A mixture of experts' balancing term is then left to the caller. `loss_positions`, the flat indices of those labels
         (`loss_positions_of(labels)`), are best computed where the labels are made, on the host: finding them
         on a GPU makes the host wait.
 
@@ -444,10 +447,16 @@ class Transformer(nn.Module):
         hidden = self.hidden_states(input_ids, position_ids, documents, context, real_lengths)
         if labels is None:
             return self.logits(hidden)
+        hidden_rows = hidden.shape[0]
         hidden, labels = hidden.flatten(0, 1), labels.flatten()
         if loss_positions is None:
             loss_positions = loss_positions_of(labels)  # waits for a GPU: callers pass them
-        token_index = None
+        token_index, segments, num_segments = None, None, 0
+        if per_sequence:
+            if context is not None:
+                raise NotImplementedError("per-sequence losses are not split over a context group")
+            width = labels.numel() // hidden_rows
+            segments, num_segments = sequence_of_positions(loss_positions, documents, hidden_rows, width)
         if loss_positions.numel() < labels.numel():
             # The output head runs on the tokens that carry a loss only: with the prompt masked, that skips
             # most of its work (and a 128k-vocabulary head is a fifth of a 1B model's).
@@ -461,8 +470,10 @@ class Transformer(nn.Module):
             compiled=self.loss_compiled,
             scaling=self.config.logits_scaling,
             token_index=token_index,
+            segments=segments,
+            num_segments=num_segments,
         )
-        if self.training and self.routed_mlps:
+        if self.training and self.routed_mlps and not per_sequence:
             loss = loss + self.router_loss_gradient(loss_positions, context)
         return loss
 
