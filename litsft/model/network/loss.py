@@ -119,7 +119,8 @@ def chunked_cross_entropy(
     `token_index` (N,): which of the model's input tokens the rows of `hidden` are (None: all of them, in
     order), for LoRA's per-sample dropout on the head (`litsft.model.network.sample_dropout`). With `segments`
     (N,), the segment (sequence) of each row, one sum per segment instead, (`num_segments`,) in fp32: each
-    chunk adds its rows' losses into their segments, so no per-row loss outlives its chunk either.
+    chunk adds its rows' losses into their segments, so no per-row loss outlives its chunk either (these chunks
+    run eager, whatever `compiled` says).
 
     Each chunk's logits are recomputed in the backward pass instead of kept, so the full (N, V) fp32
     logits (2 GiB for one 4k sequence with a 128k vocabulary) never exist. `compiled` runs each chunk's

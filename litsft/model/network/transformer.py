@@ -419,7 +419,8 @@ class Transformer(nn.Module):
         """Logits (B, T, V) for tokens (B, T); with `labels` (B, T) instead the summed fp32 cross-entropy over
         the positions whose label is not -100; with `per_sequence` too, one such sum per sequence (S,) (each
         document of `documents`, else each row): minus the log-probability of its targets, what preference
-        objectives compare. A mixture of experts' balancing term is then left to the caller. `loss_positions`, the flat indices of those labels
+        objectives compare (a mixture of experts' balancing term is then left to the caller).
+        `loss_positions`, the flat indices of those labels
         (`loss_positions_of(labels)`), are best computed where the labels are made, on the host: finding them
         on a GPU makes the host wait.
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # the package imports no torch (README, Layout): these are its hints only
+    import torch
+    from torch import nn
 
 
 class Objective(ABC):

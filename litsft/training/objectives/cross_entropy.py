@@ -3,12 +3,13 @@ pretraining."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from litsft.training.objectives.base import Objective
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 class TokenCrossEntropy(Objective):
