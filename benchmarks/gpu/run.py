@@ -119,7 +119,7 @@ def steps(out_dir: Path, work_dir: Path = WORK_DIR, python: str = "python3") -> 
             "tokens/s per GPU, read against torchtitan's published Llama 3.1 8B table",
         ),
         Step(
-            "moe", 180,
+            "moe", 300,
             f"{python} {repo}/benchmarks/bench_gpu.py --moe_layers 2 --steps 16 --warmup 6 --max_seq_length 4096 "
             f"--records 1000 --results_json {out}/moe.json --work_dir {work}/moe",
             "a mixture of experts (Qwen3-30B-A3B's layers, 2 of 48) on one GPU: finetune_full and the transformers "
