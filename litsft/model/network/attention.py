@@ -115,7 +115,13 @@ def documents_of_ids(document_ids: torch.Tensor) -> Documents:
 def token_document_ids(documents: Documents, num_tokens: int) -> torch.Tensor:
     """(N,) the document index of every token, on the boundaries' device without a host sync."""
     positions = torch.arange(num_tokens, device=documents.cu_seqlens.device, dtype=torch.int32)
-    return torch.searchsorted(documents.cu_seqlens[1:], positions, right=True)
+    return document_of_positions(documents, positions)
+
+
+def document_of_positions(documents: Documents, positions: torch.Tensor) -> torch.Tensor:
+    """The document index of each of `positions` (flat indices into the row the documents describe), found on
+    the device without a host sync."""
+    return torch.searchsorted(documents.cu_seqlens[1:].to(positions.dtype), positions, right=True)
 
 
 # ---- choosing the kernel --------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from litsft.model.network.attention import Documents
+from litsft.model.network.attention import Documents, document_of_positions
 from litsft.model.network.context_parallel import ContextShard
 
 
@@ -68,8 +68,7 @@ def sequence_of_positions(
     one row of packed documents they describe, each document a sequence; else `rows` rows of `width`
     positions, each row one. Found on the device, counted from shapes: nothing waits for it."""
     if documents is not None:
-        ends = documents.cu_seqlens[1:].to(positions.dtype)
-        return torch.searchsorted(ends, positions, right=True), ends.numel()
+        return document_of_positions(documents, positions), documents.cu_seqlens.numel() - 1
     return positions // width, rows
 
 
