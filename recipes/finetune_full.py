@@ -15,6 +15,7 @@ from litsft.training.args import (
     EvalConfig,
     FSDPConfig,
     LogConfig,
+    ObjectiveConfig,
     OptimizerConfig,
     ParallelConfig,
     Precision,
@@ -40,6 +41,7 @@ def setup(
     eval: EvalConfig = EvalConfig(),
     optimizer: OptimizerConfig = OptimizerConfig(),
     log: LogConfig = LogConfig(),
+    objective: ObjectiveConfig = ObjectiveConfig(),
 ) -> None:
     """Fine-tune all weights of a litsft checkpoint on instruction or conversation data.
 
@@ -65,9 +67,13 @@ def setup(
         eval: Validation settings.
         optimizer: AdamW and the learning-rate schedule.
         log: Metric loggers.
+        objective: What training minimizes: cross-entropy on the replies (SFT, the default), or a preference
+            objective on pairs of replies (--objective.name dpo, ipo, simpo or orpo; tutorials/preference.md).
     """
     arguments = dict(locals())
-    check_data(data, local_model_dir(checkpoint_dir))  # before the model is converted or downloaded
+    check_data(
+        data, local_model_dir(checkpoint_dir), objective
+    )  # before the model is converted or downloaded
     checkpoint_dir = resolve_checkpoint(checkpoint_dir)
     config = Config.from_checkpoint(checkpoint_dir)
     run = RunConfig.from_arguments(arguments, config, tokenizer_dir=checkpoint_dir)

@@ -17,6 +17,7 @@ from litsft.training.args import (
     EvalConfig,
     FSDPConfig,
     LogConfig,
+    ObjectiveConfig,
     OptimizerConfig,
     ParallelConfig,
     Precision,
@@ -44,6 +45,7 @@ def setup(
     eval: EvalConfig = EvalConfig(),
     optimizer: OptimizerConfig = OptimizerConfig(lr=2e-4, warmup_fraction=0.03),
     log: LogConfig = LogConfig(),
+    objective: ObjectiveConfig = ObjectiveConfig(),
 ) -> None:
     """Fine-tune low-rank adapters on top of a frozen litsft checkpoint.
 
@@ -73,9 +75,13 @@ def setup(
         eval: Validation settings.
         optimizer: AdamW and the learning-rate schedule.
         log: Metric loggers.
+        objective: What training minimizes: cross-entropy on the replies (SFT, the default), or a preference
+            objective on pairs of replies (--objective.name dpo, ipo, simpo or orpo; tutorials/preference.md).
     """
     arguments = dict(locals())
-    check_data(data, local_model_dir(checkpoint_dir))  # before the model is converted or downloaded
+    check_data(
+        data, local_model_dir(checkpoint_dir), objective
+    )  # before the model is converted or downloaded
     checkpoint_dir = resolve_checkpoint(checkpoint_dir)
     config = Config.from_checkpoint(checkpoint_dir)
     run = RunConfig.from_arguments(arguments, config, tokenizer_dir=checkpoint_dir)

@@ -11,7 +11,7 @@ import pytest
 from litsft.data import JSON
 from litsft.data.chat import TEXT_ROLE
 from litsft.data.json_files import read_conversations
-from litsft.data.records import SHAPE_FIELDS, RecordFormat, RecordShape, to_conversation
+from litsft.data.records import DEFAULT_FORMAT, SHAPE_FIELDS, RecordFormat, RecordShape, to_conversation
 from litsft.errors import LitsftError
 
 SHAPES = (
@@ -160,6 +160,8 @@ SAME_RECORD_IN_EVERY_SHAPE = {
     "prompt_completion": {"prompt": SYSTEM_USER_ASSISTANT[:2], "completion": "Hello"},
 }
 PLAIN_TEXT_SHAPES = {"text": {"text": "Hello"}}
+PAIR_SHAPES = {"preference": {"prompt": SYSTEM_USER_ASSISTANT[:2], "chosen": "Hello", "rejected": "Go away"}}
+"""Shapes read as a prompt and two replies (what preference objectives train on)."""
 """Shapes read as text to train on as is, not as a conversation: the record and the text it holds."""
 RECORD_SHAPES = [shape for shape in get_args(RecordShape) if shape != "auto"]
 
@@ -171,7 +173,15 @@ def test_the_shapes_the_option_takes_are_the_shapes_with_fields() -> None:
 @pytest.mark.parametrize("shape", RECORD_SHAPES)
 def test_every_shape_is_detected_or_named(shape):
     """Every shape `--data.record_shape` accepts, read from a record of it, detected and named."""
-    assert shape in {**SAME_RECORD_IN_EVERY_SHAPE, **PLAIN_TEXT_SHAPES}, f"add a record of shape {shape!r}"
+    every = {**SAME_RECORD_IN_EVERY_SHAPE, **PLAIN_TEXT_SHAPES, **PAIR_SHAPES}
+    assert shape in every, f"add a record of shape {shape!r}"
+    if shape in PAIR_SHAPES:
+        for record_format in (DEFAULT_FORMAT, RecordFormat(shape=shape)):
+            pair = to_conversation(PAIR_SHAPES[shape], record_format=record_format)
+            assert pair == SYSTEM_USER_ASSISTANT[:2]
+            assert pair.chosen == [{"role": "assistant", "content": "Hello"}]
+            assert pair.rejected == [{"role": "assistant", "content": "Go away"}]
+        return
     if shape in PLAIN_TEXT_SHAPES:
         record = PLAIN_TEXT_SHAPES[shape]
         expected = [{"role": TEXT_ROLE, "content": record["text"]}]

@@ -375,6 +375,7 @@ SHAPES_IN_README = {
     "sharegpt": "ShareGPT `conversations`",
     "alpaca": "Alpaca",
     "prompt_completion": "prompt/completion",
+    "preference": "preference pairs",
     "text": "plain `text`",
 }
 

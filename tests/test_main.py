@@ -40,7 +40,9 @@ def test_help_shows_the_attribute_docstrings_of_every_option_group(capsys: pytes
     assert "--data.json_path JSON_PATH A .json or .jsonl file" in data
     hf_data = help_text(["finetune_full", "--data.help", "HFDataset"], capsys)
     assert "--data.path PATH A hub dataset id (e.g. BAAI/Infinity-Instruct)" in hf_data
-    assert re.search(r"--data.record_shape \{auto,messages,sharegpt,alpaca,prompt_completion,text\}", hf_data)
+    assert re.search(
+        r"--data.record_shape \{auto,messages,sharegpt,alpaca,prompt_completion,preference,text\}", hf_data
+    )
 
 
 def test_version(capsys: pytest.CaptureFixture) -> None:

@@ -46,7 +46,10 @@ def test_a_step_minimizes_the_objective_it_is_given() -> None:
 
 def test_objectives_are_named_and_an_unknown_name_is_refused_in_one_line() -> None:
     assert isinstance(objective_named("cross_entropy"), TokenCrossEntropy)
-    assert list(OBJECTIVES) == ["cross_entropy"]
+    assert list(OBJECTIVES) == ["cross_entropy", "dpo", "ipo", "simpo", "orpo"]
     with pytest.raises(LitsftError) as refused:
-        objective_named("dpo")
-    assert str(refused.value) == "no training objective 'dpo'; choose one of cross_entropy"
+        objective_named("kto")
+    assert (
+        str(refused.value)
+        == "no training objective 'kto'; choose one of cross_entropy, dpo, ipo, simpo, orpo"
+    )

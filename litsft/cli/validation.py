@@ -25,7 +25,14 @@ from litsft.checkpoint.checkpoint_dirs import (
 from litsft.errors import LitsftError, check_number
 from litsft.model.precision.float8 import check_float8_device, check_float8_recipe
 from litsft.runtime.processes import check_world_size, is_first_process
-from litsft.training.args import CONFIG_OPTIONS, FSDPConfig, RunConfig, describe, run_model_config
+from litsft.training.args import (
+    CONFIG_OPTIONS,
+    FSDPConfig,
+    ObjectiveConfig,
+    RunConfig,
+    describe,
+    run_model_config,
+)
 from litsft.training.devices import check_devices, gpu_has_bf16
 
 if TYPE_CHECKING:
@@ -42,6 +49,11 @@ def check_run(run: RunConfig, recipe_name: str) -> None:
     run.layout.check_heads(run.config.num_heads, run.config.name)  # the layout refuses what cannot split
     run.layout.check_experts(run.config.num_experts, run.config.name)
     check_float8_recipe(run.train.float8, recipe_name)
+    if run.objective.pairs and run.parallel.context > 1:
+        raise LitsftError(
+            f"--objective.name {run.objective.name} with --parallel.context {run.parallel.context}: preference "
+            "objectives score whole sequences, which context parallelism splits over ranks; use --parallel.context 1"
+        )
     if recipe_name == "finetune_lora" and (
         run.train.router_bias_update_rate or run.config.router_bias_update_rate
     ):
@@ -61,12 +73,23 @@ def check_run(run: RunConfig, recipe_name: str) -> None:
     check_out_dir(run, recipe_name)
 
 
-def check_data(data: DataModule | None, tokenizer_dir: Path | None) -> None:
+def check_data(
+    data: DataModule | None, tokenizer_dir: Path | None, objective: ObjectiveConfig | None = None
+) -> None:
     """The data opened and its first records read (and rendered with the model's chat template when its
     tokenizer is on disk already): what recipes check first, before a model is converted or downloaded and
-    before any process starts, so that a bad dataset is refused in seconds."""
+    before any process starts, so that a bad dataset is refused in seconds. A preference `objective` reads
+    the records as pairs (`SFTDataModule.train_pairs`)."""
     if data is None:
         raise LitsftError(NO_DATA)
+    if objective is not None and objective.pairs:
+        if not hasattr(data, "train_pairs"):
+            raise LitsftError(
+                f"--objective.name {objective.name} trains on preference pairs, which --data "
+                f"{type(data).__name__} does not hold; give records with 'chosen' and 'rejected' through "
+                "--data JSON or --data HFDataset"
+            )
+        data.train_pairs()
     data.check(tokenizer_dir)
 
 

@@ -148,6 +148,14 @@ class SFTDataModule(DataOptions, DataModule):
     """Processes that tokenize the records when their cache is prepared (by rank 0 of a run, or by
     `litsft prepare`); None: one per core this process may run on, at most 16. Leaves the cache unchanged."""
 
+    pairs = False  # not a dataclass field (no annotation): set by `train_pairs`, never on the command line
+    """Whether the records are preference pairs (`train_pairs`)."""
+
+    def train_pairs(self) -> None:
+        """Read every record as a preference pair and deal pairs whole (litsft.data.pairs): what a
+        preference objective trains on. Called by the recipe before `check`."""
+        self.pairs = True
+
     def __post_init__(self) -> None:
         super().__post_init__()
         check_number("--data.tokenize_processes", self.tokenize_processes, at_least=1,
@@ -169,7 +177,9 @@ class SFTDataModule(DataOptions, DataModule):
         chat_format = None
         if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
             tokenizer = Tokenizer(tokenizer_dir)
-            chat_format = ChatFormat(tokenizer, self.prompt_style, self.mask_prompt, skip_invalid=True)
+            chat_format = ChatFormat(
+                tokenizer, self.prompt_style, self.mask_prompt, skip_invalid=True, pairs=self.pairs
+            )
         for split, (_, read) in self.sources().items():
             first = read(limit=CHECKED_RECORDS)
             if chat_format is None:
@@ -193,7 +203,9 @@ class SFTDataModule(DataOptions, DataModule):
 
     def connect(self, tokenizer: Tokenizer, max_seq_length: int, seed: int) -> None:
         super().connect(tokenizer, max_seq_length, seed)
-        self.chat_format = ChatFormat(tokenizer, self.prompt_style, self.mask_prompt, self.skip_invalid)
+        self.chat_format = ChatFormat(
+            tokenizer, self.prompt_style, self.mask_prompt, self.skip_invalid, pairs=self.pairs
+        )
         self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
 
     def validation_prompts(self, count: int) -> list[list[int]]:
@@ -280,10 +292,19 @@ class SFTDataModule(DataOptions, DataModule):
         return loader
 
     def val_dataloader(self, rank: int, world_size: int, micro_batch_size: int) -> Loader | None:
-        if self.val_samples is None or len(self.val_samples) == 0:
+        return self.ordered_dataloader("val", rank, world_size, micro_batch_size)
+
+    def ordered_dataloader(
+        self, split: str, rank: int, world_size: int, micro_batch_size: int
+    ) -> Loader | None:
+        """Every sample of a split ("train" or "val") once, in order, the last global batch filled with empty
+        rows (every rank gets the same number of batches): validation, and the pass that scores each training
+        sample for a preference objective's reference. None when the split is empty."""
+        samples = self.train_samples if split == "train" else self.val_samples
+        if samples is None or len(samples) == 0:
             return None
         return self._loader(
-            self.val_samples, rank, world_size, micro_batch_size, world_size * micro_batch_size, shuffle=False
+            samples, rank, world_size, micro_batch_size, world_size * micro_batch_size, shuffle=False
         )
 
     def _loader(
@@ -310,6 +331,7 @@ class SFTDataModule(DataOptions, DataModule):
             self.data_seed,
             self.num_workers,
             shuffle=shuffle,
+            samples_per_unit=2 if self.pairs else 1,
         )
 
     # ---- cache -----------------------------------------------------------------------------------
@@ -322,6 +344,8 @@ class SFTDataModule(DataOptions, DataModule):
             "mask_prompt": self.mask_prompt,
             "skip_invalid": self.skip_invalid,
         }
+        if self.pairs:  # the same records tokenized as pairs (SFT keys stay what they were)
+            key["pairs"] = True
         return self.cache_root / "sft" / digest_of(key)[:24]
 
     def _held_out(self, num_samples: int) -> np.ndarray:
@@ -344,6 +368,13 @@ class SFTDataModule(DataOptions, DataModule):
             counts[split] = count_lengths(entry, limit)
             seconds = getattr(self, "_tokenized_in", {}).get(split)
             summaries.append(prepared_line(split, counts[split], left_out, self.max_seq_length, seconds))
+        if self.pairs:  # pairs are held out and truncated whole: counted as setup loads them
+            for line in summaries:
+                print(line, flush=True)
+            train, _ = self._load()
+            if self._truncation.notice(self.max_seq_length) is not None:
+                print(self._truncation.notice(self.max_seq_length), flush=True)
+            return
         train = counts["train"]
         if "val" not in sources and self.val_split_fraction > 0 and train.samples > 1:
             # The training samples left after holding out the validation ones (see _load).
@@ -368,6 +399,8 @@ class SFTDataModule(DataOptions, DataModule):
             else:
                 splits[split], _ = tokenize_conversations(read(), self.chat_format)
         train, val = splits["train"], splits.get("val")
+        if self.pairs:
+            return self._load_pairs(train, val)
         if val is None and self.val_split_fraction > 0 and len(train) > 1:
             held_out = self._held_out(len(train))
             kept = np.ones(len(train), dtype=bool)  # a mask: 1 byte a sample, not an 8-byte index
@@ -378,6 +411,26 @@ class SFTDataModule(DataOptions, DataModule):
             val, _ = val.truncate(self.max_seq_length + 1)
         if len(train) == 0:
             raise LitsftError(no_training_sample(self.max_seq_length))
+        return train, val
+
+    def _load_pairs(self, train: Samples, val: Samples | None) -> tuple[Samples, Samples | None]:
+        """`_load` for preference pairs: held out and truncated a pair at a time (litsft.data.pairs)."""
+        from litsft.data.pairs import pair_samples, truncate_pairs
+
+        num_pairs = len(train) // 2
+        if val is None and self.val_split_fraction > 0 and num_pairs > 1:
+            held_out = self._held_out(num_pairs)
+            kept = np.ones(num_pairs, dtype=bool)
+            kept[held_out] = False
+            val, train = train.subset(pair_samples(held_out)), train.subset(pair_samples(kept))
+        train, self._truncation = truncate_pairs(train, self.max_seq_length)
+        if val is not None:
+            val, _ = truncate_pairs(val, self.max_seq_length)
+        if len(train) == 0:
+            raise LitsftError(
+                f"no preference pair keeps a reply token within max_seq_length={self.max_seq_length}; "
+                "raise max_seq_length"
+            )
         return train, val
 
 

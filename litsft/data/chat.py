@@ -54,6 +54,22 @@ class Conversation(list):
         self.tools = tools
 
 
+class PreferencePair(Conversation):
+    """A preference record: the prompt (the messages of the list itself) and two replies to it, the preferred
+    `chosen` and the `rejected`, each a list of messages. Tokenized as two samples, chosen then rejected, each
+    the prompt and its reply, of which the reply's tokens alone carry loss."""
+
+    def __init__(
+        self,
+        prompt: list[Message],
+        chosen: list[Message],
+        rejected: list[Message],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> None:
+        super().__init__(prompt, tools)
+        self.chosen, self.rejected = chosen, rejected
+
+
 def tools_of(messages: list[Message]) -> list[dict[str, Any]] | None:
     return getattr(messages, "tools", None)
 
@@ -155,6 +171,8 @@ class ChatFormat:
         mask_prompt: Only assistant tokens carry loss; False trains on every token.
         skip_invalid: A conversation that cannot be trained on (see the module docstring) is skipped and
             counted in the TokenizeReport; False raises ConversationError for it.
+        pairs: Every conversation is a PreferencePair, tokenized as its two samples (a preference objective's
+            data); a plain conversation cannot be trained on, nor a pair without it.
     """
 
     def __init__(
@@ -163,6 +181,7 @@ class ChatFormat:
         prompt_style: str | None = None,
         mask_prompt: bool = True,
         skip_invalid: bool = False,
+        pairs: bool = False,
     ) -> None:
         if prompt_style is not None and prompt_style not in PROMPT_STYLES:
             raise LitsftError(
@@ -172,6 +191,7 @@ class ChatFormat:
         self.tokenizer = tokenizer
         self.mask_prompt = mask_prompt
         self.skip_invalid = skip_invalid
+        self.pairs = pairs
         if prompt_style is None and tokenizer.chat_template is not None:
             self.name = "checkpoint"
             self.template = tokenizer.chat_template
@@ -265,7 +285,10 @@ class ChatFormat:
     def samples(self, messages: list[Message]) -> list[Sample]:
         """The texts a conversation trains as, each with its loss spans: the whole conversation when the
         template renders it incrementally, else one sample per reply (turn by turn), else the whole
-        conversation with each reply found by search. A plain-text record is its text and eos, all trained."""
+        conversation with each reply found by search. A plain-text record is its text and eos, all trained.
+        A preference pair is its two samples (`pair_samples`)."""
+        if isinstance(messages, PreferencePair) or self.pairs:
+            return self.pair_samples(messages)
         if len(messages) == 1 and messages[0]["role"] == TEXT_ROLE:
             text = messages[0]["content"] + self._eos_text()
             return [(text, [(0, len(text))])]
@@ -279,6 +302,42 @@ class ChatFormat:
         if spans is not None:
             return [(text, spans)]
         return self._turn_by_turn(messages, tools) or [(text, self._searched_spans(messages, text))]
+
+    def pair_samples(self, pair: list[Message]) -> list[Sample]:
+        """A preference pair's two samples, chosen then rejected: the prompt rendered with its reply, the
+        reply's characters (after the prompt as rendered for generation) the only ones that carry loss,
+        whatever `mask_prompt` says. Refused: a pair in SFT data, a conversation in preference data, a pair
+        whose replies render the same, a template that does not render the prompt as their start."""
+        if not self.pairs:
+            raise LitsftError(
+                "a preference pair ('chosen' and 'rejected') in SFT data; train it with a preference objective "
+                "(--objective.name dpo) or drop the record"
+            )
+        if not isinstance(pair, PreferencePair):
+            raise LitsftError(
+                "not a preference pair: a preference objective trains on records with 'chosen' and 'rejected' "
+                "(and optionally 'prompt')"
+            )
+        tools = tools_of(pair)
+        prompt = template_messages(list(pair))
+        prompt_text = self._render(prompt, True, tools)
+        samples = []
+        for reply in (pair.chosen, pair.rejected):
+            messages = prompt + template_messages(reply)
+            _check_trainable(messages)
+            text = self._render(messages, False, tools)
+            if not text.startswith(prompt_text):
+                raise LitsftError(
+                    f"the {self.name} chat template does not render a pair's replies after its prompt as "
+                    "rendered for generation, so their tokens cannot be told apart; choose a "
+                    "--data.prompt_style such as chatml"
+                )
+            samples.append((text, [_reply_span(prompt_text, text)]))
+        if samples[0][0] == samples[1][0]:
+            raise LitsftError(
+                "chosen and rejected are the same reply; a preference pair needs two different ones"
+            )
+        return samples
 
     def _assistant_spans(
         self, messages: list[Message], text: str, tools: list[dict[str, Any]] | None

@@ -149,7 +149,12 @@ def plan_epoch(
 
 
 def collate(
-    samples: Samples, rows: list[Row], seq_length: int | None, pad_id: int
+    samples: Samples,
+    rows: list[Row],
+    seq_length: int | None,
+    pad_id: int,
+    sequences: bool = False,
+    per_sample: dict[str, np.ndarray] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One micro-batch. A sample of n tokens fills n - 1 positions: its tokens but the last as inputs,
     its tokens but the first as labels (already shifted), -100 where a token is not a target.
@@ -162,6 +167,11 @@ def collate(
 
     Every batch has `row_lengths` (B,): the real tokens at the start of each row, the rest being padding
     (what tokens/s counts, and where each sample's LoRA dropout masks go).
+
+    sequences: also `sequence_samples` (S,), the sample index of each sequence the model's per-sequence loss
+        sums over (each packed document, else each row; -1 for an empty row), `sequence_targets` (S,) its
+        target tokens, and for each array of `per_sample` (one value per sample, e.g. a preference
+        objective's reference log-probabilities) its values at those samples (0 for an empty row).
     """
     starts, lengths, tokens, targets = samples.starts, samples.lengths, samples.tokens, samples.targets
     used = [sum(int(lengths[i]) - 1 for i in row) for row in rows]
@@ -171,6 +181,7 @@ def collate(
     position_ids = np.zeros((len(rows), length), dtype=np.int64)
     document_ids = np.full((len(rows), length), PAD_DOCUMENT_ID, dtype=np.int64)
     document_lengths = []
+    sequence_samples: list[int] = []
     for b, row in enumerate(rows):
         cursor = 0
         for document, i in enumerate(row):
@@ -184,7 +195,11 @@ def collate(
             document_ids[b, span] = document
             if n > 0:
                 document_lengths.append(n)
+                if seq_length is not None:
+                    sequence_samples.append(i)
             cursor += n
+        if seq_length is None:
+            sequence_samples.append(row[0] if row else -1)
         if seq_length is None:  # right padding continues the positions; it is never attended to
             position_ids[b, cursor:] = np.arange(cursor, length)
     batch = {
@@ -197,6 +212,17 @@ def collate(
         batch["document_ids"] = torch.from_numpy(document_ids)
         batch["cu_seqlens"] = cumulative_lengths(document_lengths)
         batch["max_seqlen"] = torch.tensor(max([0, *document_lengths]))
+    if sequences:
+        index = np.asarray(sequence_samples, dtype=np.int64)
+        real = index >= 0
+        counts = [
+            int(targets[int(starts[i]) + 1 : int(starts[i]) + int(lengths[i])].sum()) if i >= 0 else 0
+            for i in sequence_samples
+        ]
+        batch["sequence_samples"] = torch.from_numpy(index)
+        batch["sequence_targets"] = torch.tensor(counts, dtype=torch.int64)
+        for name, values in (per_sample or {}).items():
+            batch[name] = torch.from_numpy(np.where(real, values[np.maximum(index, 0)], 0))
     return batch
 
 
@@ -204,18 +230,42 @@ class _MicroBatches(Dataset):
     """Micro-batch k of one rank's epoch, built on demand (in a worker process when there are any)."""
 
     def __init__(
-        self, samples: Samples, rows: RowPlan, micro_batch_size: int, seq_length: int | None, pad_id: int
+        self,
+        samples: Samples,
+        rows: RowPlan,
+        micro_batch_size: int,
+        seq_length: int | None,
+        pad_id: int,
+        samples_per_unit: int = 1,
+        per_sample: dict[str, np.ndarray] | None = None,
     ) -> None:
         self.samples, self.rows, self.micro_batch_size = samples, rows, micro_batch_size
         self.seq_length, self.pad_id = seq_length, pad_id
+        self.samples_per_unit, self.per_sample = samples_per_unit, per_sample
 
     def __len__(self) -> int:
         return len(self.rows) // self.micro_batch_size
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         micro = self.micro_batch_size
-        rows = self.rows.rows(index * micro, (index + 1) * micro)
-        return collate(self.samples, rows, self.seq_length, self.pad_id)
+        units = self.rows.rows(index * micro, (index + 1) * micro)
+        rows = units_as_rows(units, self.samples_per_unit, packed=self.seq_length is not None)
+        grouped = self.samples_per_unit > 1
+        return collate(self.samples, rows, self.seq_length, self.pad_id, grouped, self.per_sample)
+
+
+def units_as_rows(rows: list[Row], samples_per_unit: int, packed: bool) -> list[Row]:
+    """Rows of units (preference pairs: `samples_per_unit` consecutive samples each) as rows of samples: a
+    packed row holds its units' samples one after another, an unpacked row's unit becomes one row per sample
+    (an empty filler row, as many empty rows)."""
+    if samples_per_unit == 1:
+        return rows
+    group = range(samples_per_unit)
+    if packed:
+        return [[samples_per_unit * unit + j for unit in row for j in group] for row in rows]
+    return [
+        [samples_per_unit * unit + j] if row else [] for row in rows for unit in (row or [0]) for j in group
+    ]
 
 
 class SFTLoader:
@@ -239,6 +289,7 @@ class SFTLoader:
         seed: int,
         num_workers: int = 0,
         shuffle: bool = True,
+        samples_per_unit: int = 1,
     ) -> None:
         self.geometry = StepGeometry.of(global_batch_size, micro_batch_size, world_size)
         self.samples = samples
@@ -254,6 +305,11 @@ class SFTLoader:
         self.seed = seed
         self.num_workers = num_workers
         self.shuffle = shuffle
+        self.samples_per_unit = samples_per_unit
+        """Samples dealt together as one unit (2: a preference pair's chosen and rejected), which rows,
+        micro-batches and ranks never split; batch sizes count units (packed: rows of units)."""
+        self.per_sample: dict[str, np.ndarray] = {}
+        """Values of each sample that batches carry per sequence (see `collate`)."""
         self.epoch = 0
         self.position = 0
         """Micro-batches of the current epoch already handed out."""
@@ -266,8 +322,10 @@ class SFTLoader:
 
     @property
     def positions(self) -> np.ndarray:
-        """The positions each sample fills in a row (its tokens but one)."""
-        return self.samples.lengths - 1
+        """The positions each unit fills in a row (its samples' tokens but one each)."""
+        if self.samples_per_unit == 1:
+            return self.samples.lengths - 1
+        return (self.samples.lengths - 1).reshape(-1, self.samples_per_unit).sum(axis=1)
 
     def plan(self, epoch: int | None = None, rank: int | None = None, world_size: int = 1) -> RowPlan:
         """The epoch's rows in the order they are trained (the same on every rank), global batch after
@@ -317,6 +375,8 @@ class SFTLoader:
             self.micro_batch_size,
             self.max_seq_length if self.packing else None,
             self.pad_id,
+            self.samples_per_unit,
+            self.per_sample,
         )
         start = self.position
         if self.num_workers == 0:

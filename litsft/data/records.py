@@ -12,6 +12,10 @@ The shapes (`--data.record_shape`, default "auto": detected per record from the 
   the message keys by `--data.message_map` (default {"role": "from", "content": "value"}).
 - "alpaca": {"instruction", "input" (optional), "output", "system" (optional)}: one user/assistant exchange.
 - "prompt_completion": {"prompt", "completion"}, each a string or a list of messages (TRL's shape).
+- "preference": {"prompt" (optional), "chosen", "rejected"}: a prompt and two replies to it, the preferred and
+  the rejected (TRL's preference shapes): strings (the prompt a user message, each reply an assistant one) or
+  lists of messages; without a prompt, chosen and rejected are whole conversations and the prompt is the
+  messages they share at their start (UltraFeedback-binarized). What preference objectives train on.
 - "text": {"text": str}: plain text, trained on every token without a template (pretraining data).
 
 The fields each shape reads are listed once, in SHAPE_FIELDS (detection, the columns a dataset decodes and
@@ -27,11 +31,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from litsft.data.chat import TEXT_ROLE, Conversation, Message
+from litsft.data.chat import TEXT_ROLE, Conversation, Message, PreferencePair
 from litsft.errors import LitsftError
 
 ROLES = ("system", "user", "assistant", "tool")
-RecordShape = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"]
+RecordShape = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "preference", "text"]
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -66,6 +70,7 @@ SHAPE_FIELDS: dict[str, ShapeFields] = {
     "sharegpt": ShapeFields(("conversations",)),
     "alpaca": ShapeFields(("instruction", "output"), ("input", "system")),
     "prompt_completion": ShapeFields(("prompt", "completion")),
+    "preference": ShapeFields(("chosen", "rejected"), ("prompt",)),
     "text": ShapeFields(("text",)),
 }
 """The fields of each record shape, in the order shapes are detected (see `shape_of_fields`); every shape
@@ -133,6 +138,8 @@ def to_conversation(
     if shape == "text":
         text = _string(record, "text", where)
         return Conversation([{"role": TEXT_ROLE, "content": text}])
+    if shape == "preference":
+        return _preference(record, where, tools)
     if shape == "alpaca":
         conversation = _alpaca(record, where)
     elif shape == "prompt_completion":
@@ -225,6 +232,37 @@ def _part(record: dict, key: str, role: str, where: str) -> list[Message]:
     if isinstance(value, list):
         return _messages({key: value}, key, where, None)
     return [{"role": role, "content": _string(record, key, where)}]
+
+
+def _preference(record: dict, where: str, tools: list[dict] | None) -> PreferencePair:
+    """A prompt and its two replies. Without a prompt, the messages chosen and rejected share at their start
+    are the prompt (as TRL's extract_prompt finds it), the rest of each its reply."""
+    if record.get("prompt") is not None:
+        prompt = _part(record, "prompt", "user", where)
+        chosen = _part(record, "chosen", "assistant", where)
+        rejected = _part(record, "rejected", "assistant", where)
+    else:
+        for key in ("chosen", "rejected"):
+            if not isinstance(record.get(key), list):
+                raise LitsftError(
+                    f"{where}: without a 'prompt', {key!r} must be a whole conversation (a list of messages), "
+                    f"got {_type_name(record.get(key))}; add the prompt as 'prompt'"
+                )
+        whole_chosen = _messages(record, "chosen", where, None)
+        whole_rejected = _messages(record, "rejected", where, None)
+        shared = 0
+        for a, b in zip(whole_chosen, whole_rejected):
+            if a != b:
+                break
+            shared += 1
+        # The replies start at the last message before which both agree that is not an assistant's own.
+        while shared > 0 and whole_chosen[shared - 1]["role"] == "assistant":
+            shared -= 1
+        prompt, chosen, rejected = whole_chosen[:shared], whole_chosen[shared:], whole_rejected[shared:]
+    for key, reply in (("chosen", chosen), ("rejected", rejected)):
+        if not any(message["role"] == "assistant" for message in reply):
+            raise LitsftError(f"{where}: {key!r} has no assistant message after the prompt; add the reply")
+    return PreferencePair(prompt, chosen, rejected, tools)
 
 
 def _string(record: dict, key: str, where: str) -> str:

@@ -225,6 +225,48 @@ class OptimizerConfig:
         )  # fmt: skip
 
 
+ObjectiveName = Literal["cross_entropy", "dpo", "ipo", "simpo", "orpo"]
+PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
+
+
+@dataclass
+class ObjectiveConfig:
+    """What training minimizes (litsft.training.objectives): next-token cross-entropy on the data's replies
+    (SFT), or a preference objective on pairs of replies to one prompt (records with 'chosen' and 'rejected',
+    tutorials/preference.md)."""
+
+    name: ObjectiveName = "cross_entropy"
+    """cross_entropy (SFT); dpo (sigmoid DPO against the starting model, the default preference objective),
+    ipo, simpo or orpo (both without a reference model)."""
+    beta: float | None = None
+    """The preference objective's temperature (DPO, IPO, SimPO) or ORPO's odds-ratio weight lambda; None: 0.1,
+    or 2.0 for SimPO (its paper's range is 2 to 2.5)."""
+    label_smoothing: float = 0.0
+    """DPO and SimPO: the probability that a pair's preference is flipped (cDPO), in [0, 0.5)."""
+    simpo_gamma: float = 0.5
+    """SimPO's target margin gamma between the chosen and rejected replies' scaled mean log-probabilities."""
+
+    def __post_init__(self) -> None:
+        check_number("--objective.beta", self.beta, above=0, fix="use e.g. 0.1 (DPO) or 2.0 (SimPO)")
+        check_number("--objective.label_smoothing", self.label_smoothing, at_least=0, below=0.5,
+                     fix="use 0 (none) to 0.3")  # fmt: skip
+        if self.label_smoothing and self.name not in ("dpo", "simpo"):
+            raise LitsftError(
+                f"--objective.label_smoothing is for dpo and simpo, not {self.name}; drop the flag"
+            )
+
+    @property
+    def pairs(self) -> bool:
+        """Whether it trains on preference pairs."""
+        return self.name in PREFERENCE_OBJECTIVES
+
+    def options(self) -> dict[str, Any]:
+        """The objective's constructor options (litsft.training.objectives.objective_named)."""
+        if not self.pairs:
+            return {}
+        return {"beta": self.beta, "label_smoothing": self.label_smoothing, "simpo_gamma": self.simpo_gamma}
+
+
 @dataclass
 class RunConfig:
     """Everything the engine needs besides the recipe; the recipes' CLI arguments, gathered."""
@@ -245,6 +287,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     cli_arguments: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

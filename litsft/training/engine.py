@@ -90,6 +90,12 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
     run_timer.mark("data: tokenized (or read from the cache), loaders")
     model = setup_model(fabric, recipe, run)
     run_timer.mark("model: built, weights loaded, sharded")
+    objective = objective_named(run.objective.name, **run.objective.options())
+    if objective.needs_reference:  # scored by the starting weights, before a checkpoint's are loaded
+        from litsft.training.reference import attach_reference
+
+        attach_reference(fabric, model, run, {"train": train_loader, "val": val_loader})
+        run_timer.mark("reference log-probabilities")
     optimizer = fabric.setup_optimizers(build_optimizer(model, run.optimizer, recipe.lr_scale))
     state = TrainState(
         model,
@@ -125,7 +131,6 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
         trainable=recipe.trainable,
         adapter_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
     )
-    objective = objective_named(recipe.objective)
     evaluate = functools.partial(
         validate, fabric, model, val_loader, tokenizer, run, metrics, context=context, objective=objective
     )
@@ -188,6 +193,7 @@ def train_loop(
             lr = learning_rate(run.optimizer, state.step, total_steps)
             set_learning_rate(state.optimizer, lr)  # times each group's factor (LoRA+)
             routing = RoutingTally() if run.config.num_experts else None
+            objective_means: dict[str, torch.Tensor] = {}
             loss, grad_norm, target_tokens, input_tokens = train_step(
                 fabric,
                 state.model,
@@ -201,6 +207,7 @@ def train_loop(
                 after_update=after_update,
                 context=context,
                 objective=objective,
+                objective_means=objective_means,
             )
         state.step += 1
         step = state.step
@@ -223,6 +230,7 @@ def train_loop(
             micro_batches=micro_batches,
             log=log,
             routing=routing.metrics(fabric, target_tokens) if routing is not None and log else None,
+            objective_means=objective_means or None,
         )
         if validate_now or save or must_stop:
             with metrics.paused():  # waits for the device: only on the steps that leave the loop's timing

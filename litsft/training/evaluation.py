@@ -36,19 +36,29 @@ def validate(
     # From the first batch on every pass: the loader would otherwise go on where the last pass stopped, and
     # passes would score different batches (or none once it is used up).
     val_loader.set_epoch(0)
-    totals = torch.zeros(2, device=fabric.device)
+    # The loss, its units, then the objective's logged statistics (a preference objective's rewards).
+    totals = torch.zeros(2 + len(objective.logged), device=fabric.device)
+    objective.take_sums()  # what the last training step left
     for i, batch in enumerate(val_loader):
         if run.eval.max_batches is not None and i >= run.eval.max_batches:
             break
         batch = to_device(batch, fabric.device, context)
         totals[0] += objective.summed_loss(model, batch)
         totals[1] += objective.units(batch)
+    sums = objective.take_sums()
+    if sums is not None:
+        totals[2:] = sums
     totals = sum_over_ranks(fabric, totals)
     sample = generate_sample(model, tokenizer, run)
     model.train()
     if totals[1] > 0:
+        means = (totals / totals[1]).tolist()
         metrics.validation_done(
-            step, loss=(totals[0] / totals[1]).item(), tokens=int(totals[1].item()), sample=sample
+            step,
+            loss=means[0],
+            tokens=int(totals[1].item()),
+            sample=sample,
+            objective_means=dict(zip(objective.logged, means[2:])) or None,
         )
 
 

@@ -37,6 +37,9 @@ from litsft.model.network.batch import attended_lengths
 from litsft.runtime.timings import peak_rss_bytes
 from litsft.training.loggers import CSVWriter, LoggerName, MetricWriter, check_loggers, metric_loggers
 
+PREFERENCE_METRICS = ("reward_chosen", "reward_rejected", "reward_accuracy", "reward_margin")
+"""What preference objectives log beside their loss (litsft.training.objectives.preference), as means over
+pairs: blank for cross-entropy runs."""
 # One CSV for the whole run: a row per log step (train columns filled) and a row per validation
 # (val columns filled); blank where a value does not apply or is unknown (MFU on an unknown device).
 CSV_COLUMNS: tuple[str, ...] = (
@@ -54,11 +57,13 @@ CSV_COLUMNS: tuple[str, ...] = (
     "mfu",
     "peak_gpu_memory_allocated_mib",
     "peak_rss_mib",
+    *PREFERENCE_METRICS,
     "val_loss",
     "val_perplexity",
     "val_tokens",
+    *(f"val_{name}" for name in PREFERENCE_METRICS),
 )
-TRAIN_METRICS = frozenset(CSV_COLUMNS) - {"step", "val_loss", "val_perplexity", "val_tokens"}
+TRAIN_METRICS = frozenset(name for name in CSV_COLUMNS if not name.startswith("val_")) - {"step"}
 PLOT_FILENAME = "loss.png"
 SAMPLES_FILENAME = "samples.txt"
 # A mixture of experts' balance, a row per MoE layer per log step, beside metrics.csv: a column per layer
@@ -373,6 +378,7 @@ class MetricsLogger:
         micro_batches: Sequence[dict[str, Tensor]],
         log: bool,
         routing: dict[str, Tensor] | None = None,
+        objective_means: dict[str, Tensor] | None = None,
     ) -> None:
         """Count one optimizer step; with `log`, read and write the metrics of the steps since the last log.
 
@@ -393,6 +399,8 @@ class MetricsLogger:
             routing: A mixture of experts' router_aux_loss and expert_tokens (L, E) of this step
                 (`RoutingTally`), on log steps: metrics.csv gets the load of its least balanced layer and that
                 layer (`expert_balance`), expert_load.csv every layer's balance.
+            objective_means: The objective's logged statistics of this step (`Objective.logged`: a
+                preference objective's rewards), means over its units.
         """
         self.update_progress(step)
         loss = torch.as_tensor(loss)
@@ -416,6 +424,7 @@ class MetricsLogger:
             "learning_rate": learning_rate,
             "grad_norm": grad_norm,
             **routing,
+            **(objective_means or {}),
         }
         self._train_loss.reset()
         if self._throughput is not None:
@@ -484,7 +493,13 @@ class MetricsLogger:
         self._bar.set_postfix_str(", ".join(postfix), refresh=False)
 
     def validation_done(
-        self, step: int, *, loss: float | Tensor, tokens: int | Tensor, sample: str | None = None
+        self,
+        step: int,
+        *,
+        loss: float | Tensor,
+        tokens: int | Tensor,
+        sample: str | None = None,
+        objective_means: dict[str, float] | None = None,
     ) -> float:
         """Record a validation and return its perplexity, exp(loss), on every rank.
 
@@ -494,6 +509,8 @@ class MetricsLogger:
                 tokens, e.g. from `TokenWeightedMean`).
             tokens: Global number of target tokens the loss covers.
             sample: A generated sample, printed and appended to samples.txt.
+            objective_means: The objective's logged statistics over the validation data (a preference
+                objective's rewards), written as val_<name>.
         """
         val_loss, val_tokens = _to_floats([loss, tokens])
         val_perplexity = perplexity(val_loss)
@@ -501,8 +518,14 @@ class MetricsLogger:
             return val_perplexity
         row: dict[str, float | None] = dict.fromkeys(CSV_COLUMNS)
         row.update(step=step, val_loss=val_loss, val_perplexity=val_perplexity, val_tokens=val_tokens)
+        row.update({f"val_{name}": value for name, value in (objective_means or {}).items()})
         self._write(row, "val")
         message = f"step {step}: val_loss {val_loss:.4f}, val_perplexity {val_perplexity:.2f}"
+        if objective_means and "reward_accuracy" in objective_means:
+            message += (
+                f", val_reward_accuracy {objective_means['reward_accuracy']:.3f}, "
+                f"val_reward_margin {objective_means['reward_margin']:.4f}"
+            )
         if sample is not None:
             message += f"\n{sample}"
             with (self.out_dir / SAMPLES_FILENAME).open("a") as f:

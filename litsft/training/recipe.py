@@ -38,5 +38,3 @@ class Recipe:
     """What is trained; decides the FLOPs per token behind MFU."""
     lr_scale: Callable[[str], float] | None = None
     """The factor on the learning rate of a trained parameter, by its name (LoRA+: B's ratio); None: 1 for all."""
-    objective: str = "cross_entropy"
-    """What training minimizes, by its name in litsft.training.objectives.OBJECTIVES."""

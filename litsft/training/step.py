@@ -102,6 +102,7 @@ def train_step(
     after_update: Callable[[], None] | None = None,
     context: ContextShard | None = None,
     objective: Objective | None = None,
+    objective_means: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One optimizer step over the micro-batches of this rank, minimizing `objective` (default: token-weighted
     cross-entropy). Returns (mean loss, grad norm, the objective's units, non-padding input tokens), all global
@@ -114,7 +115,8 @@ def train_step(
     experts adds its load-balancing loss's gradient in its forward pass
     (litsft.model.network.transformer.Transformer.router_loss_gradient); `routing` counts what its routers
     did, for the logs, and moves their balancing biases after the update (`RoutingTally.balance`).
-    `after_update` runs after the optimizer step (float8's scales)."""
+    `after_update` runs after the optimizer step (float8's scales). `objective_means`, when given, is filled
+    with the objective's logged statistics of the step (`Objective.logged`), global means over its units."""
     device = fabric.device
     layout = layout or ParallelLayout(fabric.world_size)
     objective = objective or TokenCrossEntropy()
@@ -169,7 +171,14 @@ def train_step(
     if after_update is not None:
         after_update()
     optimizer.zero_grad(set_to_none=True)
-    loss = sum_over_ranks(fabric, loss_sum) / units
+    sums = objective.take_sums()
+    if sums is None:
+        loss = sum_over_ranks(fabric, loss_sum) / units
+    else:  # the statistics ride on the loss's all-reduce
+        totals = sum_over_ranks(fabric, torch.cat([loss_sum[None], sums])) / units
+        loss = totals[0]
+        if objective_means is not None:
+            objective_means.update(zip(objective.logged, totals[1:]))
     return loss, grad_norm, counts[0], counts[1]
 
 
@@ -228,7 +237,7 @@ def move_to_device(
         inputs = split_for_context(inputs, context)
     moved: dict[str, Any] = {}
     for name, value in inputs.items():
-        if isinstance(value, ContextShard):
+        if isinstance(value, ContextShard | int):
             moved[name] = value
         elif isinstance(value, Documents):
             moved[name] = Documents(copy_to_device(value.cu_seqlens, device), value.max_seqlen)

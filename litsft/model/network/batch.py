@@ -53,7 +53,15 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     ):
         inputs["real_lengths"] = batch["row_lengths"]  # right-padded rows: the padding is left unrouted
     inputs["loss_positions"] = loss_positions_of(inputs["labels"])
+    if "sequence_samples" in batch:  # a preference objective's per-sequence values, and its count of pairs
+        inputs.update({name: value for name, value in batch.items() if name in SEQUENCE_VALUES})
+        inputs["pairs"] = int((batch["sequence_samples"] >= 0).sum()) // 2
     return inputs
+
+
+SEQUENCE_VALUES = ("sequence_samples", "sequence_targets", "reference_logps")
+"""The per-sequence values a collated batch may carry (litsft.data.loader.collate's `sequences`), passed to
+the objective beside the model's inputs."""
 
 
 def loss_positions_of(labels: torch.Tensor) -> torch.Tensor:
