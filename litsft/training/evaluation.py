@@ -12,6 +12,7 @@ from torch import nn
 from litsft.model.network.context_parallel import ContextShard
 from litsft.training.args import RunConfig
 from litsft.training.objectives import Objective, TokenCrossEntropy
+from litsft.training.parallel import reshard
 from litsft.training.step import sum_over_ranks, to_device
 
 
@@ -50,6 +51,7 @@ def validate(
         totals[2:] = sums
     totals = sum_over_ranks(fabric, totals)
     sample = generate_sample(model, tokenizer, run)
+    reshard(model)  # a checkpoint may follow before the next backward pass
     model.train()
     if totals[1] > 0:
         means = (totals / totals[1]).tolist()

@@ -269,3 +269,16 @@ def synchronize_gradients(model: nn.Module, strategy: ShardingStrategy, last_mic
         unit.set_requires_gradient_sync(last_micro_batch or strategy != "NO_SHARD", recurse=False)
         if strategy == "HYBRID_SHARD":
             unit.set_requires_all_reduce(last_micro_batch, recurse=False)
+
+
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP unit's sharded parameters back in the model after forward passes without a backward
+    (validation, a reference pass): the units that are not resharded after forward (the root, SHARD_GRAD_OP's
+    blocks) keep their unsharded parameters registered until a backward pass reshards them, and a checkpoint
+    saved in between would name the model's parameters by tensors the optimizer does not hold. One process (no
+    FSDP): nothing to do."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
