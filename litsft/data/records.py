@@ -241,6 +241,9 @@ def _preference(record: dict, where: str, tools: list[dict] | None) -> Preferenc
         prompt = _part(record, "prompt", "user", where)
         chosen = _part(record, "chosen", "assistant", where)
         rejected = _part(record, "rejected", "assistant", where)
+        # Some sets give the prompt and whole conversations too (HuggingFaceH4/ultrafeedback_binarized).
+        if chosen[: len(prompt)] == prompt and rejected[: len(prompt)] == prompt:
+            chosen, rejected = chosen[len(prompt) :], rejected[len(prompt) :]
     else:
         for key in ("chosen", "rejected"):
             if not isinstance(record.get(key), list):
@@ -258,6 +261,11 @@ def _preference(record: dict, where: str, tools: list[dict] | None) -> Preferenc
         # The replies start at the last message before which both agree that is not an assistant's own.
         while shared > 0 and whole_chosen[shared - 1]["role"] == "assistant":
             shared -= 1
+        if shared == 0:
+            raise LitsftError(
+                f"{where}: 'chosen' and 'rejected' share no message at their start, so there is no prompt; "
+                "give it as 'prompt'"
+            )
         prompt, chosen, rejected = whole_chosen[:shared], whole_chosen[shared:], whole_rejected[shared:]
     for key, reply in (("chosen", chosen), ("rejected", rejected)):
         if not any(message["role"] == "assistant" for message in reply):

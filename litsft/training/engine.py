@@ -90,12 +90,6 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
     run_timer.mark("data: tokenized (or read from the cache), loaders")
     model = setup_model(fabric, recipe, run)
     run_timer.mark("model: built, weights loaded, sharded")
-    objective = objective_named(run.objective.name, **run.objective.options())
-    if objective.needs_reference:  # scored by the starting weights, before a checkpoint's are loaded
-        from litsft.training.reference import attach_reference
-
-        attach_reference(fabric, model, run, {"train": train_loader, "val": val_loader})
-        run_timer.mark("reference log-probabilities")
     optimizer = fabric.setup_optimizers(build_optimizer(model, run.optimizer, recipe.lr_scale))
     state = TrainState(
         model,
@@ -107,6 +101,12 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
     checkpointer = Checkpointer(
         fabric, run, recipe.name, save_frozen=recipe.checkpoint_frozen, frozen_base=recipe.frozen_base
     )
+    objective = objective_named(run.objective.name, **run.objective.options())
+    if objective.needs_reference:  # scored by the starting weights, before a checkpoint's are loaded
+        from litsft.training.reference import attach_reference
+
+        attach_reference(fabric, model, run, {"train": train_loader, "val": val_loader})
+        run_timer.mark("reference log-probabilities")
     resume_from = resume_checkpoint(run.resume, out_dir)
     if resume_from is not None:
         checkpointer.load(resume_from, state)

@@ -24,6 +24,7 @@ from torch import nn
 from litsft.runtime.files import write_json
 from litsft.training.args import RunConfig
 from litsft.training.objectives.preference import sequence_logps
+from litsft.training.parallel import reshard
 from litsft.training.step import sum_over_ranks, to_device
 
 REFERENCE_DIR = "reference_logps"
@@ -65,6 +66,7 @@ def split_reference(fabric: Fabric, model: nn.Module, run: RunConfig, split: str
             index = inputs["sequence_samples"]
             real = index >= 0
             values.index_add_(0, index[real], logps[real].double())
+    reshard(model)
     model.train(was_training)
     values = sum_over_ranks(fabric, values).cpu().numpy()  # each sample scored on one data replica
     if fabric.is_global_zero:

@@ -81,6 +81,8 @@ class PreferenceObjective(Objective):
 
         scores, real = self.scores(model, inputs)
         losses, chosen_rewards, rejected_rewards = self.pair_losses(scores)
+        # A filler pair's loss may be NaN (ORPO's odds of an empty reply): selected away, not multiplied.
+        losses = torch.where(real, losses, 0.0)
         real = real.to(losses.dtype)
         chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
         statistics = torch.stack(
@@ -91,8 +93,8 @@ class PreferenceObjective(Objective):
                 chosen_rewards - rejected_rewards,
             ]
         )
-        self.add_sums((statistics * real).sum(dim=1))
-        return (losses * real).sum()
+        self.add_sums(torch.where(real > 0, statistics, 0.0).sum(dim=1))
+        return losses.sum()
 
     @abstractmethod
     def pair_losses(self, scores: PairScores) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -103,7 +105,10 @@ def sequence_logps(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
     """Each sequence's log-probability of its reply (S,), summed over its target tokens: minus the model's
     per-sequence cross-entropy, from a pair batch's device inputs."""
     model_inputs = {k: v for k, v in inputs.items() if k not in SEQUENCE_VALUES and k != "pairs"}
-    return -model(**model_inputs, per_sequence=True)
+    logps = -model(**model_inputs, per_sequence=True)
+    # A packed micro-batch of filler rows alone (the end of an ordered pass on some rank) has no sequence,
+    # but the model, which every rank of a sharded model must run, counts each of its rows as one.
+    return logps[: inputs["sequence_samples"].numel()]
 
 
 def smoothed_sigmoid_loss(logits: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
