@@ -71,9 +71,8 @@ def setup(
             objective on pairs of replies (--objective.name dpo, ipo, simpo or orpo; tutorials/preference.md).
     """
     arguments = dict(locals())
-    check_data(
-        data, local_model_dir(checkpoint_dir), objective
-    )  # before the model is converted or downloaded
+    # Before the model is converted or downloaded.
+    check_data(data, local_model_dir(checkpoint_dir), objective)
     checkpoint_dir = resolve_checkpoint(checkpoint_dir)
     config = Config.from_checkpoint(checkpoint_dir)
     run = RunConfig.from_arguments(arguments, config, tokenizer_dir=checkpoint_dir)

@@ -9,6 +9,7 @@ from typing import Literal
 from litsft.cli.launcher import launch
 from litsft.cli.validation import check_data
 from litsft.data import DataModule
+from litsft.errors import LitsftError
 from litsft.huggingface.model_source import local_model_dir, resolve_checkpoint
 from litsft.model.config import Config
 from litsft.model.lora.config import LoRAConfig, Quantization
@@ -79,9 +80,13 @@ def setup(
             objective on pairs of replies (--objective.name dpo, ipo, simpo or orpo; tutorials/preference.md).
     """
     arguments = dict(locals())
-    check_data(
-        data, local_model_dir(checkpoint_dir), objective
-    )  # before the model is converted or downloaded
+    # Before the model is converted or downloaded.
+    check_data(data, local_model_dir(checkpoint_dir), objective)
+    if objective.reference == "live" and lora.variant == "pissa":
+        raise LitsftError(
+            "--objective.reference live switches the adapters off to score the reference, but PiSSA moved the "
+            "base weights into them; use --objective.reference precomputed (the default)"
+        )
     checkpoint_dir = resolve_checkpoint(checkpoint_dir)
     config = Config.from_checkpoint(checkpoint_dir)
     run = RunConfig.from_arguments(arguments, config, tokenizer_dir=checkpoint_dir)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from launch import WORDS, litsft, litsft_in_process, stopped_copy, write_tiny_checkpoint
+from launch import TINY_MOE, WORDS, litsft, litsft_in_process, stopped_copy, write_tiny_checkpoint
 from safetensors.torch import load_file
 from tiny_hf import save_tiny_hf, tiny_hf_model
 
@@ -231,3 +231,42 @@ def test_dpo_on_two_processes_equals_one_and_resumes_exactly(tmp_path: Path, cap
         litsft_in_process([*args, "--out_dir", str(resumed)], tmp_path, capsys)
         c = load_file(resumed / "final" / final)
         assert max((a[k] - c[k]).abs().max().item() for k in a) == 0, recipe
+
+
+def test_lora_dpo_with_a_live_reference_equals_the_precomputed_one(tmp_path: Path, capsys) -> None:
+    """--objective.reference live scores the reference with the adapters switched off in every step, instead of
+    one pass before training: the same adapters (LoRA's dropout on, which the base does not see), also on a
+    mixture of experts with adapters on its experts (which take no dropout). Where it cannot be the base it is refused in one line."""
+    data = tmp_path / "pairs.json"
+    write_pairs(data, count=12, seed=2)
+    common = ["--data", "JSON", "--data.json_path", str(data), "--objective.name", "dpo", "--train.max_steps", "3",
+              "--train.global_batch_size", "4", "--train.micro_batch_size", "2", "--optimizer.lr", "1e-3",
+              "--accelerator", "cpu", "--train.max_seq_length", "256", "--data.val_split_fraction", "0"]  # fmt: skip
+    for name, overrides, targets in (
+        ("dense", {}, ["[q, v]"]),
+        ("moe", TINY_MOE, ["[q, experts]", "--lora.dropout", "0"]),
+    ):
+        model = write_tiny_checkpoint(tmp_path / f"model-{name}", seed=4, **overrides)
+        adapters = {}
+        for reference in ("precomputed", "live"):
+            out = tmp_path / f"{name}-{reference}"
+            args = ["finetune_lora", str(model), *common, "--lora.targets", *targets, "--out_dir", str(out)]
+            litsft_in_process([*args, "--objective.reference", reference], tmp_path, capsys)
+            adapters[reference] = load_file(out / "final" / "adapter.safetensors")
+        assert (tmp_path / f"{name}-precomputed" / "reference_logps").is_dir()
+        assert not (tmp_path / f"{name}-live" / "reference_logps").exists()
+        a, b = adapters["precomputed"], adapters["live"]
+        assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6, name
+
+    model = tmp_path / "model-dense"
+    refusals = {
+        "finetune_full": "--objective.reference live scores the reference with LoRA's adapters switched off",
+        "finetune_lora": "--objective.reference live switches the adapters off to score the reference, but PiSSA",
+    }
+    for recipe, message in refusals.items():
+        extra = ["--lora.variant", "pissa"] if recipe == "finetune_lora" else []
+        out = tmp_path / f"refused-{recipe}"
+        args = [recipe, str(model), *common, *extra, "--objective.reference", "live", "--out_dir", str(out)]
+        result = litsft_in_process(args, tmp_path, capsys, check=False)
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+        assert not out.exists()

@@ -49,6 +49,11 @@ def check_run(run: RunConfig, recipe_name: str) -> None:
     run.layout.check_heads(run.config.num_heads, run.config.name)  # the layout refuses what cannot split
     run.layout.check_experts(run.config.num_experts, run.config.name)
     check_float8_recipe(run.train.float8, recipe_name)
+    if run.objective.reference == "live" and recipe_name != "finetune_lora":
+        raise LitsftError(
+            f"--objective.reference live scores the reference with LoRA's adapters switched off; {recipe_name} "
+            "trains every weight: use --objective.reference precomputed (the default)"
+        )
     if run.objective.pairs and run.parallel.context > 1:
         raise LitsftError(
             f"--objective.name {run.objective.name} with --parallel.context {run.parallel.context}: preference "

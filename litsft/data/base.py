@@ -367,7 +367,8 @@ class SFTDataModule(DataOptions, DataModule):
                 print(line, flush=True)
             counts[split] = count_lengths(entry, limit)
             seconds = getattr(self, "_tokenized_in", {}).get(split)
-            summaries.append(prepared_line(split, counts[split], left_out, self.max_seq_length, seconds))
+            line = prepared_line(split, counts[split], left_out, self.max_seq_length, seconds, self.pairs)
+            summaries.append(line)
         if self.pairs:  # pairs are held out and truncated whole: counted as setup loads them
             for line in summaries:
                 print(line, flush=True)
@@ -496,11 +497,22 @@ def left_out_notices(left_out: dict[str, Any], split: str) -> list[str]:
 
 
 def prepared_line(
-    split: str, counts: LengthCounts, left_out: dict[str, Any], max_seq_length: int, seconds: float | None
+    split: str,
+    counts: LengthCounts,
+    left_out: dict[str, Any],
+    max_seq_length: int,
+    seconds: float | None,
+    pairs: bool = False,
 ) -> str:
     """The line that ends preparing a split: records, samples, tokens, truncated, skipped, and the time it
-    took (or that it came from the cache)."""
+    took (or that it came from the cache). Preference pairs are counted as pairs, whose truncation (both
+    samples together in max_seq_length) has a line of its own."""
     took = f"tokenized in {seconds:.1f} s" if seconds is not None else "read from the cache"
+    if pairs:
+        return (
+            f"Prepared the {split} data: {left_out['records']:,} records, {counts.samples // 2:,} preference "
+            f"pairs ({counts.samples:,} samples), {counts.tokens:,} tokens, {left_out['skipped']:,} skipped; {took}"
+        )
     return (
         f"Prepared the {split} data: {left_out['records']:,} records, {counts.samples:,} samples, "
         f"{counts.tokens:,} tokens, {counts.longer:,} longer than max_seq_length={max_seq_length}, "

@@ -60,6 +60,7 @@ def prepare_sft(
     max_seq_length: int = 2048,
     seed: int = 1337,
     show_samples: int = 0,
+    pairs: bool = False,
 ) -> None:
     """Tokenize SFT records into the data cache once (on a CPU node, before a GPU job) and show samples.
 
@@ -73,7 +74,9 @@ def prepare_sft(
         max_seq_length: The training run's max_seq_length: samples are cut to it, as training cuts them.
         seed: The training run's seed (or --data.seed): which records are held out for validation.
         show_samples: Print the first this-many training samples as rendered, with the text of the tokens
-            that carry loss between ‹ and ›.
+            that carry loss between ‹ and ›; preference pairs both halves, chosen and rejected.
+        pairs: Read the records as preference pairs ('chosen' and 'rejected'), as a run with a preference
+            objective (--objective.name dpo, ipo, simpo or orpo) does, and cache them for it.
     """
     if not isinstance(data, SFTDataModule):
         given = f"--data {type(data).__name__} is not SFT data" if data is not None else "no data given"
@@ -83,16 +86,23 @@ def prepare_sft(
         )
     if show_samples < 0:
         raise LitsftError(f"--show_samples={show_samples} must be at least 0")
+    if pairs:
+        data.train_pairs()
     data.check(Path(checkpoint_dir))
     data.connect(Tokenizer(checkpoint_dir), max_seq_length, seed)
     data.prepare()
     if show_samples:
         data.setup()
         samples = data.train_samples
-        for index in range(min(show_samples, len(samples))):
+        shown = min(show_samples * 2 if pairs else show_samples, len(samples))
+        for index in range(shown):
             tokens, targets = samples.sample(index)
+            name = f"training sample {index + 1} of {len(samples):,}"
+            if pairs:
+                half = "rejected" if index % 2 else "chosen"
+                name = f"training pair {index // 2 + 1} of {len(samples) // 2:,}, {half}"
             print(
-                f"--- training sample {index + 1} of {len(samples):,}: {len(tokens)} tokens, "
+                f"--- {name}: {len(tokens)} tokens, "
                 f"{int(targets[1:].sum())} carry loss (between {LOSS_OPEN} and {LOSS_CLOSE}) ---"
             )
             print(marked_text(data.tokenizer, tokens.tolist(), targets.tolist()))

@@ -245,6 +245,11 @@ class ObjectiveConfig:
     """DPO and SimPO: the probability that a pair's preference is flipped (cDPO), in [0, 0.5)."""
     simpo_gamma: float = 0.5
     """SimPO's target margin gamma between the chosen and rejected replies' scaled mean log-probabilities."""
+    reference: Literal["precomputed", "live"] = "precomputed"
+    """Where DPO's and IPO's reference log-probabilities come from: precomputed, one no-grad pass over the data
+    before the first step (kept in out_dir/reference_logps); live (finetune_lora), the base model with the
+    adapters switched off, scored in a second no-grad forward pass of every micro-batch (no pass before
+    training, no second copy of the model)."""
 
     def __post_init__(self) -> None:
         check_number("--objective.beta", self.beta, above=0, fix="use e.g. 0.1 (DPO) or 2.0 (SimPO)")
@@ -264,7 +269,12 @@ class ObjectiveConfig:
         """The objective's constructor options (litsft.training.objectives.objective_named)."""
         if not self.pairs:
             return {}
-        return {"beta": self.beta, "label_smoothing": self.label_smoothing, "simpo_gamma": self.simpo_gamma}
+        return {
+            "beta": self.beta,
+            "label_smoothing": self.label_smoothing,
+            "simpo_gamma": self.simpo_gamma,
+            "reference": self.reference,
+        }
 
 
 @dataclass

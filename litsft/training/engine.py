@@ -102,7 +102,7 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
         fabric, run, recipe.name, save_frozen=recipe.checkpoint_frozen, frozen_base=recipe.frozen_base
     )
     objective = objective_named(run.objective.name, **run.objective.options())
-    if objective.needs_reference:  # scored by the starting weights, before a checkpoint's are loaded
+    if objective.reference_pass:  # scored by the starting weights, before a checkpoint's are loaded
         from litsft.training.reference import attach_reference
 
         attach_reference(fabric, model, run, {"train": train_loader, "val": val_loader})

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -125,8 +126,13 @@ class LoRALinear(nn.Module):
             self.reset_lora_parameters()
         self.register_load_state_dict_pre_hook(_load_plain_names)
 
+    adapters_enabled = True
+    """False inside `adapters_disabled`: the base projection alone."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base(x)
+        if not self.adapters_enabled:
+            return result
         h = self.dropout(x)
         return result + self.variant.update(self, x, h, result)
 
@@ -416,3 +422,19 @@ def initial_adapter_value(name: str, shape: torch.Size, generator: torch.Generat
     if name.endswith("lora_B.weight"):
         return torch.zeros(shape)
     return torch.ones(shape)
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within it, `model` computes as its base model: every LoRA projection (LoRALinear) and expert adapter
+    (GroupedExperts' gate_up_lora / down_lora) is skipped. A preference objective's live reference
+    (--objective.reference live) is the base with its adapters off: no second copy of the model. Not the base
+    for PiSSA, whose base weights are the residual of what it moved into the adapters."""
+    switched = [m for m in model.modules() if isinstance(m, LoRALinear | GroupedExperts)]
+    for module in switched:
+        module.adapters_enabled = False
+    try:
+        yield
+    finally:
+        for module in switched:
+            module.adapters_enabled = True

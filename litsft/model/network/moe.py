@@ -148,6 +148,9 @@ class GroupedExperts(nn.Module):
         # `lora_A.weight` (E, r, in), `lora_B.weight` (E, out, r) and `scaling`, or None.
         self.gate_up_lora: nn.Module | None = None
         self.down_lora: nn.Module | None = None
+        self.adapters_enabled = (
+            True  # False: the experts without their adapters (lora.layers.adapters_disabled)
+        )
         # Expert parallelism (litsft.model.network.expert_parallel): this rank's place in its expert group, its
         # weights and adapters then DTensors sharded over that group along dim 0 (its experts' rows local).
         self.expert_shard: ExpertShard | None = None
@@ -205,13 +208,13 @@ class GroupedExperts(nn.Module):
             experts = torch.arange(counts.shape[0], device=counts.device)
             sorted_experts = experts.repeat_interleave(counts, output_size=sorted_x.shape[0])  # (A,)
             hidden = hidden + local_experts(self.gate_up_proj_bias).to(dtype)[sorted_experts]
-        if self.gate_up_lora is not None:
+        if self.gate_up_lora is not None and self.adapters_enabled:
             hidden = hidden + _grouped_low_rank(self.gate_up_lora, sorted_x, offsets, dtype)
         activated = self.activate(hidden)  # (A, I)
         out = torch._grouped_mm(activated, down, offs=offsets)  # (A, C)
         if self.down_proj_bias is not None:
             out = out + local_experts(self.down_proj_bias).to(dtype)[sorted_experts]
-        if self.down_lora is not None:
+        if self.down_lora is not None and self.adapters_enabled:
             out = out + _grouped_low_rank(self.down_lora, activated, offsets, dtype)
         return out
 
@@ -228,8 +231,8 @@ class GroupedExperts(nn.Module):
             for bias in (self.gate_up_proj_bias, self.down_proj_bias)
         )
         gate_up_lora, down_lora = (
-            _per_expert_adapters(self.gate_up_lora),
-            _per_expert_adapters(self.down_lora),
+            _per_expert_adapters(adapter if self.adapters_enabled else None)
+            for adapter in (self.gate_up_lora, self.down_lora)
         )
         outputs = []
         slices = sorted_x.split(slice_sizes(counts, sorted_x.shape[0]))

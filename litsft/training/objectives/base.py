@@ -28,6 +28,12 @@ class Objective(ABC):
     pairs: ClassVar[bool] = False
     """Whether it trains on preference pairs (the data module deals them whole)."""
 
+    @property
+    def reference_pass(self) -> bool:
+        """Whether the reference log-probabilities are scored in one pass before training
+        (litsft.training.reference) and carried by the batches."""
+        return False
+
     @abstractmethod
     def units(self, inputs: dict[str, Any]) -> int:
         """The units this micro-batch's loss is summed over, counted without waiting for the device."""

@@ -52,20 +52,40 @@ class PreferenceObjective(Objective):
     default_beta: ClassVar[float] = 0.1
 
     def __init__(
-        self, beta: float | None = None, label_smoothing: float = 0.0, simpo_gamma: float = 0.5
+        self,
+        beta: float | None = None,
+        label_smoothing: float = 0.0,
+        simpo_gamma: float = 0.5,
+        reference: str = "precomputed",
     ) -> None:
         self.beta = self.default_beta if beta is None else beta
         self.label_smoothing = label_smoothing
         self.simpo_gamma = simpo_gamma
+        self.reference = reference
+        """precomputed: the batches carry it (`reference_pass`); live: the model scores it with its LoRA
+        adapters switched off (litsft.model.lora.layers.adapters_disabled)."""
+
+    @property
+    def reference_pass(self) -> bool:
+        return self.needs_reference and self.reference == "precomputed"
 
     def units(self, inputs: dict[str, Any]) -> int:
         return inputs["pairs"]
 
     def scores(self, model: nn.Module, inputs: dict[str, Any]) -> tuple[PairScores, torch.Tensor]:
         """The pairs' scores from one forward pass of `model`, and which pairs are real (P,) bool."""
+        reference = None
+        if self.needs_reference and self.reference == "live":
+            import torch
+
+            from litsft.model.lora.layers import adapters_disabled
+
+            with torch.no_grad(), adapters_disabled(model):
+                reference = sequence_logps(model, inputs)
+        elif self.needs_reference:
+            reference = inputs["reference_logps"]
         logps = sequence_logps(model, inputs)
         tokens = inputs["sequence_targets"].to(logps.dtype)
-        reference = inputs.get("reference_logps") if self.needs_reference else None
         scores = PairScores(
             logps[0::2],
             logps[1::2],
