@@ -1,6 +1,7 @@
 import dataclasses
 import inspect
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -664,3 +665,26 @@ def test_expert_parallelism_gathers_an_eighth_of_the_experts_and_keeps_the_shard
         line.startswith("expert parallelism: each rank computes 16 of every MoE layer's 128 experts")
         for line in lines
     )
+
+
+def test_a_preference_objective_on_unpacked_pairs_plans_two_rows_a_pair(capsys):
+    """Unpacked, a micro-batch of pairs is twice as many rows (chosen and rejected): planned so, with more
+    activations than SFT's; packed, rows hold both sequences and the plan is SFT's."""
+    from litsft.data import JSON
+    from litsft.training.args import ObjectiveConfig
+
+    train = TrainConfig(micro_batch_size=2, global_batch_size=2, max_seq_length=1024)
+    needed = {}
+    for name, objective, packing in (
+        ("sft", None, False),
+        ("dpo packed", ObjectiveConfig(name="dpo"), True),
+        ("dpo unpacked", ObjectiveConfig(name="dpo"), False),
+    ):
+        data = JSON(json_path=Path("unused.json"), packing=packing)
+        plan("Llama-3.2-1B", train=train, data=data, objective=objective, device_memory="80GB")
+        out = capsys.readouterr().out
+        needed[name] = float(re.search(r"fits: ([\d.]+) GiB needed", out).group(1))
+        if objective is not None:
+            assert "objective dpo:" in out and "reference scored once before training" in out
+        assert ("micro batch 4 x 1024 tokens" in out) == (name == "dpo unpacked"), name
+    assert needed["dpo packed"] == needed["sft"] < needed["dpo unpacked"]

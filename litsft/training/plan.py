@@ -77,6 +77,7 @@ from litsft.training.args import (
     EvalConfig,
     FSDPConfig,
     LogConfig,
+    ObjectiveConfig,
     OptimizerConfig,
     ParallelConfig,
     Precision,
@@ -473,6 +474,7 @@ def plan(
     eval: EvalConfig | None = None,
     optimizer: OptimizerConfig | None = None,
     log: LogConfig | None = None,
+    objective: ObjectiveConfig | None = None,
 ) -> None:
     """Estimate the memory per device of a training run, and whether it fits; and what a step checkpoint
     takes on disk and in a node's host memory while written in the background.
@@ -504,6 +506,11 @@ def plan(
         eval: Not used, as out_dir.
         optimizer: Not used, as out_dir (AdamW's two states are always counted).
         log: Not used, as out_dir.
+        objective: A preference objective (--objective.name dpo, ...) on unpacked data (--data.packing false)
+            puts each pair in two rows, so a micro-batch of pairs is planned as twice its rows, each as long
+            as the longest (at most max_seq_length); packed, a row holds its pairs' sequences as documents.
+            Its reference adds nothing to a step's peak: precomputed, it is scored before training; live, its
+            no-grad forward pass frees its activations before the step's own forward pass.
     """
     for name, value in (("devices", devices), ("num_nodes", num_nodes)):
         if value < 1:
@@ -514,6 +521,10 @@ def plan(
     layout.check_heads(config.num_heads, config.name)
     layout.check_experts(config.num_experts, config.name)
     micro_batch_size = train.micro_batch_size if train is not None else 1
+    pairs = objective is not None and objective.pairs
+    packed = _packing(data)
+    if pairs and not packed:
+        micro_batch_size *= 2  # a pair's chosen and rejected sequences are two rows
     max_seq_length = (train.max_seq_length if train is not None else None) or min(
         config.max_position_embeddings, MAX_DEFAULT_SEQ_LENGTH
     )
@@ -546,6 +557,14 @@ def plan(
     if layout.context > 1:
         row += f" ({-(-micro_batch_size * max_seq_length // layout.context)} a micro-batch on each rank of a context group)"
     print(f"micro batch {micro_batch_size} x {row}, {checkpointing} activation checkpointing")
+    if pairs:
+        rows = "rows of pairs' sequences" if packed else "rows: each pair's chosen and rejected sequences"
+        reference = {"precomputed": "scored once before training", "live": "a no-grad pass per micro-batch"}
+        needed = objective.name in ("dpo", "ipo")
+        print(
+            f"objective {objective.name}: {rows}; reference "
+            + (f"{reference[objective.reference]}, not above the step's peak" if needed else "none")
+        )
     if layout.expert > 1:
         print(
             f"expert parallelism: each rank computes {config.num_experts // layout.expert} of every MoE layer's "
@@ -630,3 +649,11 @@ def print_estimate(estimate: MemoryEstimate, memory: int | None, device_memory: 
         f"\n{verdict}: {estimate.total / 2**30:.2f} GiB needed, {memory * USABLE_FRACTION / 2**30:.2f} GiB usable "
         f"of {device_memory} ({USABLE_FRACTION:.0%})"
     )
+
+
+def _packing(data: Any) -> bool:
+    """Whether a recipe's --data packs rows (its YAML's init_args, or a data module), True when unknown."""
+    if isinstance(data, dict):
+        data = data.get("init_args", data)
+        return bool(data.get("packing", True))
+    return bool(getattr(data, "packing", True))
