@@ -382,3 +382,49 @@ def test_the_arrow_cache_is_written_in_batches_of_arrow_batch_rows(hub, tmp_path
         table = HFDataset(path=path, name=CONFIG if path == REPO else None)._load_split("train")[0].data
         sizes = [batch.num_rows for batch in table.to_batches()]  # the hub's rows are in two files of 5
         assert sum(sizes) == 10 and max(sizes) == 4, (path, sizes)
+
+
+def test_preference_pairs_read_the_same_from_json_parquet_and_the_hub(hub, tmp_path, tokenizer):
+    """UltraFeedback-binarized rows (a prompt string, chosen and rejected whole conversations that repeat it)
+    from a hub dataset's parquet shards and a local parquet file give the pairs that the same pairs written as
+    prompt/chosen/rejected strings in JSON give: two samples a pair, the same tokens and loss masks."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = sharegpt_rows(10, seed=2, max_turns=1)
+    ultrafeedback, plain = [], []
+    for i, row in enumerate(rows):
+        by_role = {m["from"]: m["value"] for m in row["conversations"]}
+        prompt, chosen, rejected = by_role["human"], by_role["gpt"], f"not {by_role['gpt']} {i}"
+        user = {"role": "user", "content": prompt}
+        ultrafeedback.append(
+            {
+                "prompt": prompt,
+                "chosen": [user, {"role": "assistant", "content": chosen}],
+                "rejected": [user, {"role": "assistant", "content": rejected}],
+                "score_chosen": 8.0,
+            }
+        )
+        plain.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    repo = tmp_path / "repo"
+    (repo / "data").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(ultrafeedback), repo / "data" / "train_prefs-00000-of-00001.parquet")
+    (repo / "README.md").write_text(
+        "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train_prefs\n"
+        "    path: data/train_prefs-*\n---\n"
+    )
+    hub.add_dataset("org/ultrafeedback", repo)
+    options = {"cache_dir": tmp_path / "cache", "val_split_fraction": 0.0}
+    sources = {
+        "json": JSON(json_path=write_json(tmp_path / "pairs.json", plain), **options),
+        "hub": HFDataset(path="org/ultrafeedback", split="train_prefs", **options),
+        "parquet": HFDataset(path=str(repo / "data" / "train_prefs-00000-of-00001.parquet"), **options),
+    }
+    for data in sources.values():
+        data.train_pairs()
+        data.check(None)
+    reference = prepared(sources.pop("json"), tokenizer)
+    assert len(reference.train_samples) == 2 * len(rows)
+    for name, data in sources.items():
+        print(name)
+        assert_same_samples(prepared(data, tokenizer), reference)
