@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from peft import LoraConfig, get_peft_model_state_dict
+from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
 from trl import DPOConfig, DPOTrainer
 
@@ -76,11 +76,13 @@ def trl_preference_run(
     eps: float = 1e-8,
     max_grad_norm: float | None = 1.0,
     lora: dict | None = None,
+    initial_adapters: dict[str, torch.Tensor] | None = None,
 ) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
     """Train `steps` optimizer steps with TRL's DPOTrainer, each on all `pairs` (prompt, chosen, rejected token
     ids; chosen/rejected are the scored completions, used as given) as one batch, fp32 on CPU, AdamW at a
     constant `lr`, reference log-probs precomputed from the initial model. With `lora` (LoraConfig kwargs)
-    only adapters train and the reference is the base model. Returns one dict of TRL's metrics per step
+    only adapters train and the reference is the base model; `initial_adapters` (a PEFT adapter state dict)
+    replaces PEFT's random initialization, so that both trainers start from the same adapters. Returns one dict of TRL's metrics per step
     (loss, rewards/*, logps/*, before that step's update) and the final weights: the full state dict, or
     with `lora` the adapter state dict as PEFT saves it."""
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -128,6 +130,8 @@ def trl_preference_run(
     trainer = _PretokenizedDPOTrainer(
         model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
     )
+    if initial_adapters is not None:
+        set_peft_model_state_dict(trainer.model, initial_adapters)
     trainer.remove_callback(PrinterCallback)  # disable_tqdm swaps the progress bar for printed logs
     trainer.step_logs = []
     trainer.train()
