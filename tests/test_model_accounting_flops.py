@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from litsft.errors import LitsftError
 from litsft.model.accounting.flops import (
+    TrainingFlops,
     causal_pairs,
     device_peak_flops,
     executed_training_flops,
@@ -250,3 +251,21 @@ def test_long_documents_count_attention_per_document_and_it_overtakes_the_matmul
     assert packed == pytest.approx(4 * 12 * L * H * D * (length // 4) * (length // 4 + 1) // 2, rel=1e-12)
     assert packed / one == pytest.approx(0.25, rel=1e-4)
     assert (one > weights) == (length > 57_255)
+
+
+def test_a_forward_pass_alone_is_what_torchs_flop_counter_counts():
+    """`TrainingFlops.of(config, "none")`: a no-grad forward pass (a preference objective's live reference),
+    the matmuls and the causal attention pairs as torch's counter sees them."""
+    config = Config.from_name("tiny-llama")
+    model = Transformer(config)
+    batch, seq_len = 2, 16
+    input_ids = torch.randint(0, config.vocab_size, (batch, seq_len))
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(input_ids)
+    forward = TrainingFlops.of(config, "none")
+    counted = forward.executed(torch.tensor([seq_len] * batch), batch * seq_len)
+    # The math kernel computes every (query, key) pair of the square, the masked half too.
+    masked = (
+        batch * (seq_len * (seq_len - 1) // 2) * 4 * config.num_heads * config.head_dim * config.num_layers
+    )
+    assert counter.get_total_flops() == int(counted) + masked

@@ -130,6 +130,7 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
         precision=run.precision,
         trainable=recipe.trainable,
         adapter_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        extra_forward_passes=objective.extra_forward_passes,
     )
     evaluate = functools.partial(
         validate, fabric, model, val_loader, tokenizer, run, metrics, context=context, objective=objective

@@ -305,6 +305,8 @@ class MetricsLogger:
         self._bar_in_terminal = False
         self._throughput: Throughput | None = None
         self._training_flops: TrainingFlops | None = None
+        self._forward_flops: TrainingFlops | None = None
+        self._extra_forward_passes = 0
         self._context = 1
         self._device = torch.device("cpu")
         # The engine's step loss and token counts are already global: no second all-reduce.
@@ -345,6 +347,7 @@ class MetricsLogger:
         adapter_parameters: int = 0,
         peak_flops: float | None = None,
         context: int = 1,
+        extra_forward_passes: int = 0,
     ) -> None:
         """Enable throughput, MFU and GPU-memory columns for training `config` (see `TrainingFlops`).
 
@@ -358,11 +361,15 @@ class MetricsLogger:
             peak_flops: Peak FLOP/s of one device, overriding the table (see `device_peak_flops`).
             context: Ranks that share each micro-batch (context parallelism): each executes 1/context of
                 the FLOPs of the micro-batches it is handed, so that MFU counts each token's work once.
+            extra_forward_passes: No-grad forward passes each micro-batch also gets (the objective's
+                `extra_forward_passes`: a live reference), whose FLOPs count as executed too.
         """
         self._context = context
         self._device = device
         self._train_loss.to(device)
         self._training_flops = TrainingFlops.of(config, trainable, adapter_parameters)
+        self._forward_flops = TrainingFlops.of(config, "none") if extra_forward_passes else None
+        self._extra_forward_passes = extra_forward_passes
         self._throughput = Throughput(world_size, device, device_peak_flops(device, precision, peak_flops))
 
     def step_done(
@@ -449,7 +456,12 @@ class MetricsLogger:
         only (reading a tensor here would cost a step that logs nothing a wait on a GPU)."""
         lengths = torch.cat([attended_lengths(batch) for batch in micro_batches])
         head_tokens = sum((batch["labels"] != -100).sum() for batch in micro_batches)
-        return self._training_flops.executed(lengths, head_tokens) / self._context
+        executed = self._training_flops.executed(lengths, head_tokens)
+        if self._forward_flops is not None:
+            executed = executed + self._extra_forward_passes * self._forward_flops.executed(
+                lengths, head_tokens
+            )
+        return executed / self._context
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -95,12 +95,17 @@ class TrainingFlops:
 
     @classmethod
     def of(
-        cls, config: Config, trainable: Literal["all", "lora"] = "all", adapter_parameters: int = 0
+        cls, config: Config, trainable: Literal["all", "lora", "none"] = "all", adapter_parameters: int = 0
     ) -> TrainingFlops:
+        """`trainable` "none": a forward pass alone (no gradient), 2 FLOPs per weight and token, attention a
+        third of the training pass's (a preference objective's live reference)."""
         sizes = model_sizes(config)
         head = sizes.lm_head[0] * sizes.lm_head[1]
         blocks = sizes.matmul_weights - head
-        if trainable == "all":
+        passes = 1 if trainable == "none" else 3  # forward; forward and backward (twice the forward)
+        if trainable == "none":
+            block_flops, head_flops = 2 * blocks, 2 * head
+        elif trainable == "all":
             block_flops, head_flops = 6 * blocks, 6 * head
         else:
             first = sizes.layers[0].linear
@@ -108,7 +113,7 @@ class TrainingFlops:
             block_flops, head_flops = 4 * blocks - 2 * first_block_qkv + 6 * adapter_parameters, 4 * head
         per_pair: dict[int | None, int] = {}
         for layer in sizes.layers:
-            per_pair[layer.window] = per_pair.get(layer.window, 0) + 3 * 4 * layer.attention_width
+            per_pair[layer.window] = per_pair.get(layer.window, 0) + passes * 4 * layer.attention_width
         return cls(block_flops, head_flops, tuple(per_pair.items()))
 
     def executed(self, document_lengths: torch.Tensor, head_tokens: torch.Tensor | int) -> torch.Tensor:

@@ -29,6 +29,11 @@ class Objective(ABC):
     """Whether it trains on preference pairs (the data module deals them whole)."""
 
     @property
+    def extra_forward_passes(self) -> int:
+        """No-grad forward passes each micro-batch gets besides its training pass (counted in MFU)."""
+        return 0
+
+    @property
     def reference_pass(self) -> bool:
         """Whether the reference log-probabilities are scored in one pass before training
         (litsft.training.reference) and carried by the batches."""

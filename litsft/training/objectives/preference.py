@@ -69,6 +69,10 @@ class PreferenceObjective(Objective):
     def reference_pass(self) -> bool:
         return self.needs_reference and self.reference == "precomputed"
 
+    @property
+    def extra_forward_passes(self) -> int:
+        return int(self.needs_reference and self.reference == "live")
+
     def units(self, inputs: dict[str, Any]) -> int:
         return inputs["pairs"]
 
