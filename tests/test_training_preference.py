@@ -242,27 +242,37 @@ def test_simpo_and_orpo_equal_a_hand_written_loop_of_their_papers_formulas(
     assert max((exported[k] - expected[k]).abs().max().item() for k in exported) < 1e-5
 
 
-def test_dpo_on_two_processes_equals_one_and_resumes_exactly(tmp_path: Path, capsys) -> None:
-    """Full DPO and LoRA DPO: two processes (FULL_SHARD; pairs dealt whole to each rank) train the weights of
-    one, and a run stopped after step 2 and relaunched ends where the uninterrupted run does (the reference
-    log-probabilities read back from out_dir)."""
+def test_dpo_on_two_and_four_processes_killed_and_relaunched_equals_one_process(
+    tmp_path: Path, capsys
+) -> None:
+    """Full DPO and LoRA DPO: two processes (FULL_SHARD; pairs dealt whole to each rank), killed after step 3
+    and relaunched, train the weights of one process, and so do four (full); a one-process run stopped after
+    step 2 and relaunched ends bit for bit where the uninterrupted run does (the reference log-probabilities
+    read back from out_dir)."""
+    from crash_harness import crash_and_recover
+
     model, data = write_tiny_checkpoint(tmp_path / "model", seed=2), tmp_path / "pairs.json"
     write_pairs(data, count=16, seed=1)
     common = ["--train.global_batch_size", "4", "--train.micro_batch_size", "1", "--train.save_interval", "1",
               "--train.max_steps", "4", "--data.val_split_fraction", "0.25", "--eval.interval", "2",
               "--objective.name", "dpo", "--optimizer.lr", "1e-3", "--accelerator", "cpu", "--train.max_seq_length", "256"]  # fmt: skip
-    for recipe, final in (
-        ("finetune_full", "model.safetensors"),
-        ("finetune_lora", "adapter.safetensors"),
-    ):
+    for recipe, final in (("finetune_full", "model.safetensors"), ("finetune_lora", "adapter.safetensors")):
         args = [recipe, str(model), "--data", "JSON", "--data.json_path", str(data), *common]
-        one, two = tmp_path / f"{recipe}-one", tmp_path / f"{recipe}-two"
+        one = tmp_path / f"{recipe}-one"
         litsft_in_process([*args, "--out_dir", str(one)], tmp_path, capsys)
-        litsft([*args, "--out_dir", str(two), "--devices", "2"], tmp_path)
-        a, b = load_file(one / "final" / final), load_file(two / "final" / final)
-        assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5, recipe
+        a = load_file(one / "final" / final)
         rows = train_rows(one)
         assert rows[-1]["reward_accuracy"] >= 0.5 and rows[-1]["loss"] < rows[0]["loss"], recipe
+
+        two = tmp_path / f"{recipe}-two"
+        crash_and_recover([*args, "--out_dir", str(two), "--devices", "2"], tmp_path, ["after_step_3"])
+        b = load_file(two / "final" / final)
+        assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5, recipe
+        if recipe == "finetune_full":
+            four = tmp_path / f"{recipe}-four"
+            litsft([*args, "--out_dir", str(four), "--devices", "4"], tmp_path)
+            b = load_file(four / "final" / final)
+            assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5, "four processes"
 
         resumed = stopped_copy(one, tmp_path / f"{recipe}-resumed", last_step=4)
         shutil.rmtree(resumed / "step-00000003")
