@@ -5,23 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_pairs import random_scores
 
 from litsft.errors import LitsftError
 from litsft.training.args import ObjectiveConfig
 from litsft.training.objectives import objective_named
 from litsft.training.objectives.ipo import IPO
-from litsft.training.objectives.preference import PairScores
-
-
-def random_scores(pairs: int = 16, seed: int = 0) -> PairScores:
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(1, 31, (2, pairs), generator=generator).double()
-    per_token = -0.2 - 2.8 * torch.rand(2, pairs, generator=generator, dtype=torch.float64)
-    reference = per_token + 0.3 * torch.randn(2, pairs, generator=generator, dtype=torch.float64)
-    logps = (per_token * tokens).requires_grad_()
-    return PairScores(
-        logps[0], logps[1], tokens[0], tokens[1], reference[0] * tokens[0], reference[1] * tokens[1]
-    )
 
 
 @pytest.mark.parametrize("beta", [0.1, 0.5, 2.0])

@@ -6,26 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_pairs import random_scores
 
 from litsft.errors import LitsftError
 from litsft.training.args import ObjectiveConfig
 from litsft.training.objectives import objective_named
 from litsft.training.objectives.orpo import ORPO
-from litsft.training.objectives.preference import PairScores
-
-
-def random_scores(pairs: int = 16, seed: int = 0) -> PairScores:
-    """Summed log-probabilities of replies of 1 to 30 tokens, float64, with a gradient; no reference."""
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(1, 31, (2, pairs), generator=generator).double()
-    per_token = -0.05 - 2.95 * torch.rand(2, pairs, generator=generator, dtype=torch.float64)
-    logps = (per_token * tokens).requires_grad_()
-    return PairScores(logps[0], logps[1], tokens[0], tokens[1])
 
 
 @pytest.mark.parametrize("lam", [None, 0.1, 1.0])
 def test_orpo_is_the_chosen_mean_nll_plus_lambda_times_the_odds_ratio_loss(lam: float | None) -> None:
-    scores = random_scores(seed=0 if lam is None else int(10 * lam))
+    scores = random_scores(seed=0 if lam is None else int(10 * lam), reference=False, closest=0.05)
     orpo = ORPO() if lam is None else ORPO(beta=lam)
     lam = 0.1 if lam is None else lam
     assert orpo.beta == lam
@@ -45,13 +36,13 @@ def test_orpo_is_the_chosen_mean_nll_plus_lambda_times_the_odds_ratio_loss(lam: 
 
 
 def test_without_lambda_orpo_is_the_chosen_replys_mean_cross_entropy() -> None:
-    scores = random_scores(pairs=8)
+    scores = random_scores(pairs=8, reference=False, closest=0.05)
     losses, _, _ = ORPO(beta=1e-12).pair_losses(scores)
     torch.testing.assert_close(losses, -(scores.chosen / scores.chosen_tokens), atol=1e-9, rtol=0)
 
 
 def test_the_odds_ratio_loss_falls_as_the_chosen_reply_gets_likelier() -> None:
-    scores = random_scores(pairs=1)
+    scores = random_scores(pairs=1, reference=False, closest=0.05)
     base = ORPO(beta=1.0).pair_losses(scores)[0] + scores.chosen / scores.chosen_tokens
     scores.chosen = scores.chosen.detach() + 0.1 * scores.chosen_tokens  # 0.1 nats a token likelier
     likelier = ORPO(beta=1.0).pair_losses(scores)[0] + scores.chosen / scores.chosen_tokens

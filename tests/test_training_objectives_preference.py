@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_pairs import tiny_llama
 
 from litsft.data.chat import ChatFormat
 from litsft.data.loader import IGNORE_INDEX, Row, collate
 from litsft.data.records import to_conversation
 from litsft.data.samples import Samples
 from litsft.data.tokenizer import Tokenizer
-from litsft.model.config import Config
 from litsft.model.network.batch import model_inputs
 from litsft.model.network.transformer import Transformer
 from litsft.training.objectives import objective_named
@@ -48,11 +48,7 @@ def samples(tokenizer: Tokenizer) -> Samples:
 
 @pytest.fixture(scope="module")
 def model() -> Transformer:
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    model = Transformer(Config.from_name("tiny-llama"))
-    model.init_weights(0)
-    return model
+    return tiny_llama()
 
 
 def reference_values(samples: Samples) -> np.ndarray:

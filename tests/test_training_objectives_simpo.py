@@ -5,20 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_pairs import random_scores
 
 from litsft.training.args import ObjectiveConfig
 from litsft.training.objectives import objective_named
 from litsft.training.objectives.preference import PairScores
 from litsft.training.objectives.simpo import SimPO
-
-
-def random_scores(pairs: int = 16, seed: int = 0) -> PairScores:
-    """Summed log-probabilities of replies of 1 to 30 tokens, float64, with a gradient; no reference."""
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(1, 31, (2, pairs), generator=generator).double()
-    per_token = -0.2 - 2.8 * torch.rand(2, pairs, generator=generator, dtype=torch.float64)
-    logps = (per_token * tokens).requires_grad_()
-    return PairScores(logps[0], logps[1], tokens[0], tokens[1])
 
 
 def by_hand(scores: PairScores, beta: float, gamma: float, eps: float = 0.0) -> torch.Tensor:
@@ -38,7 +30,7 @@ def by_hand(scores: PairScores, beta: float, gamma: float, eps: float = 0.0) -> 
 def test_simpo_is_minus_log_sigmoid_of_the_scaled_mean_log_probability_margin_less_gamma(
     options: dict, beta: float, gamma: float, eps: float
 ) -> None:
-    scores = random_scores(seed=len(options))
+    scores = random_scores(seed=len(options), reference=False)
     simpo = SimPO(**options)
     assert (simpo.beta, simpo.simpo_gamma, simpo.label_smoothing) == (beta, gamma, eps)
     losses, chosen_rewards, rejected_rewards = simpo.pair_losses(scores)
@@ -52,7 +44,7 @@ def test_simpo_is_minus_log_sigmoid_of_the_scaled_mean_log_probability_margin_le
 
 
 def test_simpo_ignores_any_reference_and_the_replies_lengths_normalize() -> None:
-    scores = random_scores(pairs=6)
+    scores = random_scores(pairs=6, reference=False)
     losses = SimPO().pair_losses(scores)[0]
     with_reference = PairScores(*vars(scores).values())
     with_reference.reference_chosen = torch.zeros(6, dtype=torch.float64)

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 from lightning.fabric import Fabric
+from tiny_pairs import tiny_llama
 
 import litsft.training.reference as reference
 from litsft.data.json_data import JSON
 from litsft.data.samples import Samples
 from litsft.data.tokenizer import Tokenizer
-from litsft.model.config import Config
 from litsft.model.network.transformer import Transformer
 from litsft.training.args import RunConfig, TrainConfig
 from litsft.training.reference import REFERENCE_DIR, attach_reference, split_reference
@@ -58,11 +58,7 @@ def fabric() -> Fabric:
 
 @pytest.fixture(scope="module")
 def model() -> Transformer:
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    model = Transformer(Config.from_name("tiny-llama"))
-    model.init_weights(0)
-    return model
+    return tiny_llama()
 
 
 def run_config(model: Transformer, data: JSON, out_dir: Path, micro_batch_size: int = 2) -> RunConfig:
