@@ -37,6 +37,7 @@ COMMANDS: dict[str, str] = {
     "convert_to_hf": "litsft.huggingface.convert:convert_to_hf",
     "merge_lora": "litsft.huggingface.convert:merge_lora",
     "generate": "litsft.inference.generate:generate",
+    "chat": "litsft.inference.chat:chat",
     "prepare": "litsft.data.prepare:prepare",
     "prepare_sft": "litsft.data.prepare:prepare_sft",
     "plan": "litsft.training.plan:plan",

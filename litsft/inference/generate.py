@@ -63,6 +63,7 @@ def generate_tokens(
     top_p: float = 1.0,
     stop_ids: Sequence[int] = (),
     generator: torch.Generator | None = None,
+    on_token: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """Continue one prompt, decoding with the model's KV cache.
 
@@ -76,11 +77,12 @@ def generate_tokens(
         top_p: Sample only among the most likely tokens whose probabilities sum to top_p.
         stop_ids: Generation ends when one of these is produced; it is not part of the result.
         generator: Random generator for sampling, on the model's device, for reproducible samples.
+        on_token: Called with each new token as it is generated (streaming); the stop token is not passed.
 
     Returns:
         The new tokens (N,), N <= max_new_tokens, on the model's device.
     """
-    _check_sampling(temperature, top_k, top_p)
+    check_sampling(temperature, top_k, top_p)
     device = _device_of(model)
     prompt_ids = prompt_ids.reshape(1, -1).to(device)  # (1, T)
     prompt_length = prompt_ids.shape[1]
@@ -98,6 +100,8 @@ def generate_tokens(
             if torch.isin(token, stop).item():
                 break
             new_tokens.append(token)
+            if on_token is not None:
+                on_token(int(token.item()))  # the stop check above has waited for the token already
             input_ids = token[:, None]  # (1, 1): the cache holds everything before it
             position_ids = position_ids[:, -1:] + 1
             if prompt_length + len(new_tokens) - 1 == refeed_at:  # cached keys rotated for a shorter sequence
@@ -218,7 +222,7 @@ def _device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _check_sampling(temperature: float, top_k: int | None, top_p: float) -> None:
+def check_sampling(temperature: float, top_k: int | None, top_p: float) -> None:
     if temperature < 0:
         raise LitsftError(
             f"temperature={temperature} is negative; use 0 for greedy decoding or a positive value"
@@ -268,6 +272,34 @@ def _load_full_model(checkpoint_dir: Path, check_base: Callable[[str], None] | N
     return model
 
 
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+def open_model(checkpoint_dir: str, dtype: Dtype | None = None) -> tuple[Transformer, Tokenizer]:
+    """The model and tokenizer of anything a command names (a checkpoint, a LoRA final/ with its base, a
+    step checkpoint, an HF folder, a hub id), on the GPU when there is one, in `dtype` (default bfloat16
+    on a GPU that supports it, else float32), in eval mode. Prints nothing on stdout."""
+    checkpoint_dir = open_step_checkpoint(checkpoint_dir, quiet=True)
+    if not is_lora_folder(Path(checkpoint_dir)):  # a LoRA folder is read as is, with its base
+        checkpoint_dir = resolve_checkpoint(checkpoint_dir, quiet=True)
+    checkpoint_dir = Path(checkpoint_dir)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype is None:
+        use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        torch_dtype = torch.bfloat16 if use_bf16 else torch.float32
+    else:
+        torch_dtype = getattr(torch, dtype)
+    tokenizer = Tokenizer(checkpoint_dir)
+    model = load_model(checkpoint_dir, device, torch_dtype)
+    check_tokenizer_fits(
+        tokenizer.vocab_size,
+        model.config.vocab_size,
+        checkpoint_dir / "tokenizer.json",
+        fix="put the tokenizer of these weights into the checkpoint directory",
+    )
+    return model, tokenizer
+
+
 def generate(
     checkpoint_dir: str,  # not Path, which would drop the ./ that marks a local directory
     prompt: str = "What food do llamas eat?",
@@ -277,7 +309,7 @@ def generate(
     top_p: float = 1.0,
     seed: int = 1234,
     chat: bool | None = None,
-    dtype: Literal["float32", "bfloat16", "float16"] | None = None,
+    dtype: Dtype | None = None,
 ) -> None:
     """Generate a completion of a prompt with a litsft checkpoint and print it.
 
@@ -296,25 +328,9 @@ def generate(
             checkpoint has a template, as fine-tuned chat models do; pass false to complete the raw text.
         dtype: Weights and compute dtype. Default: bfloat16 on a GPU that supports it, else float32.
     """
-    _check_sampling(temperature, top_k, top_p)
-    checkpoint_dir = open_step_checkpoint(checkpoint_dir, quiet=True)
-    if not is_lora_folder(Path(checkpoint_dir)):  # a LoRA folder is read as is, with its base
-        checkpoint_dir = resolve_checkpoint(checkpoint_dir, quiet=True)  # stdout: the completion alone
-    checkpoint_dir = Path(checkpoint_dir)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dtype is None:
-        use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        torch_dtype = torch.bfloat16 if use_bf16 else torch.float32
-    else:
-        torch_dtype = getattr(torch, dtype)
-    tokenizer = Tokenizer(checkpoint_dir)
-    model = load_model(checkpoint_dir, device, torch_dtype)
-    check_tokenizer_fits(
-        tokenizer.vocab_size,
-        model.config.vocab_size,
-        checkpoint_dir / "tokenizer.json",
-        fix="put the tokenizer of these weights into the checkpoint directory",
-    )
+    check_sampling(temperature, top_k, top_p)
+    model, tokenizer = open_model(checkpoint_dir, dtype)
+    device = _device_of(model)
 
     if chat is None:
         chat = tokenizer.chat_template is not None
