@@ -23,7 +23,7 @@ from launch import (
 from safetensors.torch import load_file
 from test_training_engine import finetune_args
 
-from litsft.inference.generate import load_model
+from litsft.checkpoint.model_loader import load_model
 from litsft.model.network.transformer import Transformer
 
 

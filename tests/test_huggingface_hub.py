@@ -20,7 +20,7 @@ from test_training_engine import finetune_args
 from tiny_hf import save_tiny_hf, tiny_hf_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from litsft.inference.generate import load_model
+from litsft.checkpoint.model_loader import load_model
 
 TOKENS = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(0))
 MIB = 2**20

@@ -9,10 +9,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 from litsft.__main__ import main
 from litsft.checkpoint.lora_folder import save_lora_folder
 from litsft.checkpoint.model_folder import save_model_folder
+from litsft.checkpoint.model_loader import load_model
 from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError
 from litsft.huggingface.convert import convert_from_hf, merge_lora
-from litsft.inference.generate import generate, generate_batch, generate_tokens, load_model, sample_next_token
+from litsft.inference.generate import generate, generate_batch, generate_tokens, sample_next_token
 from litsft.model.config import Config
 from litsft.model.lora.layers import LoRAConfig, apply_lora, lora_state_dict
 from litsft.model.network.transformer import Transformer

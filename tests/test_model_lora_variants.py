@@ -24,9 +24,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from litsft.checkpoint.lora_folder import read_lora_folder, save_lora_folder
+from litsft.checkpoint.model_loader import load_model
 from litsft.errors import LitsftError
 from litsft.huggingface.convert import convert_from_hf, export_lora_to_hf, export_peft_adapter, merge_lora
-from litsft.inference.generate import load_model
 from litsft.model.config import Config
 from litsft.model.lora.config import LoRAConfig, LoRAVariant
 from litsft.model.lora.layers import LoRALinear, apply_lora, lora_state_dict

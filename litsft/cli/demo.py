@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 
 from litsft.checkpoint.model_folder import save_model_folder
+from litsft.checkpoint.model_loader import load_model
 from litsft.data import Demo, build_demo_tokenizer
 from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError
-from litsft.inference.generate import generate_batch, load_model
+from litsft.inference.generate import generate_batch
 from litsft.model.config import Config
 from litsft.model.network.transformer import Transformer
 from litsft.training.args import Accelerator

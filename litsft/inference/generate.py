@@ -13,16 +13,14 @@ from typing import Literal
 import torch
 from torch import nn
 
-from litsft.checkpoint.lora_folder import is_lora_folder, read_lora_folder
+from litsft.checkpoint.lora_folder import is_lora_folder
 from litsft.checkpoint.model_cache import open_step_checkpoint
-from litsft.checkpoint.model_folder import fingerprint_of_state_dict, load_model_state_dict
+from litsft.checkpoint.model_loader import load_model
 from litsft.data.tokenizer import Tokenizer, check_tokenizer_fits
 from litsft.errors import LitsftError
 from litsft.huggingface.model_source import resolve_checkpoint
 from litsft.model.config import Config
-from litsft.model.lora.layers import apply_lora, base_weight_name, load_adapters
 from litsft.model.network.transformer import Transformer, long_rope_length
-from litsft.model.precision.quantization import is_quantized_weight, nf4_round_trip
 
 
 def sample_next_token(
@@ -231,45 +229,6 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float) -> None:
         raise LitsftError(f"top_k={top_k} must be at least 1; leave it unset to sample from all tokens")
     if not 0.0 < top_p <= 1.0:
         raise LitsftError(f"top_p={top_p} must be in (0, 1]; use 1.0 to sample from all tokens")
-
-
-def load_model(checkpoint_dir: Path, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """A litsft checkpoint's model, on `device` in `dtype`, in eval mode. A LoRA folder gives its base model
-    with the adapters applied (not merged), after checking that the base is the one they were trained on."""
-    if is_lora_folder(checkpoint_dir):
-        folder = read_lora_folder(checkpoint_dir)
-        model = _load_full_model(folder.base_dir, check_base=folder.check_base)
-        apply_lora(model, folder.config, initialize=False)
-        load_adapters(model, folder.adapters)
-        with torch.no_grad():
-            if folder.base_quantization == "nf4":  # the adapters were trained on the dequantized NF4 weights
-                for name, param in model.named_parameters():
-                    stored = base_weight_name(name)
-                    if stored is not None and is_quantized_weight(stored, folder.adapters):
-                        param.copy_(nf4_round_trip(param))
-    else:
-        model = _load_full_model(checkpoint_dir)
-    return model.to(device=device, dtype=dtype).eval()
-
-
-def _load_full_model(checkpoint_dir: Path, check_base: Callable[[str], None] | None = None) -> Transformer:
-    config = Config.from_checkpoint(checkpoint_dir)
-    state_dict = load_model_state_dict(checkpoint_dir)
-    if check_base is not None:
-        check_base(fingerprint_of_state_dict(state_dict, config))
-    with torch.device("meta"):
-        model = Transformer(config)
-    try:
-        model.load_state_dict(state_dict, assign=True)
-    except RuntimeError as err:
-        first_line = str(err).strip().splitlines()[0]
-        raise LitsftError(
-            f"the weights in {checkpoint_dir} do not fit its {checkpoint_dir / 'litsft_config.json'}: "
-            f"{first_line}; convert the checkpoint again"
-        ) from None
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed.weight  # assign=True replaced the shared parameter
-    return model
 
 
 Dtype = Literal["float32", "bfloat16", "float16"]
