@@ -11,6 +11,7 @@ so a failed conversion leaves nothing behind.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -42,7 +43,9 @@ from litsft.checkpoint.weight_files import (
 )
 from litsft.data.tokenizer import check_tokenizer_fits, read_tokenizer_file
 from litsft.errors import LitsftError
+from litsft.huggingface.export_check import CHEAP_PARAMETERS, CHECK_PROMPTS, check_export
 from litsft.huggingface.mxfp4 import dequantized, dequantized_shape, packed_tensors
+from litsft.model.accounting.sizes import num_parameters
 from litsft.model.config import CONFIG_FILENAME, Config, DType
 from litsft.model.families import FAMILIES, WeightMap, family_of
 from litsft.model.lora.config import LoRAConfig
@@ -138,6 +141,7 @@ def convert_to_hf(
     dtype: DType = "auto",
     max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
     lora_format: Literal["merged", "peft"] = "merged",
+    check: Literal["auto", "on", "off"] = "auto",
 ) -> None:
     """Convert a litsft checkpoint directory into a Hugging Face checkpoint that transformers loads as is.
 
@@ -150,6 +154,11 @@ def convert_to_hf(
         max_shard_size: Split the weights into files of at most this size, e.g. 5GB, 500MB, 2GiB.
         lora_format: For a LoRA checkpoint: "merged" writes the base model with the adapters folded in,
             "peft" writes a PEFT adapter (adapter_config.json, adapter_model.safetensors) for the HF base model.
+        check: After writing, answer a few prompts greedily with litsft and with the export through
+            transformers, with the chat template, and name what differs in one line (template, tokenizer,
+            end of turn, weights). "auto": when transformers is installed and the model has at most 2B
+            parameters (two fp32 copies in host memory), a difference reported as a warning; "on": always, a
+            difference an error (the export stays on disk); "off": never. A PEFT adapter is not checked.
     """
     checkpoint_dir = Path(checkpoint_dir)
     out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir.with_name(checkpoint_dir.name + "-hf")
@@ -157,6 +166,9 @@ def convert_to_hf(
     if is_lora_folder(checkpoint_dir):
         export_lora_to_hf(checkpoint_dir, out_dir, lora_format, dtype)
         print(f"Saved Hugging Face {lora_format} export of the LoRA checkpoint to {out_dir}")
+        if lora_format == "merged":
+            base_config = Config.from_checkpoint(read_lora_folder(checkpoint_dir).base_dir)
+            report_export_check(checkpoint_dir, out_dir, base_config, check)
         return
     if lora_format == "peft":
         raise LitsftError(
@@ -181,6 +193,31 @@ def convert_to_hf(
         tensors = _cast(iter_model_tensors(checkpoint_dir), dtype)
         write_hf_checkpoint(tensors, config, tmp_dir, checkpoint_dir, max_shard_size)
     print(f"Saved Hugging Face checkpoint to {out_dir}")
+    report_export_check(checkpoint_dir, out_dir, config, check)
+
+
+def report_export_check(checkpoint_dir: Path, out_dir: Path, config: Config, check: str) -> None:
+    """Run the export check (litsft.huggingface.export_check) as `check` says and print its verdict."""
+    if check == "off":
+        return
+    installed = importlib.util.find_spec("transformers") is not None
+    if check == "auto" and (not installed or num_parameters(config) > CHEAP_PARAMETERS):
+        return
+    if not installed:
+        raise LitsftError(
+            "--check on loads the export with transformers: pip install transformers, or pass --check off"
+        )
+    difference = check_export(checkpoint_dir, out_dir)
+    if difference is None:
+        print(
+            f"Export check: transformers answers {len(CHECK_PROMPTS)} prompts as litsft does, token for token"
+        )
+    elif check == "on":
+        raise LitsftError(
+            f"the export differs from the litsft model in its {difference} (the export is in {out_dir})"
+        )
+    else:
+        print(f"Warning: the export differs from the litsft model in its {difference}", file=sys.stderr)
 
 
 def write_hf_checkpoint(
