@@ -38,6 +38,7 @@ COMMANDS: dict[str, str] = {
     "merge_lora": "litsft.huggingface.convert:merge_lora",
     "generate": "litsft.inference.generate:generate",
     "chat": "litsft.inference.chat:chat",
+    "evaluate": "litsft.inference.evaluate:evaluate",
     "prepare": "litsft.data.prepare:prepare",
     "prepare_sft": "litsft.data.prepare:prepare_sft",
     "plan": "litsft.training.plan:plan",
