@@ -281,7 +281,7 @@ def test_columns_of_no_record_shape_are_named_with_field_map(tmp_path, monkeypat
             HFDataset(path=str(path)).sources()
         assert str(error.value) == (
             f"{path} split train has no column of any record shape (its columns: {columns}); a record needs "
-            "'messages', 'conversations', 'instruction' and 'output', 'prompt' and 'completion', or 'text': "
+            "'messages', 'conversations', 'instruction' and 'output', 'prompt' and 'completion', 'chosen' and 'rejected', or 'text': "
             """name your columns' roles with --data.field_map, e.g. '{"instruction": "question", "output": "answer"}'"""
         )
     with pytest.raises(LitsftError, match=r"has no column of record shape text \(its columns: 'question'"):

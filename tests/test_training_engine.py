@@ -251,7 +251,9 @@ def test_every_validation_pass_scores_the_same_batches(tmp_path: Path) -> None:
     for max_batches in (2, None):
         scores: list[tuple[float, int]] = []
 
-        def record(step: int, loss: float, tokens: int, sample: str | None, scores=scores) -> None:
+        def record(
+            step: int, loss: float, tokens: int, sample: str | None, objective_means=None, scores=scores
+        ) -> None:
             scores.append((loss, tokens))
 
         run = SimpleNamespace(eval=SimpleNamespace(max_batches=max_batches, max_new_tokens=0), data=data)
