@@ -179,3 +179,27 @@ def test_prepare_sft_refuses_no_data_pretraining_data_and_a_negative_sample_coun
 
     with pytest.raises(LitsftError, match=r"^--show_samples=-1 must be at least 0$"):
         prepare_sft(tmp_path, JSON(json_path=tmp_path / "data.jsonl"), show_samples=-1)
+
+
+def test_prepare_sft_with_pairs_shows_both_halves_of_each_pair_with_their_replies_marked(
+    tmp_path, capsys
+) -> None:
+    """--pairs reads preference records and shows each pair's chosen and rejected sample, the reply alone
+    between the marks; the prepared line counts pairs."""
+    from litsft.__main__ import main
+    from litsft.data.prepare import LOSS_CLOSE, LOSS_OPEN
+
+    checkpoint = tmp_path / "checkpoint"
+    write_tiny_tokenizer(checkpoint, chat_template="chatml")
+    pairs = [{"prompt": f"question {i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(3)]
+    (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(pair) for pair in pairs))
+    data = ["--data", "JSON", "--data.json_path", str(tmp_path / "pairs.jsonl"),
+            "--data.cache_dir", str(tmp_path / "cache"), "--data.val_split_fraction", "0"]  # fmt: skip
+    main(["prepare_sft", str(checkpoint), *data, "--pairs", "true", "--show_samples", "2"])
+    out = capsys.readouterr().out
+    assert "3 records, 3 preference pairs (6 samples)" in out
+    headers = re.findall(r"^--- training pair (\d) of 3, (chosen|rejected): .*---$", out, re.M)
+    assert headers == [("1", "chosen"), ("1", "rejected"), ("2", "chosen"), ("2", "rejected")]
+    shown = "\n".join(line for line in out.splitlines() if not line.startswith("---"))
+    marked = re.findall(f"{LOSS_OPEN}(.*?){LOSS_CLOSE}", shown, re.S)
+    assert marked == ["good 0<|im_end|>", "bad 0<|im_end|>", "good 1<|im_end|>", "bad 1<|im_end|>"]
