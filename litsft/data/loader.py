@@ -200,7 +200,7 @@ def collate(
             cursor += n
         if seq_length is None:
             sequence_samples.append(row[0] if row else -1)
-        if seq_length is None:  # right padding continues the positions; it is never attended to
+            # right padding continues the positions; it is never attended to
             position_ids[b, cursor:] = np.arange(cursor, length)
     batch = {
         "input_ids": torch.from_numpy(input_ids),

@@ -107,7 +107,6 @@ class PreferenceObjective(Objective):
         losses, chosen_rewards, rejected_rewards = self.pair_losses(scores)
         # A filler pair's loss may be NaN (ORPO's odds of an empty reply): selected away, not multiplied.
         losses = torch.where(real, losses, 0.0)
-        real = real.to(losses.dtype)
         chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
         statistics = torch.stack(
             [
@@ -117,7 +116,7 @@ class PreferenceObjective(Objective):
                 chosen_rewards - rejected_rewards,
             ]
         )
-        self.add_sums(torch.where(real > 0, statistics, 0.0).sum(dim=1))
+        self.add_sums(torch.where(real, statistics, 0.0).sum(dim=1))
         return losses.sum()
 
     @abstractmethod
