@@ -17,7 +17,7 @@ import lm_eval
 import lm_eval.tasks
 import pytest
 import torch
-from launch import litsft_in_process
+from launch import litsft, litsft_in_process
 from lm_eval.tasks import TaskManager
 from tiny_hf import save_tiny_hf, tiny_hf_model
 from tiny_tokenizer import write_tiny_tokenizer
@@ -155,6 +155,33 @@ def test_chat_template_prompts_score_as_lm_evals_hf_model(
     assert samples[MULTIPLE_CHOICE][0]["arguments"][0][0].endswith("Answer:")
 
 
+def test_two_processes_score_as_lm_evals_hf_model_in_one(hf_dir: Path, tmp_path: Path) -> None:
+    """`--devices 2`: two CPU processes, each with its own copy of the model and half of every task's
+    documents; rank 0 gathers them. The same requests and answers as lm_eval's hf model in one process, with
+    the chat template."""
+    tasks = [MULTIPLE_CHOICE, GENERATE, PERPLEXITY]
+    out_dir = tmp_path / "litsft"
+    args = ["evaluate", str(hf_dir), "--tasks", ",".join(tasks), "--include_path", str(TASKS_DIR)]
+    args += ["--batch_size", "4", "--dtype", "float32", "--log_samples", "true", "--devices", "2"]
+    args += ["--apply_chat_template", "true", "--num_fewshot", "1", "--limit", "8", "--out_dir", str(out_dir)]
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    result = litsft(args, tmp_path, cwd=TASKS_DIR, env=env)
+    reference = hf_evaluate(hf_dir, tasks, apply_chat_template=True, num_fewshot=1, limit=8)
+
+    for task in tasks:
+        samples = [json.loads(line) for line in (out_dir / f"samples_{task}.jsonl").read_text().splitlines()]
+        assert len(samples) == 8
+        assert_same_requests(samples, reference["samples"][task])
+    ours = json.loads((out_dir / "results.json").read_text())["results"]
+    theirs = reference["results"]
+    assert ours[MULTIPLE_CHOICE]["acc,none"] == theirs[MULTIPLE_CHOICE]["acc,none"]
+    assert ours[GENERATE]["exact_match,none"] == theirs[GENERATE]["exact_match,none"]
+    assert ours[PERPLEXITY]["word_perplexity,none"] == pytest.approx(
+        theirs[PERPLEXITY]["word_perplexity,none"], rel=TOLERANCE
+    )
+    assert result.stdout.count("|litsft_tiny_multiple_choice|") == 1  # rank 0 prints the table, once
+
+
 def test_without_lm_eval_it_refuses_in_one_line_and_writes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -164,7 +191,7 @@ def test_without_lm_eval_it_refuses_in_one_line_and_writes_nothing(
     result = litsft_in_process(args, tmp_path, capsys, check=False)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
-        "error: litsft evaluate runs lm-evaluation-harness, which is not installed: pip install 'litsft[eval]'"
+        "error: the tasks run in lm-evaluation-harness, which is not installed: pip install 'litsft[eval]'"
     ]
     assert not out_dir.exists()
 

@@ -12,8 +12,10 @@ lm_eval is an optional dependency (`pip install 'litsft[eval]'`): without it thi
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,9 +30,12 @@ except ImportError:  # `evaluate` refuses before anything uses the class
 
 if TYPE_CHECKING:
     import torch
+    from lightning.fabric import Fabric
     from lm_eval.api.instance import Instance
+    from lm_eval.tasks import TaskManager
 
     from litsft.data.tokenizer import Tokenizer
+    from litsft.inference.lockstep import Lockstep
     from litsft.model.network.transformer import Transformer
 
 Dtype = Literal["float32", "bfloat16", "float16"]  # generate.Dtype, whose module imports torch
@@ -50,13 +55,31 @@ class LitsftLM(TemplateLM):
         tokenizer: Its tokenizer.
         name: What the model was opened from (names the request cache and the results).
         batch_size: Sequences per forward pass.
+        rank: This process's place among `processes` that each score a share of every request type's
+            requests (torch.distributed's default group); all of them get every result.
+        processes: Processes evaluating together.
+        lockstep: Given when the model is sharded over those processes: their forward passes must match.
+        progress: Show progress bars (on rank 0).
     """
 
     MAX_GEN_TOKS = 256  # HFLM's default for tasks that set no max_gen_toks
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, name: str, batch_size: int = 1) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        name: str,
+        batch_size: int = 1,
+        rank: int = 0,
+        processes: int = 1,
+        lockstep: Lockstep | None = None,
+        progress: bool = True,
+    ) -> None:
         super().__init__()
         self.model, self.tokenizer, self.name, self.batch_size = model, tokenizer, name, batch_size
+        # Not lm_eval's rank and world size, which would deal documents (and few-shot draws) to processes.
+        self._share_rank, self._shares, self._lockstep = rank, processes, lockstep
+        self._progress = progress and rank == 0
         # The text of the token HFLM prepends to an empty context; a prompt that starts with it (a chat
         # template that writes bos) gets no second one.
         self._prefix_text = tokenizer.decode([self.prefix_token_id], skip_special_tokens=False)
@@ -82,6 +105,31 @@ class LitsftLM(TemplateLM):
     def tokenizer_name(self) -> str:
         return self.name.replace("/", "__")
 
+    def _scored_in_shares(self, items: list[Any], score: Callable[[list[Any]], list[Any]]) -> list[Any]:
+        """`score(items)`, each of the processes scoring every `processes`-th item from its rank; every
+        process gets all the results, in the order of `items`. lm_eval builds every request on every
+        process (so few-shot examples are drawn as in one process) and computes the metrics on each."""
+        if self._shares == 1:
+            results = score(items)
+            self._forward_passes_done()
+            return results
+        import torch.distributed as dist
+
+        mine = score(items[self._share_rank :: self._shares])
+        self._forward_passes_done()
+        shares: list[Any] = [None] * self._shares
+        dist.all_gather_object(shares, mine)
+        results: list[Any] = [None] * len(items)
+        for rank, share in enumerate(shares):
+            results[rank :: self._shares] = share
+        return results
+
+    def _forward_passes_done(self) -> None:
+        """Under sharding, this process takes part in the other processes' remaining forward passes
+        (`Lockstep.finish`)."""
+        if self._lockstep is not None:
+            self._lockstep.finish()
+
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
         # As HFLM: the tokenizer's own special tokens (bos for Llama, none for Qwen) unless told otherwise, or
         # unless the text already starts with the prefix token.
@@ -94,6 +142,12 @@ class LitsftLM(TemplateLM):
     ) -> list[tuple[float, bool]]:
         """(log-probability of the continuation, whether greedy decoding would produce it) per request of
         (strings, context ids, continuation ids)."""
+        score = functools.partial(self._score_continuations, progress=self._progress and not disable_tqdm)
+        return self._scored_in_shares(requests, score)
+
+    def _score_continuations(
+        self, requests: list[tuple[Any, list[int], list[int]]], progress: bool
+    ) -> list[tuple[float, bool]]:
         import torch
         from lm_eval.models.utils import Collator
 
@@ -107,7 +161,7 @@ class LitsftLM(TemplateLM):
         )
         results = []
         batches = collator.get_batched(n=self.batch_size)
-        for batch in tqdm(batches, desc="loglikelihood batches", disable=disable_tqdm):
+        for batch in tqdm(batches, desc="loglikelihood batches", disable=not progress):
             # The model sees at most max_length tokens, the last one only predicted: longer rows lose their
             # start, as in HFLM. Rows are right-padded; causal attention keeps padding out of what is scored.
             rows = [
@@ -150,6 +204,10 @@ class LitsftLM(TemplateLM):
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         """Each prompt's continuation, cut at the first of its stop strings, as HFLM returns it."""
+        generate = functools.partial(self._generate, progress=self._progress and not disable_tqdm)
+        return self._scored_in_shares([request.args for request in requests], generate)
+
+    def _generate(self, requests: list[tuple[str, dict[str, Any]]], progress: bool) -> list[str]:
         from lm_eval.models.utils import (
             Collator,
             handle_stop_sequences,
@@ -161,9 +219,7 @@ class LitsftLM(TemplateLM):
 
         eos = self.tokenizer.decode([self.eot_token_id], skip_special_tokens=False)
         # One group per set of generation settings (tasks differ in stop strings and lengths).
-        collator = Collator(
-            [request.args for request in requests], sort_fn=lambda args: len(args[0]), group_by="gen_kwargs"
-        )
+        collator = Collator(requests, sort_fn=lambda args: len(args[0]), group_by="gen_kwargs")
         results = []
         for group in collator.get_batched(n=0):
             contexts, all_kwargs = zip(*group)
@@ -181,7 +237,7 @@ class LitsftLM(TemplateLM):
             outputs = []
             # One batch at a time, for the progress bar: the prompts come sorted by length.
             for start in tqdm(
-                range(0, len(prompts), self.batch_size), desc="generation", disable=disable_tqdm
+                range(0, len(prompts), self.batch_size), desc="generation", disable=not progress
             ):
                 batch = prompts[start : start + self.batch_size]
                 if sample:
@@ -191,7 +247,7 @@ class LitsftLM(TemplateLM):
                     # afterwards, which gives HFLM's result (it stops a row early once a stop string appears).
                     outputs += generate_batch(self.model, batch, max_new, self.tokenizer.stop_ids)
             ignored = sorted(set(kwargs) - set(_SAMPLING_KWARGS))
-            if ignored:
+            if ignored and self._share_rank == 0:
                 print(f"note: litsft evaluate ignores the generation settings {ignored}", file=sys.stderr)
             results += [
                 postprocess_generated_text(self.tokenizer.decode(output), until, think_end_token=None)
@@ -253,6 +309,71 @@ class LitsftLM(TemplateLM):
         }
 
 
+def find_tasks(tasks: str | None, include_path: str | None) -> tuple[TaskManager, list[str]]:
+    """lm_eval's task index and the task names that `tasks` (comma-separated names or glob patterns) match;
+    a name that matches none is refused in one line. Checks that lm_eval is installed."""
+    try:
+        import lm_eval  # noqa: F401  (first: a loaded lm_eval.tasks would be found without its package)
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise LitsftError(
+            "the tasks run in lm-evaluation-harness, which is not installed: pip install 'litsft[eval]'"
+        ) from None
+    names = [name.strip() for name in (tasks or "").split(",") if name.strip()]
+    if not names:
+        raise LitsftError("name the tasks to run, e.g. --tasks hellaswag,arc_easy")
+    if include_path is not None and not Path(include_path).is_dir():
+        raise LitsftError(f"--include_path {include_path} is not a folder of task YAML files")
+    # Indexing lm_eval's own ~14,000 task files takes seconds (17 s on a busy 2-core machine): tasks that
+    # are all in include_path are found without them.
+    if include_path is not None:
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if all(local.match_tasks([name]) for name in names):
+            return local, local.match_tasks(names)
+    task_manager = TaskManager(include_path=include_path)
+    unknown = [name for name in names if not task_manager.match_tasks([name])]
+    if unknown:
+        raise LitsftError(
+            f"unknown lm_eval tasks: {', '.join(unknown)}; `lm_eval ls tasks` lists them, and --include_path "
+            "adds your own"
+        )
+    return task_manager, task_manager.match_tasks(names)
+
+
+def run_tasks(
+    lm: LitsftLM,
+    task_manager: TaskManager,
+    tasks: list[str],
+    *,
+    num_fewshot: int | None,
+    limit: int | float | None,
+    apply_chat_template: bool,
+    fewshot_as_multiturn: bool,
+    confirm_run_unsafe_code: bool,
+    log_samples: bool = False,
+    bootstrap_iters: int = 100_000,
+) -> dict[str, Any]:
+    """lm_eval's results (its JSON) of `tasks` scored by `lm`, on every process `lm` shares the work with."""
+    import lm_eval
+
+    if apply_chat_template and lm.tokenizer.chat_template is None:
+        raise LitsftError(f"{lm.name} has no chat template; run without --apply_chat_template")
+    return lm_eval.simple_evaluate(
+        model=lm,
+        model_args=lm.name,
+        tasks=tasks,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        batch_size=lm.batch_size,
+        apply_chat_template=apply_chat_template,
+        fewshot_as_multiturn=fewshot_as_multiturn,
+        confirm_run_unsafe_code=confirm_run_unsafe_code,
+        log_samples=log_samples,
+        bootstrap_iters=bootstrap_iters,
+        task_manager=task_manager,
+    )
+
+
 def evaluate(
     checkpoint_dir: str,  # not Path, which would drop the ./ that marks a local directory
     tasks: str | None = None,
@@ -260,10 +381,13 @@ def evaluate(
     limit: int | float | None = None,
     batch_size: int = 8,
     apply_chat_template: bool = False,
+    fewshot_as_multiturn: bool = True,
     include_path: str | None = None,
+    confirm_run_unsafe_code: bool = False,
     out_dir: Path = Path("out/evaluate"),
     log_samples: bool = False,
     dtype: Dtype | None = None,
+    devices: int = 1,
 ) -> None:
     """Score a model on lm-evaluation-harness tasks; write and print the results.
 
@@ -275,57 +399,65 @@ def evaluate(
         limit: Score only this many documents of each task (a fraction of them when below 1).
         batch_size: Sequences per forward pass.
         apply_chat_template: Render prompts through the checkpoint's chat template, for chat models.
+        fewshot_as_multiturn: With the chat template, give each few-shot example as a turn of its own
+            conversation (as lm_eval does by default).
         include_path: A folder of your own task YAML files, found by their names like lm_eval's tasks.
+        confirm_run_unsafe_code: Allow tasks that execute the code the model writes (humaneval, mbpp; they
+            also need the environment variable HF_ALLOW_CODE_EVAL=1).
         out_dir: Where results.json goes (and samples_<task>.jsonl with log_samples); an existing
             results.json is never overwritten.
         log_samples: Also write every request and response of each task.
         dtype: Weights and compute dtype. Default: bfloat16 on a GPU that supports it, else float32.
+        devices: Processes, each with its own copy of the model (one per GPU, or CPU processes on a machine
+            without one), each scoring a slice of every task's requests; the results are gathered.
     """
-    try:
-        import lm_eval
-        from lm_eval.tasks import TaskManager
-        from lm_eval.utils import handle_non_serializable, make_table
-    except ImportError:
-        raise LitsftError(
-            "litsft evaluate runs lm-evaluation-harness, which is not installed: pip install 'litsft[eval]'"
-        ) from None
     check_number("batch_size", batch_size, at_least=1)
+    check_number("devices", devices, at_least=1)
     results_file = out_dir / "results.json"
     if results_file.exists():
         raise LitsftError(f"{results_file} exists already; choose another --out_dir")
-    if include_path is not None and not Path(include_path).is_dir():
-        raise LitsftError(f"--include_path {include_path} is not a folder of task YAML files")
+    task_manager, names = find_tasks(tasks, include_path)
+    import torch
+    from lightning.fabric import Fabric
 
-    names = [name.strip() for name in (tasks or "").split(",") if name.strip()]
-    if not names:
-        raise LitsftError("name the tasks to run, e.g. --tasks hellaswag,arc_easy")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and devices > gpus:
+        raise LitsftError(f"--devices {devices} asks for {devices} GPUs but this machine has {gpus}")
+    fabric = Fabric(
+        accelerator="cuda" if gpus else "cpu", devices=devices, strategy="ddp" if devices > 1 else "auto"
+    )
+    options = dict(
+        num_fewshot=num_fewshot,
+        limit=limit,
+        apply_chat_template=apply_chat_template,
+        fewshot_as_multiturn=fewshot_as_multiturn,
+        confirm_run_unsafe_code=confirm_run_unsafe_code,
+        log_samples=log_samples,
+    )
+    fabric.launch(_evaluate_on_rank, checkpoint_dir, dtype, batch_size, task_manager, names, options, out_dir)
 
-    task_manager = TaskManager(include_path=include_path)
-    unknown = [name for name in names if not task_manager.match_tasks([name])]
-    if unknown:
-        raise LitsftError(
-            f"unknown lm_eval tasks: {', '.join(unknown)}; `lm_eval ls tasks` lists them, and --include_path "
-            "adds your own"
-        )
+
+def _evaluate_on_rank(
+    fabric: Fabric,
+    checkpoint_dir: str,
+    dtype: Dtype | None,
+    batch_size: int,
+    task_manager: TaskManager,
+    tasks: list[str],
+    options: dict[str, Any],
+    out_dir: Path,
+) -> None:
+    from lm_eval.utils import handle_non_serializable, make_table
 
     from litsft.inference.generate import open_model
 
-    model, tokenizer = open_model(checkpoint_dir, dtype)
-    if apply_chat_template and tokenizer.chat_template is None:
-        raise LitsftError(f"{checkpoint_dir} has no chat template; run without --apply_chat_template")
-    results = lm_eval.simple_evaluate(
-        model=LitsftLM(model, tokenizer, checkpoint_dir, batch_size),
-        model_args=checkpoint_dir,
-        tasks=task_manager.match_tasks(names),
-        num_fewshot=num_fewshot,
-        limit=limit,
-        batch_size=batch_size,
-        apply_chat_template=apply_chat_template,
-        log_samples=log_samples,
-        task_manager=task_manager,
-    )
+    model, tokenizer = open_model(checkpoint_dir, dtype, fabric.device)
+    lm = LitsftLM(model, tokenizer, checkpoint_dir, batch_size, fabric.global_rank, fabric.world_size)
+    results = run_tasks(lm, task_manager, tasks, **options)
+    if not fabric.is_global_zero:  # every process has the results: the first writes them
+        return
     samples = results.pop("samples", {})
-
+    results_file = out_dir / "results.json"
     out_dir.mkdir(parents=True, exist_ok=True)
     with results_file.open("x", encoding="utf-8") as file:  # "x": never over a file written meanwhile
         json.dump(results, file, indent=2, default=handle_non_serializable, ensure_ascii=False)

@@ -234,15 +234,18 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float) -> None:
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
-def open_model(checkpoint_dir: str, dtype: Dtype | None = None) -> tuple[Transformer, Tokenizer]:
+def open_model(
+    checkpoint_dir: str, dtype: Dtype | None = None, device: torch.device | None = None
+) -> tuple[Transformer, Tokenizer]:
     """The model and tokenizer of anything a command names (a checkpoint, a LoRA final/ with its base, a
-    step checkpoint, an HF folder, a hub id), on the GPU when there is one, in `dtype` (default bfloat16
-    on a GPU that supports it, else float32), in eval mode. Prints nothing on stdout."""
+    step checkpoint, an HF folder, a hub id), on `device` (default: the GPU when there is one), in `dtype`
+    (default bfloat16 on a GPU that supports it, else float32), in eval mode. Prints nothing on stdout."""
     checkpoint_dir = open_step_checkpoint(checkpoint_dir, quiet=True)
     if not is_lora_folder(Path(checkpoint_dir)):  # a LoRA folder is read as is, with its base
         checkpoint_dir = resolve_checkpoint(checkpoint_dir, quiet=True)
     checkpoint_dir = Path(checkpoint_dir)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dtype is None:
         use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
         torch_dtype = torch.bfloat16 if use_bf16 else torch.float32
