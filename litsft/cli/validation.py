@@ -75,6 +75,10 @@ def check_run(run: RunConfig, recipe_name: str) -> None:
     if run.data is None:
         raise LitsftError(NO_DATA)
     check_tokenizer(run.tokenizer_dir, run.config.vocab_size)
+    if run.eval.tasks is not None:
+        from litsft.inference.evaluate import find_tasks
+
+        find_tasks(run.eval.tasks, run.eval.include_path)
     check_out_dir(run, recipe_name)
 
 

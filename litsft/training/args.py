@@ -128,9 +128,29 @@ class EvalConfig:
     max_new_tokens: int = 40
     """Length of the sample generated at each validation from the first validation prompt (SFT data), printed
     and written to out_dir/samples.txt; 0 generates none."""
+    tasks: str | None = None
+    """lm-evaluation-harness tasks scored at every validation on the model being trained, comma-separated
+    (as `litsft evaluate --tasks`; needs `pip install 'litsft[eval]'`): every process scores a share of the
+    requests; the metrics go to out_dir/tasks.csv, TensorBoard/W&B and loss.png."""
+    num_fewshot: int | None = None
+    """Examples in each task prompt. Default: each task's own."""
+    limit: int | float | None = None
+    """Score only this many documents of each task (a fraction of them when below 1): tasks run at every
+    validation, so keep them small."""
+    batch_size: int = 8
+    """Sequences per forward pass while scoring the tasks."""
+    apply_chat_template: bool = False
+    """Render task prompts through the chat template."""
+    fewshot_as_multiturn: bool = True
+    """With the chat template, each few-shot example a turn of its own."""
+    include_path: str | None = None
+    """A folder of your own task YAML files."""
+    confirm_run_unsafe_code: bool = False
+    """Allow tasks that execute the code the model writes (also needs HF_ALLOW_CODE_EVAL=1)."""
 
     def __post_init__(self) -> None:
         check_number("--eval.interval", self.interval, at_least=1)
+        check_number("--eval.batch_size", self.batch_size, at_least=1)
         check_number("--eval.max_batches", self.max_batches, at_least=1, fix="pass null for the whole set")
         check_number("--eval.max_new_tokens", self.max_new_tokens, at_least=0, fix="0 generates no sample")
 

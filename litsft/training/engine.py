@@ -48,6 +48,7 @@ from litsft.training.args import (
     step_geometry,
 )
 from litsft.training.checkpointer import Checkpointer, TrainState
+from litsft.training.eval_tasks import TrainingTasks
 from litsft.training.evaluation import validate
 from litsft.training.objectives import Objective, objective_named
 from litsft.training.optimizer import build_optimizer, learning_rate, set_learning_rate
@@ -132,8 +133,18 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
         adapter_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         extra_forward_passes=objective.extra_forward_passes,
     )
+    tasks = TrainingTasks(run.eval, tokenizer, str(out_dir)) if run.eval.tasks else None
     evaluate = functools.partial(
-        validate, fabric, model, val_loader, tokenizer, run, metrics, context=context, objective=objective
+        validate,
+        fabric,
+        model,
+        val_loader,
+        tokenizer,
+        run,
+        metrics,
+        context=context,
+        objective=objective,
+        tasks=tasks,
     )
     run_timer.mark("optimizer, resume, metrics")
     with metrics:

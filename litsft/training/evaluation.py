@@ -1,5 +1,6 @@
-"""Validation during and after training: the held-out loss over the same batches on every pass, and a
-greedy sample of the first validation conversation's prompt (SFT data), written beside the metrics."""
+"""Validation during and after training: the held-out loss over the same batches on every pass, a greedy
+sample of the first validation conversation's prompt (SFT data), written beside the metrics, and the scores
+of `--eval.tasks`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from litsft.model.network.context_parallel import ContextShard
 from litsft.training.args import RunConfig
+from litsft.training.eval_tasks import TrainingTasks
 from litsft.training.objectives import Objective, TokenCrossEntropy
 from litsft.training.parallel import reshard
 from litsft.training.step import sum_over_ranks, to_device
@@ -27,9 +29,17 @@ def validate(
     step: int,
     context: ContextShard | None = None,
     objective: Objective | None = None,
+    tasks: TrainingTasks | None = None,
 ) -> None:
     """The held-out loss of `objective` (default: token-weighted cross-entropy) over the validation batches
-    (each rank of a context group its slice of the rows its group shares, `context`), and a greedy sample."""
+    (each rank of a context group its slice of the rows its group shares, `context`), a greedy sample, and
+    the scores of `--eval.tasks` (`tasks`)."""
+    if tasks is not None:
+        model.eval()
+        results = tasks.score(fabric, model)
+        reshard(model)
+        model.train()
+        metrics.tasks_done(step, results)
     if val_loader is None:
         return
     objective = objective or TokenCrossEntropy()

@@ -69,6 +69,9 @@ SAMPLES_FILENAME = "samples.txt"
 # A mixture of experts' balance, a row per MoE layer per log step, beside metrics.csv: a column per layer
 # there would be 48 more columns for a 48-layer model, most of them blank for a dense one.
 EXPERT_LOAD_FILENAME = "expert_load.csv"
+# The scores of --eval.tasks, a row per score per validation: tasks and their metrics are the user's choice.
+TASKS_FILENAME = "tasks.csv"
+TASK_COLUMNS: tuple[str, ...] = ("step", "task", "metric", "value")
 EXPERT_LOAD_COLUMNS: tuple[str, ...] = (
     "step",
     "layer",
@@ -90,9 +93,13 @@ def expert_balance(expert_tokens: Tensor) -> Tensor:
     return torch.stack([share * expert_tokens.shape[-1], share, expert.float(), idle.float()], dim=-1)
 
 
-def loss_figure(history: list[dict[str, float | None]], title: str) -> Any:
+def loss_figure(
+    history: list[dict[str, float | None]], title: str, task_history: Sequence[dict[str, float]] = ()
+) -> Any:
     """The training and validation losses of the logged rows against the optimizer step (whole steps on
-    the axis), as a matplotlib Figure; None when no row has a loss."""
+    the axis), as a matplotlib Figure, with a second panel of the `--eval.tasks` scores when there are
+    some (`task_history`: a dict of step and `task/metric` scores per validation); None when no row has a
+    loss."""
     # Figure without pyplot: renders with Agg and leaves the global backend and figures alone.
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -101,8 +108,10 @@ def loss_figure(history: list[dict[str, float | None]], title: str) -> Any:
     val = [(r["step"], r["val_loss"]) for r in history if r["val_loss"] is not None]
     if not train and not val:
         return None
-    figure = Figure(figsize=(8, 5), layout="constrained")
-    axes = figure.subplots()
+    figure = Figure(figsize=(8, 8 if task_history else 5), layout="constrained")
+    axes, *task_axes = figure.subplots(2 if task_history else 1, squeeze=False)[:, 0]
+    if task_axes:
+        _plot_task_scores(task_axes[0], task_history)
     if train:
         axes.plot(*zip(*train), label="train loss", linewidth=1)
     if val:
@@ -114,6 +123,21 @@ def loss_figure(history: list[dict[str, float | None]], title: str) -> Any:
     axes.grid(alpha=0.3)
     axes.legend()
     return figure
+
+
+def _plot_task_scores(axes: Any, task_history: Sequence[dict[str, float]]) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    names = sorted({name for row in task_history for name in row} - {"step"})
+    for name in names:
+        points = [(row["step"], row[name]) for row in task_history if name in row]
+        axes.plot(*zip(*points), label=name, marker="o", linewidth=1.5)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("task score")
+    axes.set_title("--eval.tasks")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
 
 
 # ---- throughput and memory ------------------------------------------------------------------------
@@ -301,6 +325,11 @@ class MetricsLogger:
         self._start_step = start_step
         self._expert_load_writer: CSVWriter | None = None
         """expert_load.csv, opened at the first log step of a mixture of experts."""
+        self._tasks_writer: CSVWriter | None = None
+        """tasks.csv, opened at the first validation with --eval.tasks."""
+        self.task_history: list[dict[str, float]] = []
+        """The --eval.tasks scores of each validation (this launch's): the second panel of loss.png."""
+        self._last_task_results: tuple[int, dict[str, Any]] | None = None
         self._bar: Any = None
         self._bar_in_terminal = False
         self._throughput: Throughput | None = None
@@ -551,6 +580,29 @@ class MetricsLogger:
         self._bar.write(message)
         return val_perplexity
 
+    def tasks_done(self, step: int, results: dict[str, Any]) -> None:
+        """Record the scores of `--eval.tasks` at a validation (lm_eval's results): a row per score in
+        tasks.csv, `tasks/<task>/<metric>` in TensorBoard and W&B, a panel of loss.png, a printed line, and
+        lm_eval's table of the last ones when the run ends."""
+        if not self.is_global_zero:
+            return
+        from litsft.training.eval_tasks import task_scores
+
+        scores = task_scores(results)
+        if self._tasks_writer is None:
+            self._tasks_writer = CSVWriter(
+                self.out_dir, TASK_COLUMNS, self._start_step, {}, filename=TASKS_FILENAME
+            )
+        for name, value in scores.items():
+            task, _, metric = name.partition("/")
+            self._tasks_writer.log({"step": step, "task": task, "metric": metric, "value": value}, "")
+        for writer in self._writers:
+            if not isinstance(writer, CSVWriter):  # metrics.csv has a column per metric it knows
+                writer.log({"step": step, **scores}, "tasks")
+        self.task_history.append({"step": step, **scores})
+        self._last_task_results = step, results
+        self._bar.write(f"step {step}: " + ", ".join(f"{name} {value:.4f}" for name, value in scores.items()))
+
     def update_progress(self, step: int) -> None:
         """Move the progress bar to `step` optimizer steps done; call every step (cheap, no sync)."""
         if self._bar is not None and step > self._bar.n:
@@ -564,12 +616,17 @@ class MetricsLogger:
                 return
             self._closed = True
             self._bar.close()
+            if self._last_task_results is not None:
+                from lm_eval.utils import make_table
+
+                step, results = self._last_task_results
+                print(f"--eval.tasks at step {step}:\n{make_table(results)}", flush=True)
             self._plot()
             for writer in self._writers:
                 writer.close()
 
     def _plot(self) -> None:
-        figure = loss_figure(self.history, self.out_dir.name)
+        figure = loss_figure(self.history, self.out_dir.name, self.task_history)
         if figure is not None:
             figure.savefig(self.out_dir / PLOT_FILENAME, dpi=100)
 
