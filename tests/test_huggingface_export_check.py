@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import litsft_in_process, write_tiny_checkpoint
+from launch import litsft_in_process, write_records, write_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 from litsft.huggingface.convert import convert_to_hf
-from litsft.huggingface.export_check import check_export
+from litsft.huggingface.export_check import PROMPTS_FILE, check_export, check_prompts
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def damaged_copy(hf_dir: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "hf"
-    copy.mkdir()
+    copy.mkdir(parents=True)
     for path in hf_dir.iterdir():
         (copy / path.name).write_bytes(path.read_bytes())
     return copy
@@ -101,3 +101,43 @@ def test_a_difference_is_a_warning_by_default_and_an_error_with_check_on(
     assert (tmp_path / "auto" / "model.safetensors").is_file() and (
         tmp_path / "on" / "model.safetensors"
     ).is_file()
+
+
+def test_a_runs_final_model_keeps_its_validation_prompts_and_the_check_asks_them(
+    tmp_path: Path, capsys
+) -> None:
+    base = write_tiny_checkpoint(tmp_path / "base", seed=6)
+    data = write_records(tmp_path / "data.json", count=16)
+    out_dir = tmp_path / "run"
+    args = [
+        "finetune_full",
+        str(base),
+        "--data",
+        "JSON",
+        "--data.json_path",
+        str(data),
+        "--out_dir",
+        str(out_dir),
+    ]
+    args += ["--data.val_split_fraction", "0.25", "--train.max_steps", "1", "--train.global_batch_size", "2"]
+    args += ["--train.micro_batch_size", "2"]
+    args += ["--train.max_seq_length", "64", "--eval.max_new_tokens", "0", "--accelerator", "cpu"]
+    litsft_in_process(args, tmp_path, capsys)
+    kept = json.loads((out_dir / "final" / PROMPTS_FILE).read_text())
+    records = json.loads(data.read_text())
+    assert len(kept) == 2 and all(conversation[-1]["role"] == "user" for conversation in kept)
+    assert all(any(c[-1]["content"] in json.dumps(r) for r in records) for c in kept)  # the run's own prompts
+    assert check_prompts(out_dir / "final") == kept
+
+    result = litsft_in_process(
+        ["convert_to_hf", str(out_dir / "final"), "--out_dir", str(tmp_path / "hf")], tmp_path, capsys
+    )
+    assert "transformers answers 2 of the run's validation prompts as litsft does" in result.stdout
+    # A difference is named by the kept prompt it shows in.
+    copy = damaged_copy(tmp_path / "hf", tmp_path / "damaged")
+    (copy / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    label = kept[0][-1]["content"][:20]
+    assert label in check_export(out_dir / "final", copy)

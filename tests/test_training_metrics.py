@@ -3,6 +3,7 @@ import csv
 import io
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -426,3 +427,33 @@ def test_a_context_rank_counts_its_share_of_the_flops_of_the_micro_batches_its_g
         _, (row,) = read_csv(out / "metrics.csv")
         mfus.append(float(row["mfu"]))
     assert mfus[1] == pytest.approx(mfus[0] / 2, rel=1e-9)
+
+
+def test_task_scores_go_to_tasks_csv_tensorboard_a_panel_of_the_plot_and_the_closing_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from test_training_loggers import tensorboard_events
+
+    def results(accuracy: float) -> dict:
+        entries = {"alias": "arc_easy", "acc,none": accuracy, "acc_stderr,none": "N/A"}
+        return {"results": {"arc_easy": entries}, "versions": {"arc_easy": 1.0}, "n-shot": {"arc_easy": 0},
+                "higher_is_better": {"arc_easy": {"acc": True}}, "configs": {"arc_easy": {}}}  # fmt: skip
+
+    logger = MetricsLogger(tmp_path, is_global_zero=True, loggers=["csv", "tensorboard"], total_steps=4)
+    logger.log_step(2, {"loss": 2.0})
+    logger.tasks_done(2, results(0.25))
+    logger.validation_done(2, loss=1.5, tokens=10)
+    logger.tasks_done(4, results(0.5))
+    logger.close()
+
+    rows = (tmp_path / metrics.TASKS_FILENAME).read_text().splitlines()
+    assert rows == ["step,task,metric,value", "2,arc_easy,acc,0.25", "4,arc_easy,acc,0.5"]
+    scalars, _ = tensorboard_events(tmp_path / "tensorboard")
+    assert scalars["tasks/arc_easy/acc"] == [(2, 0.25), (4, 0.5)]
+    assert logger.task_history == [{"step": 2, "arc_easy/acc": 0.25}, {"step": 4, "arc_easy/acc": 0.5}]
+    figure = metrics.loss_figure(logger.history, "run", logger.task_history)
+    assert [axes.get_title() for axes in figure.axes] == ["run", "--eval.tasks"]
+    assert (tmp_path / metrics.PLOT_FILENAME).is_file()
+    out = capsys.readouterr()
+    assert "step 2: arc_easy/acc 0.2500" in out.out + out.err
+    assert "--eval.tasks at step 4:" in out.out and "|arc_easy|" in out.out.replace(" ", "")

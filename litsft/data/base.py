@@ -221,18 +221,25 @@ class SFTDataModule(DataOptions, DataModule):
                 for i in range(min(count, len(samples)))
             ]
         # Every token is a target, so the prompt comes from the conversation: one sample per conversation.
+        prompts = self.validation_conversations(count)
+        return [self.chat_format.encode_prompt(messages) for messages in prompts]
+
+    def validation_conversations(self, count: int) -> list[list[Message]]:
+        """The messages of the first `count` validation conversations up to their first reply (the validation
+        split's, else the held-out training records'); pairs of replies give none."""
         sources = self.sources()
         if "val" in sources:
             conversations = sources["val"][1]()
         else:
             train = sources["train"][1]()
             conversations = [train[int(i)] for i in self._held_out(len(train))[:count]]
+        conversations = [messages for messages in conversations if isinstance(messages, list)]
         first_replies = (
             next((i for i, m in enumerate(messages) if m["role"] == "assistant"), 0)
             for messages in conversations
         )
         prompts = [messages[:i] for messages, i in zip(conversations, first_replies) if i > 0]
-        return [self.chat_format.encode_prompt(messages) for messages in prompts[:count]]
+        return prompts[:count]
 
     def prepare(self) -> None:
         sources = self.sources()

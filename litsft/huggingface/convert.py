@@ -43,7 +43,7 @@ from litsft.checkpoint.weight_files import (
 )
 from litsft.data.tokenizer import check_tokenizer_fits, read_tokenizer_file
 from litsft.errors import LitsftError
-from litsft.huggingface.export_check import CHEAP_PARAMETERS, CHECK_PROMPTS, check_export
+from litsft.huggingface.export_check import CHEAP_PARAMETERS, PROMPTS_FILE, check_export, check_prompts
 from litsft.huggingface.mxfp4 import dequantized, dequantized_shape, packed_tensors
 from litsft.model.accounting.sizes import num_parameters
 from litsft.model.config import CONFIG_FILENAME, Config, DType
@@ -207,11 +207,11 @@ def report_export_check(checkpoint_dir: Path, out_dir: Path, config: Config, che
         raise LitsftError(
             "--check on loads the export with transformers: pip install transformers, or pass --check off"
         )
-    difference = check_export(checkpoint_dir, out_dir)
+    prompts = check_prompts(checkpoint_dir)
+    difference = check_export(checkpoint_dir, out_dir, prompts)
     if difference is None:
-        print(
-            f"Export check: transformers answers {len(CHECK_PROMPTS)} prompts as litsft does, token for token"
-        )
+        which = "of the run's validation prompts" if (checkpoint_dir / PROMPTS_FILE).is_file() else "prompts"
+        print(f"Export check: transformers answers {len(prompts)} {which} as litsft does, token for token")
     elif check == "on":
         raise LitsftError(
             f"the export differs from the litsft model in its {difference} (the export is in {out_dir})"

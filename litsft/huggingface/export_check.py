@@ -8,6 +8,7 @@ catches them when the export is made, not after it ships."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -15,18 +16,45 @@ import torch
 from litsft.checkpoint.model_loader import load_model
 from litsft.data.tokenizer import Tokenizer
 from litsft.model.network.transformer import Transformer
+from litsft.runtime.files import write_json
 
 CHECK_PROMPTS = ("Hello! Who are you?", "What is 2 + 3? Answer in one word.")
+"""Asked when the checkpoint holds no validation prompts of its own (PROMPTS_FILE)."""
+PROMPTS_FILE = "validation_prompts.json"
+"""The first validation conversations of the training run, up to their first reply, that a run's final/ keeps
+so that an export is checked on what the model was trained to answer."""
+CHECK_PROMPT_TOKENS = 512
+"""The longest prompt a run keeps for the check: `greedy` feeds the whole sequence at every new token."""
 CHECK_NEW_TOKENS = 16
 CHEAP_PARAMETERS = 2_000_000_000
 """`--check auto` runs the check up to this many parameters: two fp32 copies of a 2B model (16 GB of host memory)
 answer two prompts in seconds to a minute on a CPU."""
 
 
-def check_export(checkpoint_dir: Path, hf_dir: Path, prompts: tuple[str, ...] = CHECK_PROMPTS) -> str | None:
+Conversation = list[dict[str, str]]
+
+
+def write_check_prompts(directory: Path, conversations: list[Conversation]) -> None:
+    """Keep a run's first validation conversations (up to their first reply) in its final model folder."""
+    if conversations:
+        write_json(directory / PROMPTS_FILE, conversations)
+
+
+def check_prompts(checkpoint_dir: Path) -> list[Conversation]:
+    """The conversations the export check asks: the run's validation prompts kept in the checkpoint, else
+    CHECK_PROMPTS as user messages."""
+    kept = checkpoint_dir / PROMPTS_FILE
+    if kept.is_file():
+        conversations = json.loads(kept.read_text(encoding="utf-8"))
+        if conversations:
+            return conversations
+    return [[{"role": "user", "content": prompt}] for prompt in CHECK_PROMPTS]
+
+
+def check_export(checkpoint_dir: Path, hf_dir: Path, prompts: list[Conversation] | None = None) -> str | None:
     """What differs between the litsft model of `checkpoint_dir` (a LoRA folder: its base with the adapters)
     and its export in `hf_dir` loaded by transformers, as one line; None when both render, encode and answer
-    every prompt alike."""
+    every prompt (default: `check_prompts(checkpoint_dir)`) alike."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
@@ -43,11 +71,12 @@ def check_export(checkpoint_dir: Path, hf_dir: Path, prompts: tuple[str, ...] = 
             f"at {theirs_stops}; generation would not stop where the model was trained to"
         )
     litsft_model = load_model(checkpoint_dir, torch.device("cpu"), torch.float32)
-    for prompt in prompts:
-        messages = [{"role": "user", "content": prompt}]
+    for messages in prompts if prompts is not None else check_prompts(checkpoint_dir):
+        text = messages[-1]["content"]
+        label = text if len(text) <= 60 else text[:57] + "..."  # what a difference is reported by
         if ours_tokenizer.chat_template is None:
-            ours_ids = ours_tokenizer.encode(prompt)
-            theirs_ids = theirs_tokenizer(prompt)["input_ids"]
+            ours_ids = ours_tokenizer.encode(text)
+            theirs_ids = theirs_tokenizer(text)["input_ids"]
         else:
             if not theirs_tokenizer.chat_template:
                 return (
@@ -61,7 +90,7 @@ def check_export(checkpoint_dir: Path, hf_dir: Path, prompts: tuple[str, ...] = 
                 at = next((i for i, (a, b) in enumerate(zip(ours_text, theirs_text)) if a != b), None)
                 at = min(len(ours_text), len(theirs_text)) if at is None else at
                 return (
-                    f"chat template: the export renders {prompt!r} as {theirs_text[at : at + 30]!r} from character "
+                    f"chat template: the export renders {label!r} as {theirs_text[at : at + 30]!r} from character "
                     f"{at}, litsft as {ours_text[at : at + 30]!r}"
                 )
             ours_ids = ours_tokenizer.encode(ours_text, add_bos=False)
@@ -85,7 +114,7 @@ def check_export(checkpoint_dir: Path, hf_dir: Path, prompts: tuple[str, ...] = 
         if ours_new != theirs_new:
             at = next((i for i, (a, b) in enumerate(zip(ours_new, theirs_new)) if a != b), None)
             return (
-                f"weights: for {prompt!r} the export generates {theirs_new[at] if at is not None else 'nothing'} "
+                f"weights: for {label!r} the export generates {theirs_new[at] if at is not None else 'nothing'} "
                 f"where litsft generates {ours_new[at] if at is not None else 'more'} (new token {at})"
             )
     return None

@@ -28,6 +28,7 @@ from litsft.checkpoint.checkpoint_dirs import (
 )
 from litsft.data.step_geometry import StepGeometry
 from litsft.errors import LitsftError
+from litsft.huggingface.export_check import CHECK_PROMPT_TOKENS, write_check_prompts
 from litsft.model.accounting.sizes import num_parameters
 from litsft.model.config import Config
 from litsft.model.network.attention import choose_kernel, describe_kernel
@@ -155,7 +156,7 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
         with metrics.paused():
             evaluate(total_steps)
             run_timer.mark("final validation")
-            save_final(fabric, recipe, model.module, out_dir)
+            save_final(fabric, recipe, model.module, out_dir, run.data)
             run_timer.mark("final model saved")
     run_timer.mark("metrics closed, loss curve drawn")
     fabric.print(f"Saved the final model to {out_dir / FINAL_DIR}")
@@ -329,6 +330,16 @@ def setup_model(fabric: Fabric, recipe: Recipe, run: RunConfig) -> nn.Module:
     return model
 
 
+def keep_validation_prompts(data: Any, directory: Path) -> None:
+    """The run's first two validation prompts of at most CHECK_PROMPT_TOKENS tokens (SFT data), kept beside
+    the final model: `convert_to_hf --check` asks them of the export."""
+    if not hasattr(data, "validation_conversations"):
+        return
+    conversations = data.validation_conversations(8)
+    fitting = [c for c in conversations if len(data.chat_format.encode_prompt(c)) <= CHECK_PROMPT_TOKENS]
+    write_check_prompts(directory, fitting[:2])
+
+
 COMPUTE_DTYPE: dict[str, torch.dtype] = {
     "bf16-mixed": torch.bfloat16,
     "bf16-true": torch.bfloat16,
@@ -387,9 +398,10 @@ def total_optimizer_steps(train: TrainConfig, loader: Any, geometry: StepGeometr
 
 
 # ---- the end of a run ---------------------------------------------------------------------------------------
-def save_final(fabric: Fabric, recipe: Recipe, model: nn.Module, out_dir: Path) -> None:
+def save_final(fabric: Fabric, recipe: Recipe, model: nn.Module, out_dir: Path, data: Any = None) -> None:
     """Write the final model under a temporary name and publish it with one rename: a final/ directory
-    always holds a complete model, and a relaunch never trains again over it."""
+    always holds a complete model, and a relaunch never trains again over it. The run's first validation
+    prompts (`data`'s) go with it, for `convert_to_hf --check`."""
     final, staging = out_dir / FINAL_DIR, out_dir / f".{FINAL_DIR}.partial"
     fix = "free disk space or fix permissions, then relaunch the same command: it resumes from the last checkpoint"
     publish = publish_atomically(final, "the final model", staging, fix)
@@ -397,6 +409,8 @@ def save_final(fabric: Fabric, recipe: Recipe, model: nn.Module, out_dir: Path) 
     with publish if fabric.is_global_zero else nullcontext(staging):
         fabric.barrier()
         recipe.save_final(model, staging)
+        if fabric.is_global_zero:
+            keep_validation_prompts(data, staging)
         fabric.barrier()
         fault_point("final_before_rename", fabric.global_rank)
     fabric.barrier()
