@@ -457,3 +457,11 @@ def test_task_scores_go_to_tasks_csv_tensorboard_a_panel_of_the_plot_and_the_clo
     out = capsys.readouterr()
     assert "step 2: arc_easy/acc 0.2500" in out.out + out.err
     assert "--eval.tasks at step 4:" in out.out and "|arc_easy|" in out.out.replace(" ", "")
+
+    # Resumed after step 2: the scores up to it are kept, in tasks.csv and in the plot's panel.
+    resumed = MetricsLogger(tmp_path, is_global_zero=True, loggers=["csv"], total_steps=6, start_step=2)
+    resumed.tasks_done(6, results(0.75))
+    resumed.close()
+    rows = (tmp_path / metrics.TASKS_FILENAME).read_text().splitlines()
+    assert rows == ["step,task,metric,value", "2,arc_easy,acc,0.25", "6,arc_easy,acc,0.75"]
+    assert resumed.task_history == [{"step": 2, "arc_easy/acc": 0.25}, {"step": 6, "arc_easy/acc": 0.75}]

@@ -328,7 +328,8 @@ class MetricsLogger:
         self._tasks_writer: CSVWriter | None = None
         """tasks.csv, opened at the first validation with --eval.tasks."""
         self.task_history: list[dict[str, float]] = []
-        """The --eval.tasks scores of each validation (this launch's): the second panel of loss.png."""
+        """The --eval.tasks scores of each validation (a resumed run's earlier ones too): the second panel of
+        loss.png."""
         self._last_task_results: tuple[int, dict[str, Any]] | None = None
         self._bar: Any = None
         self._bar_in_terminal = False
@@ -593,6 +594,11 @@ class MetricsLogger:
             self._tasks_writer = CSVWriter(
                 self.out_dir, TASK_COLUMNS, self._start_step, {}, filename=TASKS_FILENAME
             )
+            kept: dict[int, dict[str, float]] = {}  # a resumed run's earlier scores, for loss.png
+            for row in self._tasks_writer.kept_rows:
+                step_scores = kept.setdefault(int(row["step"]), {"step": int(row["step"])})
+                step_scores[f"{row['task']}/{row['metric']}"] = float(row["value"])
+            self.task_history += kept.values()
         for name, value in scores.items():
             task, _, metric = name.partition("/")
             self._tasks_writer.log({"step": step, "task": task, "metric": metric, "value": value}, "")
