@@ -13,7 +13,13 @@ from litsft.checkpoint.model_loader import load_model
 from litsft.data.tokenizer import Tokenizer
 from litsft.errors import LitsftError
 from litsft.huggingface.convert import convert_from_hf, merge_lora
-from litsft.inference.generate import generate, generate_batch, generate_tokens, sample_next_token
+from litsft.inference.generate import (
+    StopText,
+    generate,
+    generate_batch,
+    generate_tokens,
+    sample_next_token,
+)
 from litsft.model.config import Config
 from litsft.model.lora.layers import LoRAConfig, apply_lora, lora_state_dict
 from litsft.model.network.transformer import Transformer
@@ -161,6 +167,24 @@ def test_generate_batch_equals_one_by_one(checkpoints, dtype):
     assert generate_batch(model, prompts, 8, stop_ids) == expected
     assert generate_batch(model, prompts, 8, stop_ids, max_batch_size=2) == expected
     assert model.kv_caches is None
+
+
+def test_stop_text_ends_a_row_once_its_newest_tokens_hold_a_stop_string(checkpoints):
+    """Token ids stand for text here (each id's digits and a space): the row whose output contains the stop
+    string ends at the step that completes it, the others run on; no token before the end changes."""
+    _, litsft_dir = checkpoints
+    model = _model(litsft_dir, torch.float32)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(5, 512, (n,), generator=generator).tolist() for n in (4, 7, 2)]
+    free = generate_batch(model, prompts, 10)
+    row = next(i for i, output in enumerate(free) if len(set(output[:6])) >= 4)
+    stop = f" {free[row][2]} {free[row][3]} "  # spans two tokens
+    decode = lambda ids: " " + " ".join(map(str, ids)) + " "  # noqa: E731
+    stopped = generate_batch(model, prompts, 10, stop_text=StopText([stop], decode, window=4))
+    for i, (output, cut) in enumerate(zip(free, stopped)):
+        end = next((n for n in range(1, len(output) + 1) if stop in decode(output[max(0, n - 4) : n])), None)
+        assert cut == (output[:end] if end is not None else output), i
+    assert len(stopped[row]) <= 4 < len(free[row])
 
 
 def test_generation_errors(checkpoints):

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
 
     from litsft.data.tokenizer import Tokenizer
+    from litsft.inference.generate import StopText
     from litsft.inference.lockstep import Lockstep
     from litsft.model.network.transformer import Transformer
 
@@ -243,9 +244,11 @@ class LitsftLM(TemplateLM):
                 if sample:
                     outputs += self._sample(batch, max_new, kwargs)
                 else:
-                    # Greedy. Rows stop at the tokenizer's stop ids only; the stop strings cut the text
-                    # afterwards, which gives HFLM's result (it stops a row early once a stop string appears).
-                    outputs += generate_batch(self.model, batch, max_new, self.tokenizer.stop_ids)
+                    # Greedy; a row ends at a stop id or once a stop string appears, and its text is cut at
+                    # the string below, as HFLM does.
+                    outputs += generate_batch(
+                        self.model, batch, max_new, self.tokenizer.stop_ids, stop_text=self._stop_text(until)
+                    )
             ignored = sorted(set(kwargs) - set(_SAMPLING_KWARGS))
             if ignored and self._share_rank == 0:
                 print(f"note: litsft evaluate ignores the generation settings {ignored}", file=sys.stderr)
@@ -254,6 +257,17 @@ class LitsftLM(TemplateLM):
                 for output in outputs
             ]
         return collator.get_original(results)
+
+    def _stop_text(self, until: list[str]) -> StopText | None:
+        """A task's stop strings, checked on each row's newest tokens: a few more than the longest string
+        takes (a token may hold several characters, or a string start in the middle of one)."""
+        from litsft.inference.generate import StopText
+
+        strings = [string for string in until if string]
+        if not strings:
+            return None
+        longest = max(len(self.tokenizer.encode(string, add_bos=False)) for string in strings)
+        return StopText(strings, self.tokenizer.decode, window=longest + 2)
 
     def _sample(self, prompts: list[list[int]], max_new: int, kwargs: dict[str, Any]) -> list[list[int]]:
         import torch

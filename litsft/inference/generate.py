@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -116,6 +117,25 @@ def _refeed_position(model: nn.Module) -> int | None:
     return long_rope_length(config) if config is not None else None
 
 
+@dataclass(frozen=True)
+class StopText:
+    """Text that ends a row once it appears in what the row generated: an evaluation task's stop strings.
+
+    Args:
+        strings: A row ends when its newest `window` tokens decode to text holding one of these.
+        decode: Token ids to text.
+        window: How many of a row's newest tokens are decoded at each step: enough to hold any of `strings`.
+    """
+
+    strings: Sequence[str]
+    decode: Callable[[list[int]], str]
+    window: int
+
+    def reached(self, tokens: list[int]) -> bool:
+        text = self.decode(tokens)
+        return any(string in text for string in self.strings)
+
+
 @torch.no_grad()
 def generate_batch(
     model: nn.Module,
@@ -123,6 +143,7 @@ def generate_batch(
     max_new_tokens: int,
     stop_ids: Sequence[int] = (),
     max_batch_size: int = 32,
+    stop_text: StopText | None = None,
 ) -> list[list[int]]:
     """Greedy continuations of many prompts, batched, with the same tokens as `generate_tokens` one by one.
 
@@ -140,6 +161,8 @@ def generate_batch(
         max_new_tokens: Generate at most this many tokens per prompt.
         stop_ids: A row ends when it produces one of these; it is not part of the result.
         max_batch_size: Decode at most this many prompts at once.
+        stop_text: A row also ends once its text holds one of these strings; what it generated up to then is
+            returned (the caller cuts the text at the string). Ending early changes no token before it.
 
     Returns:
         The new tokens of each prompt, in the order of `prompts`.
@@ -150,14 +173,20 @@ def generate_batch(
     results: list[list[int]] = [[] for _ in prompts]
     for start in range(0, len(order), max_batch_size):
         indices = order[start : start + max_batch_size]
-        outputs = _greedy_batch(model, [list(prompts[i]) for i in indices], max_new_tokens, stop_ids)
+        outputs = _greedy_batch(
+            model, [list(prompts[i]) for i in indices], max_new_tokens, stop_ids, stop_text
+        )
         for i, output in zip(indices, outputs):
             results[i] = output
     return results
 
 
 def _greedy_batch(
-    model: nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_ids: Sequence[int]
+    model: nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stop_ids: Sequence[int],
+    stop_text: StopText | None = None,
 ) -> list[list[int]]:
     device = _device_of(model)
     batch_size = len(prompts)
@@ -169,6 +198,8 @@ def _greedy_batch(
         tokens[row, : len(prompt)] = torch.tensor(prompt, device=device)
     stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
     done = torch.zeros(batch_size, dtype=torch.bool, device=device)
+    starts = [len(prompt) for prompt in prompts]
+    ends = [start + max_new_tokens for start in starts]  # where each row's output ends, at the latest
     refeed_at = _refeed_position(model)
     if max_new_tokens > 0:
         with _kv_cached(model, batch_size, total):
@@ -180,6 +211,8 @@ def _greedy_batch(
                 tokens[:, slot] = torch.where(in_prompt, tokens[:, slot], predicted)
                 done |= ~in_prompt & torch.isin(predicted, stop)
                 done |= slot + 1 >= lengths + max_new_tokens
+                if stop_text is not None:
+                    _end_at_stop_text(tokens, done, slot, starts, ends, stop_text)
                 if done.all().item():
                     break
                 first = 0 if slot == refeed_at else slot  # see _refeed_position
@@ -189,12 +222,32 @@ def _greedy_batch(
     stop_set = set(stop_ids)
     for row, prompt in enumerate(prompts):
         output = []
-        for token in tokens[row, len(prompt) : len(prompt) + max_new_tokens].tolist():
+        for token in tokens[row, len(prompt) : ends[row]].tolist():
             if token in stop_set:
                 break
             output.append(token)
         outputs.append(output)
     return outputs
+
+
+def _end_at_stop_text(
+    tokens: torch.Tensor,
+    done: torch.Tensor,
+    slot: int,
+    starts: list[int],
+    ends: list[int],
+    stop_text: StopText,
+) -> None:
+    """End the rows whose generated tokens (from `starts`, their prompts' lengths), up to `slot`, hold a stop
+    string among their newest: done, and their output ends after `slot` (`ends`)."""
+    first = max(0, slot + 1 - stop_text.window)
+    recent = tokens[:, first : slot + 1].tolist()  # one copy to the host for every row
+    for row, finished in enumerate(done.tolist()):
+        if finished or slot < starts[row]:
+            continue
+        if stop_text.reached(recent[row][max(starts[row] - first, 0) :]):
+            done[row] = True
+            ends[row] = slot + 1
 
 
 @contextmanager
