@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import litsft, litsft_in_process, write_records, write_tiny_checkpoint
+from launch import TINY_MOE, litsft, litsft_in_process, write_records, write_tiny_checkpoint
 
 from litsft.training.eval_tasks import task_scores
 
@@ -19,11 +19,15 @@ TASK_OPTIONS = ["--limit", "6", "--num_fewshot", "1", "--apply_chat_template", "
 
 
 def test_scores_during_training_equal_litsft_evaluate_on_that_steps_checkpoint(tmp_path: Path) -> None:
-    base = write_tiny_checkpoint(tmp_path / "base", seed=1)
+    """A mixture of experts on 2 processes with expert parallelism: FSDP2 all-gathers the dense weights and
+    tokens travel to their experts' rank in every forward pass, so the ranks' passes must stay in lockstep
+    while each scores its own share of the requests."""
+    base = write_tiny_checkpoint(tmp_path / "base", seed=1, **TINY_MOE)
     data = write_records(tmp_path / "data.json", count=48)
     out_dir = tmp_path / "run"
     train = [
-        "finetune_full", str(base), "--out_dir", str(out_dir), "--devices", "2", "--accelerator", "cpu",
+        "finetune_full", str(base), "--out_dir", str(out_dir), "--devices", "2", "--parallel.expert", "2",
+        "--accelerator", "cpu",
         "--data", "JSON", "--data.json_path", str(data), "--data.val_split_fraction", "0.1",
         "--train.global_batch_size", "4", "--train.micro_batch_size", "2", "--train.max_steps", "3",
         "--train.max_seq_length", "64", "--optimizer.lr", "1e-2", "--precision", "32-true",

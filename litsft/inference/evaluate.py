@@ -434,6 +434,11 @@ def evaluate(
     import torch
     from lightning.fabric import Fabric
 
+    from litsft.inference.generate import model_directory
+
+    # Downloaded and converted here, before the processes start: they would otherwise race to do it.
+    local_dir = str(model_directory(checkpoint_dir))
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus and devices > gpus:
         raise LitsftError(f"--devices {devices} asks for {devices} GPUs but this machine has {gpus}")
@@ -448,12 +453,15 @@ def evaluate(
         confirm_run_unsafe_code=confirm_run_unsafe_code,
         log_samples=log_samples,
     )
-    fabric.launch(_evaluate_on_rank, checkpoint_dir, dtype, batch_size, task_manager, names, options, out_dir)
+    fabric.launch(
+        _evaluate_on_rank, checkpoint_dir, local_dir, dtype, batch_size, task_manager, names, options, out_dir
+    )
 
 
 def _evaluate_on_rank(
     fabric: Fabric,
     checkpoint_dir: str,
+    local_dir: str,
     dtype: Dtype | None,
     batch_size: int,
     task_manager: TaskManager,
@@ -465,7 +473,7 @@ def _evaluate_on_rank(
 
     from litsft.inference.generate import open_model
 
-    model, tokenizer = open_model(checkpoint_dir, dtype, fabric.device)
+    model, tokenizer = open_model(local_dir, dtype, fabric.device)
     lm = LitsftLM(model, tokenizer, checkpoint_dir, batch_size, fabric.global_rank, fabric.world_size)
     results = run_tasks(lm, task_manager, tasks, **options)
     if not fabric.is_global_zero:  # every process has the results: the first writes them

@@ -287,16 +287,22 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float) -> None:
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
+def model_directory(checkpoint_dir: str) -> Path:
+    """The local litsft model folder of anything a command names: a step checkpoint's model (written once
+    into the cache), an HF folder or hub id converted (downloaded first) into the cache, a LoRA folder as is."""
+    checkpoint_dir = open_step_checkpoint(checkpoint_dir, quiet=True)
+    if not is_lora_folder(Path(checkpoint_dir)):  # a LoRA folder is read as is, with its base
+        checkpoint_dir = resolve_checkpoint(checkpoint_dir, quiet=True)
+    return Path(checkpoint_dir)
+
+
 def open_model(
     checkpoint_dir: str, dtype: Dtype | None = None, device: torch.device | None = None
 ) -> tuple[Transformer, Tokenizer]:
     """The model and tokenizer of anything a command names (a checkpoint, a LoRA final/ with its base, a
     step checkpoint, an HF folder, a hub id), on `device` (default: the GPU when there is one), in `dtype`
     (default bfloat16 on a GPU that supports it, else float32), in eval mode. Prints nothing on stdout."""
-    checkpoint_dir = open_step_checkpoint(checkpoint_dir, quiet=True)
-    if not is_lora_folder(Path(checkpoint_dir)):  # a LoRA folder is read as is, with its base
-        checkpoint_dir = resolve_checkpoint(checkpoint_dir, quiet=True)
-    checkpoint_dir = Path(checkpoint_dir)
+    checkpoint_dir = model_directory(checkpoint_dir)
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dtype is None:
