@@ -213,3 +213,15 @@ def test_refusals_come_before_the_model_is_read(tmp_path: Path, capsys: pytest.C
     (out_dir / "results.json").write_text("earlier results")
     assert "exists already" in refusal("--tasks", GENERATE, "--out_dir", str(out_dir))
     assert (out_dir / "results.json").read_text() == "earlier results"
+
+
+def test_the_chat_template_option_needs_a_template(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    directory = save_tiny_hf(tiny_hf_model("llama", seed=0), tmp_path / "hf")
+    write_tiny_tokenizer(directory, chat_template=None)
+    out_dir = tmp_path / "out"
+    args = ["evaluate", str(directory), "--tasks", GENERATE, "--include_path", str(TASKS_DIR)]
+    args += ["--apply_chat_template", "true", "--out_dir", str(out_dir)]
+    result = litsft_in_process(args, tmp_path, capsys, check=False)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.rstrip().endswith("has no chat template; run without --apply_chat_template")
+    assert not out_dir.exists()

@@ -354,6 +354,14 @@ def find_tasks(tasks: str | None, include_path: str | None) -> tuple[TaskManager
     return task_manager, task_manager.match_tasks(names)
 
 
+def check_chat_template(model_dir: Path, apply_chat_template: bool, option: str) -> None:
+    """Prompts rendered through the chat template (`option`, the flag that asks for it) need one."""
+    from litsft.data.tokenizer import Tokenizer
+
+    if apply_chat_template and Tokenizer(model_dir).chat_template is None:
+        raise LitsftError(f"{model_dir} has no chat template; run without {option}")
+
+
 def run_tasks(
     lm: LitsftLM,
     task_manager: TaskManager,
@@ -370,8 +378,6 @@ def run_tasks(
     """lm_eval's results (its JSON) of `tasks` scored by `lm`, on every process `lm` shares the work with."""
     import lm_eval
 
-    if apply_chat_template and lm.tokenizer.chat_template is None:
-        raise LitsftError(f"{lm.name} has no chat template; run without --apply_chat_template")
     return lm_eval.simple_evaluate(
         model=lm,
         model_args=lm.name,
@@ -438,10 +444,12 @@ def evaluate(
 
     # Downloaded and converted here, before the processes start: they would otherwise race to do it.
     local_dir = str(model_directory(checkpoint_dir))
-
+    check_chat_template(Path(local_dir), apply_chat_template, "--apply_chat_template")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus and devices > gpus:
-        raise LitsftError(f"--devices {devices} asks for {devices} GPUs but this machine has {gpus}")
+        raise LitsftError(
+            f"--devices {devices} asks for {devices} GPUs but this machine has {gpus}; pass --devices {gpus}"
+        )
     fabric = Fabric(
         accelerator="cuda" if gpus else "cpu", devices=devices, strategy="ddp" if devices > 1 else "auto"
     )
