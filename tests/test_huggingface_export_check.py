@@ -10,8 +10,9 @@ import pytest
 from launch import litsft_in_process, write_records, write_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
+from litsft.checkpoint.checkpoint_dirs import VALIDATION_PROMPTS_FILE
 from litsft.huggingface.convert import convert_to_hf
-from litsft.huggingface.export_check import PROMPTS_FILE, check_export, check_prompts
+from litsft.huggingface.export_check import check_export, check_prompts
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +124,7 @@ def test_a_runs_final_model_keeps_its_validation_prompts_and_the_check_asks_them
     args += ["--train.micro_batch_size", "2"]
     args += ["--train.max_seq_length", "64", "--eval.max_new_tokens", "0", "--accelerator", "cpu"]
     litsft_in_process(args, tmp_path, capsys)
-    kept = json.loads((out_dir / "final" / PROMPTS_FILE).read_text())
+    kept = json.loads((out_dir / "final" / VALIDATION_PROMPTS_FILE).read_text())
     records = json.loads(data.read_text())
     assert len(kept) == 2 and all(conversation[-1]["role"] == "user" for conversation in kept)
     assert all(any(c[-1]["content"] in json.dumps(r) for r in records) for c in kept)  # the run's own prompts

@@ -34,6 +34,10 @@ FROZEN_BASE = "frozen_base"
 """trainer_state.json's model folder those frozen weights are read from, as an absolute path."""
 TOKENIZER_DIR = "tokenizer_dir"
 """trainer_state.json's folder the run's tokenizer files come from (copied into final/), as an absolute path."""
+VALIDATION_PROMPTS = "validation_prompts"
+"""trainer_state.json's first validation conversations of the run, up to their first reply, which final/ keeps
+in VALIDATION_PROMPTS_FILE (the prompts `convert_to_hf --check` asks an export)."""
+VALIDATION_PROMPTS_FILE = "validation_prompts.json"
 CHECKPOINT_FORMAT = "dcp-safetensors"
 """trainer_state.json's `format`: tensors written by torch.distributed.checkpoint's Hugging Face safetensors
 storage. Checkpoints without it were written in litsft's earlier format (rows and their offsets, per rank)."""

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from litsft.checkpoint.checkpoint_dirs import VALIDATION_PROMPTS_FILE
 from litsft.checkpoint.sharded_tensors import (
     ShardedReader,
     barrier,
@@ -200,6 +201,13 @@ def load_model_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     if config.tie_word_embeddings and "embed.weight" in state_dict:
         state_dict["lm_head.weight"] = state_dict["embed.weight"]
     return state_dict
+
+
+def write_validation_prompts(model_dir: Path, conversations: list[list[dict[str, str]]]) -> None:
+    """Keep a training run's first validation conversations (up to their first reply) in its model folder:
+    the prompts `convert_to_hf --check` asks the export. Nothing is written for none."""
+    if conversations:
+        write_json(model_dir / VALIDATION_PROMPTS_FILE, conversations)
 
 
 def read_manifest(model_dir: Path) -> dict[str, Any]:

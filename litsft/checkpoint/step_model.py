@@ -5,7 +5,7 @@ file is read).
     finetune_full, pretrain   a litsft model folder: every stored `model/<name>` tensor cast to the config's
                               dtype (the step holds the trained parameters in the dtype training kept them in,
                               fp32 under mixed precision; final/ casts them the same way), the run's config and
-                              its tokenizer files
+                              its tokenizer files (and, as for LoRA, the run's validation prompts it recorded)
     finetune_lora             a LoRA folder: the stored adapters over the base the run recorded, refused when
                               that base's weights are no longer those the adapters were trained on
 
@@ -26,10 +26,15 @@ from litsft.checkpoint.checkpoint_dirs import (
     FROZEN_FINGERPRINT,
     TOKENIZER_DIR,
     TRAINER_STATE,
+    VALIDATION_PROMPTS,
     step_model_state,
 )
 from litsft.checkpoint.lora_folder import save_lora_folder
-from litsft.checkpoint.model_folder import save_model_folder, weights_fingerprint
+from litsft.checkpoint.model_folder import (
+    save_model_folder,
+    weights_fingerprint,
+    write_validation_prompts,
+)
 from litsft.checkpoint.sharded_tensors import ShardedReader, persistent_buffers
 from litsft.checkpoint.training_checkpoint import SHARDS_DIR
 from litsft.errors import LitsftError
@@ -60,6 +65,7 @@ def write_step_model(step_dir: Path, out_dir: Path) -> None:
         _write_lora_folder(step_dir, state, config, reader, stored, out_dir)
     else:
         _write_model_folder(step_dir, state, config, reader, stored, out_dir)
+    write_validation_prompts(out_dir, state.get(VALIDATION_PROMPTS) or [])
 
 
 def _write_model_folder(

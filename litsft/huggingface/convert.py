@@ -22,7 +22,11 @@ from typing import Literal
 
 import torch
 
-from litsft.checkpoint.checkpoint_dirs import is_step_checkpoint, out_dir_given_as_a_model
+from litsft.checkpoint.checkpoint_dirs import (
+    VALIDATION_PROMPTS_FILE,
+    is_step_checkpoint,
+    out_dir_given_as_a_model,
+)
 from litsft.checkpoint.lora_folder import LoRAFolder, is_lora_folder, read_lora_folder
 from litsft.checkpoint.model_cache import open_step_checkpoint
 from litsft.checkpoint.model_folder import (
@@ -43,7 +47,7 @@ from litsft.checkpoint.weight_files import (
 )
 from litsft.data.tokenizer import check_tokenizer_fits, read_tokenizer_file
 from litsft.errors import LitsftError
-from litsft.huggingface.export_check import CHEAP_PARAMETERS, PROMPTS_FILE, check_export, check_prompts
+from litsft.huggingface.export_check import CHEAP_PARAMETERS, check_export, check_prompts
 from litsft.huggingface.mxfp4 import dequantized, dequantized_shape, packed_tensors
 from litsft.model.accounting.sizes import num_parameters
 from litsft.model.config import CONFIG_FILENAME, Config, DType
@@ -210,7 +214,11 @@ def report_export_check(checkpoint_dir: Path, out_dir: Path, config: Config, che
     prompts = check_prompts(checkpoint_dir)
     difference = check_export(checkpoint_dir, out_dir, prompts)
     if difference is None:
-        which = "of the run's validation prompts" if (checkpoint_dir / PROMPTS_FILE).is_file() else "prompts"
+        which = (
+            "of the run's validation prompts"
+            if (checkpoint_dir / VALIDATION_PROMPTS_FILE).is_file()
+            else "prompts"
+        )
         print(f"Export check: transformers answers {len(prompts)} {which} as litsft does, token for token")
     elif check == "on":
         raise LitsftError(

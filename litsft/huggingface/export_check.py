@@ -13,16 +13,15 @@ from pathlib import Path
 
 import torch
 
+from litsft.checkpoint.checkpoint_dirs import VALIDATION_PROMPTS_FILE
 from litsft.checkpoint.model_loader import load_model
 from litsft.data.tokenizer import Tokenizer
 from litsft.model.network.transformer import Transformer
-from litsft.runtime.files import write_json
 
 CHECK_PROMPTS = ("Hello! Who are you?", "What is 2 + 3? Answer in one word.")
-"""Asked when the checkpoint holds no validation prompts of its own (PROMPTS_FILE)."""
-PROMPTS_FILE = "validation_prompts.json"
-"""The first validation conversations of the training run, up to their first reply, that a run's final/ keeps
-so that an export is checked on what the model was trained to answer."""
+"""Asked when the checkpoint holds no validation prompts of its own (VALIDATION_PROMPTS_FILE: a training run's
+first validation conversations, up to their first reply, so that an export is checked on what the model was
+trained to answer)."""
 CHECK_PROMPT_TOKENS = 512
 """The longest prompt a run keeps for the check: `greedy` feeds the whole sequence at every new token."""
 CHECK_NEW_TOKENS = 16
@@ -34,16 +33,10 @@ answer two prompts in seconds to a minute on a CPU."""
 Conversation = list[dict[str, str]]
 
 
-def write_check_prompts(directory: Path, conversations: list[Conversation]) -> None:
-    """Keep a run's first validation conversations (up to their first reply) in its final model folder."""
-    if conversations:
-        write_json(directory / PROMPTS_FILE, conversations)
-
-
 def check_prompts(checkpoint_dir: Path) -> list[Conversation]:
     """The conversations the export check asks: the run's validation prompts kept in the checkpoint, else
     CHECK_PROMPTS as user messages."""
-    kept = checkpoint_dir / PROMPTS_FILE
+    kept = checkpoint_dir / VALIDATION_PROMPTS_FILE
     if kept.is_file():
         conversations = json.loads(kept.read_text(encoding="utf-8"))
         if conversations:

@@ -22,6 +22,7 @@ from litsft.checkpoint.checkpoint_dirs import (
     FROZEN_BASE,
     FROZEN_FINGERPRINT,
     TOKENIZER_DIR,
+    VALIDATION_PROMPTS,
     read_trainer_state,
 )
 from litsft.checkpoint.model_folder import read_manifest
@@ -77,8 +78,11 @@ class Checkpointer:
         recipe_name: str,
         save_frozen: bool,
         frozen_base: Path | None = None,
+        validation_prompts: list[list[dict[str, str]]] | None = None,
     ) -> None:
         self.fabric, self.run, self.recipe_name = fabric, run, recipe_name
+        self.validation_prompts = validation_prompts or []
+        """The run's prompts for `convert_to_hf --check`, recorded in each checkpoint as final/ keeps them."""
         self.save_frozen = save_frozen
         """Whether checkpoints hold frozen parameters too (LoRA: no, the base is loaded again)."""
         self.frozen_base = frozen_base
@@ -126,6 +130,8 @@ class Checkpointer:
             trainer_state[FROZEN_BASE] = str(Path(self.frozen_base).resolve())
         if self.frozen_fingerprint is not None:
             trainer_state[FROZEN_FINGERPRINT] = self.frozen_fingerprint
+        if self.validation_prompts:
+            trainer_state[VALIDATION_PROMPTS] = self.validation_prompts
         rank_state = {"rng": checkpoint.rng_state(), **state.state_dict()}
         what = (out_dir, step, state.model.module, state.optimizer, trainer_state, rank_state)
         if self.check_memory:

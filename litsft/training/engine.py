@@ -26,9 +26,10 @@ from litsft.checkpoint.checkpoint_dirs import (
     resume_checkpoint,
     set_aside_damaged_checkpoints,
 )
+from litsft.checkpoint.model_folder import write_validation_prompts
 from litsft.data.step_geometry import StepGeometry
 from litsft.errors import LitsftError
-from litsft.huggingface.export_check import CHECK_PROMPT_TOKENS, write_check_prompts
+from litsft.huggingface.export_check import CHECK_PROMPT_TOKENS
 from litsft.model.accounting.sizes import num_parameters
 from litsft.model.config import Config
 from litsft.model.network.attention import choose_kernel, describe_kernel
@@ -101,7 +102,12 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
         loss_scaler=loss_scaler(fabric),
     )
     checkpointer = Checkpointer(
-        fabric, run, recipe.name, save_frozen=recipe.checkpoint_frozen, frozen_base=recipe.frozen_base
+        fabric,
+        run,
+        recipe.name,
+        save_frozen=recipe.checkpoint_frozen,
+        frozen_base=recipe.frozen_base,
+        validation_prompts=check_prompts_of(run.data),
     )
     objective = objective_named(run.objective.name, **run.objective.options())
     if objective.reference_pass:  # scored by the starting weights, before a checkpoint's are loaded
@@ -156,7 +162,7 @@ def fit(fabric: Fabric, recipe: Recipe, run: RunConfig) -> None:
         with metrics.paused():
             evaluate(total_steps)
             run_timer.mark("final validation")
-            save_final(fabric, recipe, model.module, out_dir, run.data)
+            save_final(fabric, recipe, model.module, out_dir, checkpointer.validation_prompts)
             run_timer.mark("final model saved")
     run_timer.mark("metrics closed, loss curve drawn")
     fabric.print(f"Saved the final model to {out_dir / FINAL_DIR}")
@@ -330,14 +336,13 @@ def setup_model(fabric: Fabric, recipe: Recipe, run: RunConfig) -> nn.Module:
     return model
 
 
-def keep_validation_prompts(data: Any, directory: Path) -> None:
-    """The run's first two validation prompts of at most CHECK_PROMPT_TOKENS tokens (SFT data), kept beside
-    the final model: `convert_to_hf --check` asks them of the export."""
+def check_prompts_of(data: Any) -> list[list[dict[str, str]]]:
+    """The run's first two validation prompts of at most CHECK_PROMPT_TOKENS tokens (SFT data), which its
+    checkpoints and final/ keep: `convert_to_hf --check` asks them of the export."""
     if not hasattr(data, "validation_conversations"):
-        return
+        return []
     conversations = data.validation_conversations(8)
-    fitting = [c for c in conversations if len(data.chat_format.encode_prompt(c)) <= CHECK_PROMPT_TOKENS]
-    write_check_prompts(directory, fitting[:2])
+    return [c for c in conversations if len(data.chat_format.encode_prompt(c)) <= CHECK_PROMPT_TOKENS][:2]
 
 
 COMPUTE_DTYPE: dict[str, torch.dtype] = {
@@ -398,10 +403,16 @@ def total_optimizer_steps(train: TrainConfig, loader: Any, geometry: StepGeometr
 
 
 # ---- the end of a run ---------------------------------------------------------------------------------------
-def save_final(fabric: Fabric, recipe: Recipe, model: nn.Module, out_dir: Path, data: Any = None) -> None:
+def save_final(
+    fabric: Fabric,
+    recipe: Recipe,
+    model: nn.Module,
+    out_dir: Path,
+    validation_prompts: list[list[dict[str, str]]] = (),
+) -> None:
     """Write the final model under a temporary name and publish it with one rename: a final/ directory
     always holds a complete model, and a relaunch never trains again over it. The run's first validation
-    prompts (`data`'s) go with it, for `convert_to_hf --check`."""
+    prompts (`check_prompts_of`) go with it, for `convert_to_hf --check`."""
     final, staging = out_dir / FINAL_DIR, out_dir / f".{FINAL_DIR}.partial"
     fix = "free disk space or fix permissions, then relaunch the same command: it resumes from the last checkpoint"
     publish = publish_atomically(final, "the final model", staging, fix)
@@ -410,7 +421,7 @@ def save_final(fabric: Fabric, recipe: Recipe, model: nn.Module, out_dir: Path, 
         fabric.barrier()
         recipe.save_final(model, staging)
         if fabric.is_global_zero:
-            keep_validation_prompts(data, staging)
+            write_validation_prompts(staging, validation_prompts)
         fabric.barrier()
         fault_point("final_before_rename", fabric.global_rank)
     fabric.barrier()
