@@ -223,5 +223,8 @@ def test_the_chat_template_option_needs_a_template(tmp_path: Path, capsys: pytes
     args += ["--apply_chat_template", "true", "--out_dir", str(out_dir)]
     result = litsft_in_process(args, tmp_path, capsys, check=False)
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
-    assert result.stderr.rstrip().endswith("has no chat template; run without --apply_chat_template")
+    assert (
+        result.stderr.rstrip()
+        == f"error: {directory} has no chat template; run without --apply_chat_template"
+    )
     assert not out_dir.exists()

@@ -108,3 +108,33 @@ def test_an_unknown_task_is_refused_before_launch(tmp_path: Path, capsys: pytest
         "your own"
     ]
     assert not out_dir.exists()
+
+
+def test_a_task_whose_documents_cannot_load_is_refused_before_launch(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Found at the start, not at the first validation hours later."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    task = (TASKS_DIR / "generate.yaml").read_text().replace("litsft_tiny_generate", "litsft_no_documents")
+    (tasks / "no_documents.yaml").write_text(task.replace("generate.jsonl", str(tmp_path / "missing.jsonl")))
+    base = write_tiny_checkpoint(tmp_path / "base", seed=1)
+    data = write_records(tmp_path / "data.json", count=8)
+    out_dir = tmp_path / "run"
+    args = [
+        "finetune_full",
+        str(base),
+        "--data",
+        "JSON",
+        "--data.json_path",
+        str(data),
+        "--out_dir",
+        str(out_dir),
+    ]
+    args += ["--eval.tasks", "litsft_no_documents", "--eval.include_path", str(tasks)]
+    result = litsft_in_process(args, tmp_path, capsys, check=False, env=OFFLINE)
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error: --eval.tasks: lm_eval could not load litsft_no_documents (")
+    assert line.endswith("fix the task or its dataset, or leave it out")
+    assert not out_dir.exists()

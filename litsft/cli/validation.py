@@ -76,11 +76,16 @@ def check_run(run: RunConfig, recipe_name: str) -> None:
         raise LitsftError(NO_DATA)
     check_tokenizer(run.tokenizer_dir, run.config.vocab_size)
     if run.eval.tasks is not None:
-        from litsft.inference.evaluate import check_chat_template, find_tasks
+        from litsft.inference.evaluate import check_chat_template, find_tasks, load_tasks
 
-        find_tasks(run.eval.tasks, run.eval.include_path)
+        load_tasks(*find_tasks(run.eval.tasks, run.eval.include_path), "--eval.tasks")
         if run.tokenizer_dir is not None:
-            check_chat_template(run.tokenizer_dir, run.eval.apply_chat_template, "--eval.apply_chat_template")
+            check_chat_template(
+                run.tokenizer_dir,
+                run.eval.apply_chat_template,
+                "--eval.apply_chat_template",
+                f"the tokenizer in {run.tokenizer_dir}",
+            )
     check_out_dir(run, recipe_name)
 
 

@@ -354,12 +354,35 @@ def find_tasks(tasks: str | None, include_path: str | None) -> tuple[TaskManager
     return task_manager, task_manager.match_tasks(names)
 
 
-def check_chat_template(model_dir: Path, apply_chat_template: bool, option: str) -> None:
-    """Prompts rendered through the chat template (`option`, the flag that asks for it) need one."""
+def load_tasks(task_manager: TaskManager, tasks: list[str], option: str) -> None:
+    """Load each task's documents once (downloaded into the datasets cache, which later loads read): a task
+    that cannot load is refused in one line (naming `option`, the flag that asked for it) before a model is
+    read or a run starts, not with lm_eval's traceback when it is first scored."""
+    import datasets
+    from lm_eval.tasks import get_task_dict
+
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # a refusal that follows is one line
+    try:
+        get_task_dict(tasks, task_manager)
+    except Exception as err:  # what a dataset fails with varies: missing files, the hub, the network
+        reason = next(iter(str(err).splitlines()), "")
+        raise LitsftError(
+            f"{option}: lm_eval could not load {', '.join(tasks)} ({type(err).__name__}: {reason}); fix the "
+            "task or its dataset, or leave it out"
+        ) from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def check_chat_template(model_dir: Path, apply_chat_template: bool, option: str, name: str) -> None:
+    """Prompts rendered through the chat template (`option`, the flag that asks for it) need one in the
+    tokenizer of `model_dir` (the model the user named `name`)."""
     from litsft.data.tokenizer import Tokenizer
 
     if apply_chat_template and Tokenizer(model_dir).chat_template is None:
-        raise LitsftError(f"{model_dir} has no chat template; run without {option}")
+        raise LitsftError(f"{name} has no chat template; run without {option}")
 
 
 def run_tasks(
@@ -437,6 +460,7 @@ def evaluate(
     if results_file.exists():
         raise LitsftError(f"{results_file} exists already; choose another --out_dir")
     task_manager, names = find_tasks(tasks, include_path)
+    load_tasks(task_manager, names, "--tasks")
     import torch
     from lightning.fabric import Fabric
 
@@ -444,7 +468,7 @@ def evaluate(
 
     # Downloaded and converted here, before the processes start: they would otherwise race to do it.
     local_dir = str(model_directory(checkpoint_dir))
-    check_chat_template(Path(local_dir), apply_chat_template, "--apply_chat_template")
+    check_chat_template(Path(local_dir), apply_chat_template, "--apply_chat_template", checkpoint_dir)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus and devices > gpus:
         raise LitsftError(
