@@ -86,28 +86,30 @@ def test_scores_are_named_task_metric_and_filter() -> None:
     }
 
 
-def test_an_unknown_task_is_refused_before_launch(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def refusal(tmp_path: Path, capsys: pytest.CaptureFixture, *eval_options: str) -> str:
+    """The one line a finetune_full run with `eval_options` is refused with: exit 2, no out_dir."""
     base = write_tiny_checkpoint(tmp_path / "base", seed=1)
     data = write_records(tmp_path / "data.json", count=8)
     out_dir = tmp_path / "run"
-    args = [
-        "finetune_full",
-        str(base),
-        "--data",
-        "JSON",
-        "--data.json_path",
-        str(data),
-        "--out_dir",
-        str(out_dir),
-    ]
-    args += ["--eval.tasks", "litsft_tiny_generate,no_such_task", "--eval.include_path", str(TASKS_DIR)]
-    result = litsft_in_process(args, tmp_path, capsys, check=False)
+    args = ["finetune_full", str(base), "--data", "JSON", "--data.json_path", str(data)]
+    args += ["--out_dir", str(out_dir), *eval_options]
+    result = litsft_in_process(args, tmp_path, capsys, check=False, env=OFFLINE)
     assert result.returncode == 2
-    assert result.stderr.splitlines() == [
+    assert not out_dir.exists()
+    (line,) = result.stderr.splitlines()
+    return line
+
+
+def test_an_unknown_task_is_refused_before_launch(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    line = refusal(
+        tmp_path,
+        capsys,
+        *("--eval.tasks", "litsft_tiny_generate,no_such_task", "--eval.include_path", str(TASKS_DIR)),
+    )
+    assert line == (
         "error: unknown lm_eval tasks: no_such_task; `lm_eval ls tasks` lists them, and --include_path adds "
         "your own"
-    ]
-    assert not out_dir.exists()
+    )
 
 
 def test_a_task_whose_documents_cannot_load_is_refused_before_launch(
@@ -118,23 +120,6 @@ def test_a_task_whose_documents_cannot_load_is_refused_before_launch(
     tasks.mkdir()
     task = (TASKS_DIR / "generate.yaml").read_text().replace("litsft_tiny_generate", "litsft_no_documents")
     (tasks / "no_documents.yaml").write_text(task.replace("generate.jsonl", str(tmp_path / "missing.jsonl")))
-    base = write_tiny_checkpoint(tmp_path / "base", seed=1)
-    data = write_records(tmp_path / "data.json", count=8)
-    out_dir = tmp_path / "run"
-    args = [
-        "finetune_full",
-        str(base),
-        "--data",
-        "JSON",
-        "--data.json_path",
-        str(data),
-        "--out_dir",
-        str(out_dir),
-    ]
-    args += ["--eval.tasks", "litsft_no_documents", "--eval.include_path", str(tasks)]
-    result = litsft_in_process(args, tmp_path, capsys, check=False, env=OFFLINE)
-    assert result.returncode == 2
-    (line,) = result.stderr.splitlines()
+    line = refusal(tmp_path, capsys, "--eval.tasks", "litsft_no_documents", "--eval.include_path", str(tasks))
     assert line.startswith("error: --eval.tasks: lm_eval could not load litsft_no_documents (")
     assert line.endswith("fix the task or its dataset, or leave it out")
-    assert not out_dir.exists()
